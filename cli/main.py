@@ -114,6 +114,31 @@ def agent(ctx: typer.Context) -> None:
     agent_app(ctx.args, prog_name="gpufleet agent")
 
 
+@app.command("settings")
+def settings_cmd(markdown: bool = typer.Option(False, "--markdown", help="the README's settings table")) -> None:
+    """Show every setting (environment variable, default, meaning)."""
+    from common.settings import Settings
+
+    rows = []
+    for name, f in Settings.model_fields.items():
+        default = f.default_factory() if f.default_factory else f.default
+        if isinstance(default, dict) and len(json.dumps(default, default=str)) > 60:
+            default = "{...}"
+        rows.append((f"GPUFLEET_{name.upper()}", json.dumps(default, default=str), f.description or ""))
+    if markdown:
+        print("| variable | default | meaning |\n|---|---|---|")
+        for var, default, desc in rows:
+            print(f"| `{var}` | `{default}` | {desc} |")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("variable", "default", "meaning")
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
 @bench_app.command("placement")
 def bench_placement(
     gpus: int = typer.Option(24_000, help="cluster size in GPUs (8 per node, 32 nodes per block)"),

@@ -29,45 +29,46 @@ class Settings(BaseSettings):
     state_dir: Path = Field(Path(".gpufleet"), description="state of the embedded services and agents")
     database_url: str | None = Field(None, description="external Postgres; unset = embedded pgserver")
     temporal_address: str | None = Field(None, description="external Temporal frontend; unset = embedded dev server")
-    temporal_namespace: str = "default"
+    temporal_namespace: str = Field("default", description="Temporal namespace")
     temporal_port: int = Field(7233, description="embedded Temporal dev server frontend port")
     temporal_ui_port: int = Field(8233, description="embedded Temporal Web UI port")
-    db_pool_min: int = 1
-    db_pool_max: int = 10
+    db_pool_min: int = Field(1, description="asyncpg pool minimum connections")
+    db_pool_max: int = Field(10, description="asyncpg pool maximum connections")
 
     # --- processes ---------------------------------------------------------
-    api_host: str = "127.0.0.1"
-    api_port: int = 8000
-    control_task_queue: str = "gpufleet-control"
-    control_grpc_host: str = "127.0.0.1"
-    control_grpc_port: int = 50051
+    api_host: str = Field("127.0.0.1", description="API listen address")
+    api_port: int = Field(8000, description="API listen port")
+    control_task_queue: str = Field("gpufleet-control", description="task queue of JobWorkflow, PlacementWorkflow and shared control activities")
+    control_grpc_host: str = Field("127.0.0.1", description="control gRPC listen address (agent heartbeats)")
+    control_grpc_port: int = Field(50051, description="control gRPC listen port")
     control_addresses: list[str] = Field(
         default_factory=lambda: ["127.0.0.1:50051"], description="every control gRPC address, for agents"
     )
-    agent_task_queue_prefix: str = "gpufleet-node-"
+    agent_task_queue_prefix: str = Field("gpufleet-node-", description="a node's task queue is this prefix + node id")
     agent_simulate: int = Field(16, description="simulated nodes hosted by `make up`'s agent process")
-    agent_nvml_backend: Literal["real", "simulated"] = "simulated"
+    agent_nvml_backend: Literal["real", "simulated"] = Field("simulated", description="GPU health source: real NVML or the simulated backend")
     agent_credentials: dict[str, str] = Field(default_factory=dict, description="node_id -> credential")
     agent_shared_secret: str = Field("dev-agent-secret", description="derives per-node credentials in dev")
 
     # --- leadership (DESIGN.md, Leadership) --------------------------------
-    leader_scope: str = "placement"
-    leader_renew_s: float = 5.0
-    leader_ttl_s: float = 15.0
+    leader_scope: str = Field("placement", description="leader row scope")
+    leader_renew_s: float = Field(5.0, description="leader lease renewal interval")
+    leader_ttl_s: float = Field(15.0, description="leader lease lifetime after its last renewal")
     takeover_quiet_s: float = Field(30.0, description="no node marked suspect this long after takeover")
 
     # --- placement ----------------------------------------------------------
-    placement_cycle_s: float = 1.0
-    placement_lookahead: int = 2000
-    hot_spare_fraction: float = 0.015
-    preemption_protect_s: float = 1800.0
-    preemption_daily_budget: int = 3
-    fair_share_half_life_h: float = 84.0  # a 7-day window, decaying
+    placement_cycle_s: float = Field(1.0, description="placement cycle interval (also runs when woken)")
+    placement_lookahead: int = Field(2000, description="queued jobs considered per cycle")
+    hot_spare_fraction: float = Field(0.015, description="nodes kept free per large reservation for restarts")
+    preemption_protect_s: float = Field(1800.0, description="no preemption this soon after a job starts")
+    preemption_daily_budget: int = Field(3, description="after this many preemptions in 24 h a job loses only borrowed capacity")
+    fair_share_half_life_h: float = Field(84.0, description="half-life of decayed GPU-hour usage (7-day window)")
 
     # --- jobs (DESIGN.md, Job lifecycle) ------------------------------------
-    gang_start_timeout_s: float = 600.0
-    default_grace_s: float = 30.0
+    gang_start_timeout_s: float = Field(600.0, description="a gang not fully started in this time is released")
+    default_grace_s: float = Field(30.0, description="checkpoint grace period when a job names none")
     max_runtime_caps_s: dict[str, float] = Field(
+        description="longest max_runtime per priority class",
         default_factory=lambda: {
             "prod-serving": 90 * 24 * 3600.0,
             "prod-batch": 14 * 24 * 3600.0,
@@ -75,32 +76,33 @@ class Settings(BaseSettings):
             "preemptible": 3 * 24 * 3600.0,
         }
     )
-    max_extensions: int = 2
-    max_extension_fraction: float = 0.25
-    max_failed_attempts: int = 3
+    max_extensions: int = Field(2, description="runtime extensions per job")
+    max_extension_fraction: float = Field(0.25, description="each extension at most this fraction of the original max_runtime")
+    max_failed_attempts: int = Field(3, description="failed attempts (caused by the job) in 24 h before FAILED")
 
     # --- health (DESIGN.md, Health) -----------------------------------------
-    heartbeat_interval_s: float = 5.0
-    suspect_after_s: float = 30.0
-    down_after_s: float = 90.0
-    unconfirmed_kill_s: float = 900.0
-    fence_margin: float = 1.5
-    hang_after_s: float = 600.0
-    missing_task_release_s: float = 120.0
+    heartbeat_interval_s: float = Field(5.0, description="agent heartbeat interval")
+    suspect_after_s: float = Field(30.0, description="no heartbeat this long: node suspect")
+    down_after_s: float = Field(90.0, description="no heartbeat this long: node down")
+    unconfirmed_kill_s: float = Field(900.0, description="a rank whose lease is unconfirmed this long is killed by its supervisor")
+    fence_margin: float = Field(1.5, description="a silent node's GPUs are reused after unconfirmed_kill_s times this")
+    hang_after_s: float = Field(600.0, description="step counter stalled this long with idle GPUs: hang")
+    missing_task_release_s: float = Field(120.0, description="a lease whose task is missing this long is released")
 
     # --- API ----------------------------------------------------------------
     api_tokens: dict[str, Principal] = Field(default_factory=dict, description="bearer token -> principal")
-    allowed_registries: list[str] = Field(default_factory=lambda: ["registry/"])
-    max_queued_per_team: int = 5000
-    max_page_size: int = 500
-    max_request_bytes: int = 1_000_000
-    idempotency_ttl_s: float = 24 * 3600.0
+    allowed_registries: list[str] = Field(
+        description="image prefixes jobs may use",default_factory=lambda: ["registry/"])
+    max_queued_per_team: int = Field(5000, description="admission: queued jobs per team")
+    max_page_size: int = Field(500, description="largest list page")
+    max_request_bytes: int = Field(1_000_000, description="largest request body")
+    idempotency_ttl_s: float = Field(24 * 3600.0, description="how long idempotency keys are kept")
 
     # --- demo cluster seeded by `make up` -----------------------------------
-    demo_blocks: int = 4
-    demo_nodes_per_block: int = 4
-    demo_gpus_per_node: int = 8
-    demo_gpu_type: str = "h100"
+    demo_blocks: int = Field(4, description="demo cluster: blocks")
+    demo_nodes_per_block: int = Field(4, description="demo cluster: nodes per block")
+    demo_gpus_per_node: int = Field(8, description="demo cluster: GPUs per node")
+    demo_gpu_type: str = Field("h100", description="demo cluster: GPU type")
 
     @field_validator("state_dir")
     @classmethod
