@@ -124,6 +124,7 @@ class Platform:
                 "GPUFLEET_TEMPORAL_ADDRESS": temporal_address,
                 "GPUFLEET_STATE_DIR": str(state),
                 "GPUFLEET_API_TOKENS": json.dumps(tokens),
+                "GPUFLEET_CONTROL_ADDRESSES": json.dumps([f"{s.control_grpc_host}:{s.control_grpc_port}"]),
                 "PYTHONUNBUFFERED": "1",
             }
         )

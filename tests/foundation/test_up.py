@@ -1,0 +1,100 @@
+"""`gpufleet up` from scratch: URLs printed, /healthz 200, the Temporal UI answers,
+Ctrl-C stops every child; a second start finds the state again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.e2e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(state: Path, ports: dict[str, int]) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+    env.update(
+        {
+            "GPUFLEET_STATE_DIR": str(state),
+            "GPUFLEET_API_PORT": str(ports["api"]),
+            "GPUFLEET_TEMPORAL_PORT": str(ports["temporal"]),
+            "GPUFLEET_TEMPORAL_UI_PORT": str(ports["ui"]),
+            "GPUFLEET_CONTROL_GRPC_PORT": str(ports["grpc"]),
+            "GPUFLEET_AGENT_SIMULATE": "4",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "up"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    out = []
+    os.set_blocking(proc.stdout.fileno(), False)
+    while time.monotonic() < deadline:
+        chunk = proc.stdout.read()
+        if chunk:
+            out.append(chunk)
+            if marker in "".join(out):
+                return "".join(out)
+        if proc.poll() is not None:
+            out.append(proc.stdout.read() or "")
+            break
+        time.sleep(0.1)
+    raise AssertionError(f"no {marker!r} within {timeout}s; output:\n{''.join(out)}")
+
+
+def stop(proc: subprocess.Popen) -> str:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    os.set_blocking(proc.stdout.fileno(), True)
+    return proc.stdout.read()
+
+
+def test_make_up_brings_the_platform_up_and_down(tmp_path):
+    ports = {"api": free_port(), "temporal": free_port(), "ui": free_port(), "grpc": free_port()}
+    proc = start(tmp_path / "state", ports)
+    try:
+        out = read_until(proc, "Ctrl-C stops everything", 180)
+        assert f"http://127.0.0.1:{ports['api']}/docs" in out
+        assert f"http://127.0.0.1:{ports['ui']}" in out
+        assert "team pretrain" in out and "admin" in out
+        assert httpx.get(f"http://127.0.0.1:{ports['api']}/healthz", timeout=10).status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{ports['ui']}/", timeout=10).status_code == 200
+    finally:
+        tail = stop(proc)
+    assert proc.returncode == 0, tail
+    assert "stopped" in tail
+    # every child is gone: the ports are free again
+    for port in ports.values():
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+    # state survives: a second start reuses the same tokens and database
+    tokens = (tmp_path / "state" / "tokens.json").read_text()
+    proc = start(tmp_path / "state", ports)
+    try:
+        read_until(proc, "Ctrl-C stops everything", 180)
+    finally:
+        stop(proc)
+    assert (tmp_path / "state" / "tokens.json").read_text() == tokens
