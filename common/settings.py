@@ -97,6 +97,12 @@ class Settings(BaseSettings):
     max_page_size: int = Field(500, description="largest list page")
     max_request_bytes: int = Field(1_000_000, description="largest request body")
     idempotency_ttl_s: float = Field(24 * 3600.0, description="how long idempotency keys are kept")
+    idempotency_wait_s: float = Field(0.5, description="a retry waits this long for an in-flight first request, then 409")
+    default_page_size: int = Field(50, description="list page size when the request gives none")
+    api_temporal_timeout_s: float = Field(5.0, description="API calls to Temporal (start, signal, update) give up after this")
+    agent_log_token: str = Field("dev-agent-log-token", description="bearer token the API presents to agents' log endpoint")
+    api_url: str | None = Field(None, description="where the CLI reaches the API; unset = http://api_host:api_port")
+    token: str | None = Field(None, description="the CLI's bearer token")
 
     # --- demo cluster seeded by `make up` -----------------------------------
     demo_blocks: int = Field(4, description="demo cluster: blocks")
