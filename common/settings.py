@@ -89,6 +89,17 @@ class Settings(BaseSettings):
     hang_after_s: float = Field(600.0, description="step counter stalled this long with idle GPUs: hang")
     missing_task_release_s: float = Field(120.0, description="a lease whose task is missing this long is released")
 
+    # --- agent (worker-agent; DESIGN.md, Processes and Health) ---------------
+    agent_node_id: str | None = Field(None, description="node id of `gpufleet agent run` without --nodes/--simulate; unset = hostname")
+    agent_runtime: Literal["process", "container"] = Field("process", description="how ranks run: the command directly, or under agent_container_engine")
+    agent_container_engine: Literal["docker", "podman"] = Field("docker", description="container engine of the container runtime")
+    agent_task_queue_mode: Literal["per_node", "shared"] = Field("per_node", description="per_node: a Temporal worker per node task queue; shared: one worker on agent_shared_task_queue routing by node id (large simulated fleets; callers must use that queue)")
+    agent_shared_task_queue: str = Field("gpufleet-nodes-shared", description="the one node task queue when agent_task_queue_mode is shared")
+    agent_listen: str = Field("127.0.0.1:0", description="where an agent process serves rank logs (host:port, port 0 = any; advertised in heartbeats)")
+    agent_poll_s: float = Field(0.5, description="how often agents and rank supervisors check exits, steps, stop requests and confirmations")
+    agent_fence_grace_s: float = Field(30.0, description="SIGTERM to SIGKILL when a supervisor kills a rank whose lease went unconfirmed")
+    fatal_xids: list[int] = Field(default_factory=lambda: [48, 63, 64, 74, 79, 94, 95], description="Xid errors that mark a GPU failed (cordon at once)")
+
     # --- API ----------------------------------------------------------------
     api_tokens: dict[str, Principal] = Field(default_factory=dict, description="bearer token -> principal")
     allowed_registries: list[str] = Field(
