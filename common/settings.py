@@ -79,6 +79,12 @@ class Settings(BaseSettings):
     max_extensions: int = Field(2, description="runtime extensions per job")
     max_extension_fraction: float = Field(0.25, description="each extension at most this fraction of the original max_runtime")
     max_failed_attempts: int = Field(3, description="failed attempts (caused by the job) in 24 h before FAILED")
+    failure_window_s: float = Field(24 * 3600.0, description="window in which max_failed_attempts are counted")
+    start_task_timeout_s: float = Field(60.0, description="one StartTask/StopTask activity try (the gang timeout bounds all tries)")
+    stop_margin_s: float = Field(10.0, description="after a stop's grace period, how long to wait for the agents' exit reports")
+    allocation_resignal_s: float = Field(5.0, description="re-signal an allocation or preemption the job has not acted on after this")
+    placement_wake_min_s: float = Field(0.1, description="least time between two wake-ups of the placement workflow")
+    leader_cycle_timeout_s: float = Field(30.0, description="one placement cycle activity's limit on the leader")
 
     # --- health (DESIGN.md, Health) -----------------------------------------
     heartbeat_interval_s: float = Field(5.0, description="agent heartbeat interval")
