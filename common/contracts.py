@@ -85,3 +85,55 @@ class TaskStatus:
     step: int | None = None
     boot_id: str = ""
     seq: int = 0
+
+
+# --- heartbeats (DESIGN.md, Health): what the leader reads from its heartbeat table ---
+
+
+@dataclass(frozen=True)
+class GpuReport:
+    """One GPU in a heartbeat. Numeric fields are None where NVML does not support them."""
+
+    index: int
+    health: str  # "ok" | "degraded" | "failed" | "unknown"
+    sm_util: float | None = None
+    mem_util: float | None = None
+    mem_used: int | None = None
+    mem_total: int | None = None
+    temperature_c: float | None = None
+    ecc_sbe: int | None = None
+    ecc_dbe: int | None = None
+    xids: tuple[int, ...] = ()
+    faults: tuple[str, ...] = ()
+    uuid: str = ""
+
+
+@dataclass(frozen=True)
+class RunningLeaseReport:
+    """A rank the agent runs, with its progress (steps for hang detection, checkpoints for lost work)."""
+
+    lease_id: str
+    job_id: str
+    epoch: int
+    attempt: int
+    rank: int
+    pid: int | None = None
+    step: int | None = None
+    step_age_s: float = 0.0
+    checkpoint_uri: str | None = None
+    checkpoint_step: int | None = None
+    gpu_indices: tuple[int, ...] = ()
+    unconfirmed_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class HeartbeatReport:
+    node_id: str
+    boot_id: str
+    seq: int
+    sent_at: datetime
+    gpus: tuple[GpuReport, ...] = ()
+    running: tuple[RunningLeaseReport, ...] = ()
+    free_disk_bytes: int = 0
+    cached_images: tuple[str, ...] = ()
+    agent_addr: str = ""
