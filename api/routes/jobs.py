@@ -1,0 +1,496 @@
+"""/v1/jobs: submit, inspect, list, events, logs, explain, cancel, extend."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from datetime import datetime
+from typing import Annotated, Any
+
+import asyncpg
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import StreamingResponse
+from pydantic import AfterValidator
+
+from activities.store import write_audit, write_job_event
+from api import idempotency
+from api import repository as repo
+from api.admission import admit, format_duration, parse_duration
+from api.auth import current_principal
+from api.deps import (
+    JobId,
+    decode_cursor,
+    encode_cursor,
+    gateway_of,
+    page_size,
+    pool_of,
+    settings_of,
+    visible_job,
+)
+from api.errors import ERROR_RESPONSES, ApiError
+from api.gateway import ControlUnavailable, UpdateRejected, WorkflowClosed, WorkflowMissing
+from api.logs_proxy import open_agent_log
+from api.schemas import (
+    TERMINAL_STATES,
+    CancelAccepted,
+    Explain,
+    ExtendBody,
+    ExtendGranted,
+    JobEvents,
+    JobList,
+    JobState,
+    JobSubmit,
+    JobView,
+    SubmitAccepted,
+    storable,
+)
+from common.settings import Principal
+from workflows.messages import CancelRequest, ExtendRequest
+
+log = logging.getLogger("gpufleet.api")
+
+router = APIRouter(prefix="/v1", tags=["jobs"], dependencies=[Depends(current_principal)], responses=ERROR_RESPONSES)
+
+IdempotencyKey = Annotated[
+    str,
+    Header(
+        alias="Idempotency-Key",
+        description="required on every write: a unique string per logical request, reused on retries",
+    ),
+]
+Reason = Annotated[str, Query(max_length=1000), AfterValidator(storable)]
+QueryTeam = Annotated[str | None, Query(max_length=200), AfterValidator(lambda v: v if v is None else storable(v))]
+Cursor = Annotated[str | None, Query(max_length=2000)]
+Limit = Annotated[int | None, Query(ge=1, le=1_000_000, description="page size (at most the server's max page size)")]
+
+
+def new_job_id() -> str:
+    """Sortable by submit time (ms) with a random tail: ``j-<11 hex ms>-<8 hex>``."""
+    return f"j-{int(time.time() * 1000):011x}-{secrets.token_hex(4)}"
+
+
+def job_summary(row: asyncpg.Record) -> dict[str, Any]:
+    return {
+        "job_id": row["job_id"],
+        "team": row["team"],
+        "name": row["name"],
+        "priority_class": row["priority_class"],
+        "gpu_type": row["gpu_type"],
+        "replicas": row["replicas"],
+        "gpus_per_replica": row["gpus_per_replica"],
+        "gpus": row["replicas"] * row["gpus_per_replica"],
+        "state": row["state"],
+        "attempt": row["attempt"],
+        "submitted_at": row["submitted_at"],
+        "started_at": row["started_at"],
+        "finished_at": row["finished_at"],
+        "queue_position": row["queue_position"] if row["state"] == "QUEUED" else None,
+        "pending_reason": row["pending_reason"] if row["state"] == "QUEUED" else None,
+    }
+
+
+def job_view(row: asyncpg.Record, ranks: list[asyncpg.Record]) -> dict[str, Any]:
+    queued = row["state"] == "QUEUED"
+    spec = row["spec"] if isinstance(row["spec"], dict) else {}
+    return {
+        **job_summary(row),
+        "allocation": {
+            "nodes": list(dict.fromkeys(r["node_id"] for r in ranks)),
+            "blocks": list(dict.fromkeys(r["block_id"] for r in ranks)),
+            "ranks": [
+                {
+                    "rank": r["rank"],
+                    "node_id": r["node_id"],
+                    "block_id": r["block_id"],
+                    "gpu_indices": list(r["gpu_indices"]),
+                    "lease_id": r["lease_id"],
+                }
+                for r in ranks
+            ],
+        },
+        "last_checkpoint": row["last_checkpoint"],
+        "last_checkpoint_at": row["last_checkpoint_at"],
+        "preemptions": row["preemptions"],
+        "extensions": row["extensions"],
+        "max_runtime_s": row["max_runtime_s"],
+        "exit_code": row["exit_code"],
+        "queued_at": row["queued_at"],
+        "pending_detail": row["pending_detail"] if queued else None,
+        "expected_start": row["expected_start"] if queued else None,
+        "submitted_by": row["submitted_by"],
+        "workflow_started": row["workflow_started"],
+        "spec": spec,
+    }
+
+
+# --- submit -----------------------------------------------------------------------------
+
+
+@router.post("/jobs", status_code=202, response_model=SubmitAccepted, summary="Submit a job")
+async def submit_job(
+    request: Request,
+    job: JobSubmit,
+    idempotency_key: IdempotencyKey,
+    principal: Principal = Depends(current_principal),
+) -> Any:
+    """Admission-checked; the job row, its `submitted` event, its audit row and the
+    idempotency key commit in one transaction; then the job's workflow starts
+    (when Temporal is unreachable the job stays QUEUED and control starts it later)."""
+    settings = settings_of(request)
+    pool = pool_of(request)
+    gateway = gateway_of(request)
+
+    async def start_workflow(job_id: str) -> None:
+        try:
+            await gateway.start_job(job_id)
+        except ControlUnavailable as e:
+            log.warning("job %s committed; its workflow will be started by control (%s)", job_id, e)
+            return
+        await repo.mark_workflow_started(pool, job_id)
+
+    async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
+        max_runtime_s = await admit(conn, settings, principal, job)
+        position = await repo.estimate_queue_position(conn, job.priority_class, settings.placement_lookahead)
+        job_id = new_job_id()
+        gpus = job.replicas * job.gpus_per_replica
+        spec = {
+            "image": job.image,
+            "command": list(job.command),
+            "env": dict(job.env),
+            "topology": job.topology.model_dump(),
+            "checkpoint": job.checkpoint.model_dump(),
+            "max_runtime": job.max_runtime,
+        }
+        await repo.insert_job(
+            conn,
+            job_id=job_id,
+            team=job.team,
+            name=job.name,
+            priority_class=job.priority_class,
+            gpu_type=job.gpu_type,
+            replicas=job.replicas,
+            gpus_per_replica=job.gpus_per_replica,
+            spec=spec,
+            max_runtime_s=max_runtime_s,
+            submitted_by=principal.name,
+        )
+        detail = {
+            "team": job.team,
+            "priority_class": job.priority_class,
+            "gpu_type": job.gpu_type,
+            "gpus": gpus,
+            "replicas": job.replicas,
+            "gpus_per_replica": job.gpus_per_replica,
+            "max_runtime_s": max_runtime_s,
+        }
+        await write_job_event(conn, job_id, 1, "submitted", None, "QUEUED", principal.name, "submitted", detail)
+        await write_audit(conn, principal.name, "submit", job_id, None, detail)
+        body = {"job_id": job_id, "state": "QUEUED", "queue_position": position, "queue_position_estimated": True}
+
+        async def after() -> None:
+            await start_workflow(job_id)
+
+        return idempotency.Outcome(202, body, after_commit=after, headers={"Location": f"/v1/jobs/{job_id}"})
+
+    async def on_replay(body: dict[str, Any]) -> None:
+        job_id = body.get("job_id") if isinstance(body, dict) else None
+        if job_id:
+            row = await repo.get_job(pool, job_id)
+            if row is not None and not row["workflow_started"] and row["state"] == "QUEUED":
+                await start_workflow(job_id)
+
+    return await idempotency.run(request, principal, idempotency_key, work, on_replay=on_replay)
+
+
+# --- reads --------------------------------------------------------------------------------
+
+
+@router.get("/jobs", response_model=JobList, summary="List jobs (newest first)")
+async def list_jobs(
+    request: Request,
+    team: QueryTeam = None,
+    state: JobState | None = None,
+    cursor: Cursor = None,
+    limit: Limit = None,
+    principal: Principal = Depends(current_principal),
+) -> Any:
+    if not principal.admin:
+        if team is not None and team != principal.team:
+            raise ApiError(403, "forbidden", f"principal {principal.name} may list team {principal.team}'s jobs only")
+        team = principal.team
+    n = page_size(request, limit)
+    after_raw = decode_cursor("jobs", cursor)
+    after = None
+    if after_raw is not None:
+        try:
+            after = (datetime.fromisoformat(after_raw[0]), str(after_raw[1]))
+        except (ValueError, TypeError, IndexError) as e:
+            raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned") from e
+    rows = await repo.list_jobs(pool_of(request), team=team, state=state, after=after, limit=n + 1)
+    next_cursor = None
+    if len(rows) > n:
+        rows = rows[:n]
+        last = rows[-1]
+        next_cursor = encode_cursor("jobs", [last["submitted_at"].isoformat(), last["job_id"]])
+    return {"jobs": [job_summary(r) for r in rows], "next_cursor": next_cursor}
+
+
+@router.get("/jobs/{job_id}", response_model=JobView, summary="One job: state, attempt, allocation, queue position")
+async def get_job(request: Request, job_id: JobId, principal: Principal = Depends(current_principal)) -> Any:
+    pool = pool_of(request)
+    row = await visible_job(pool, principal, job_id)
+    ranks = await repo.job_ranks(pool, job_id, row["attempt"])
+    return job_view(row, ranks)
+
+
+@router.get("/jobs/{job_id}/events", response_model=JobEvents, summary="The job's timeline")
+async def job_events(
+    request: Request,
+    job_id: JobId,
+    cursor: Cursor = None,
+    limit: Limit = None,
+    principal: Principal = Depends(current_principal),
+) -> Any:
+    pool = pool_of(request)
+    await visible_job(pool, principal, job_id)
+    n = page_size(request, limit)
+    after_raw = decode_cursor("events", cursor)
+    try:
+        after_id = int(after_raw[0]) if after_raw else 0
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned") from e
+    if not (0 <= after_id < 2**63):
+        raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned")
+    rows = await repo.list_events(pool, job_id, after_id=after_id, limit=n + 1)
+    next_cursor = None
+    if len(rows) > n:
+        rows = rows[:n]
+        next_cursor = encode_cursor("events", [rows[-1]["id"]])
+    events = [{**dict(r), "detail": r["detail"] if isinstance(r["detail"], dict) else {}} for r in rows]
+    return {"job_id": job_id, "events": events, "next_cursor": next_cursor}
+
+
+_PENDING_TEXT = {
+    "quota": "team {team} holds as many {gpu_type} GPUs as its guarantee and borrow limit allow",
+    "capacity": "not enough free {gpu_type} GPUs ({free} free on ready nodes, {need} needed)",
+    "topology": "enough {gpu_type} GPUs are free, but not in the shape the job accepts (pack={pack}, max_blocks={max_blocks})",
+    "reservation": "the free GPUs are held for another job's reservation or as hot spares",
+    "reserved": "the job holds a reservation for the blocks it will use",
+    "lookahead": "the job is beyond the jobs the scheduler considers each cycle",
+    "node_health": "it would fit if unhealthy nodes were ready",
+    "gpu_type": "the cluster has no ready node of type {gpu_type}",
+    "preempting": "lower-priority jobs are being preempted to make room (grace period)",
+    "invalid": "the job's shape can never be placed on this cluster",
+}
+
+
+@router.get("/jobs/{job_id}/explain", response_model=Explain, summary="Why the job is pending and what it waits for")
+async def explain_job(request: Request, job_id: JobId, principal: Principal = Depends(current_principal)) -> Any:
+    """Read from what each placement cycle publishes to Postgres: answers while the
+    control plane is down."""
+    pool = pool_of(request)
+    row = await visible_job(pool, principal, job_id)
+    state = row["state"]
+    out: dict[str, Any] = {"job_id": job_id, "state": state, "pending": state == "QUEUED"}
+    if state != "QUEUED":
+        if state in TERMINAL_STATES:
+            exit_code = f" (exit code {row['exit_code']})" if row["exit_code"] is not None else ""
+            out["message"] = f"the job finished: {state}{exit_code}"
+        else:
+            out["message"] = {
+                "STARTING": "GPUs are allocated and the ranks are starting",
+                "RUNNING": f"the job is running (attempt {row['attempt']})",
+                "PREEMPTING": "the job is being preempted; it checkpoints and is re-queued",
+                "CANCELLING": "the job is being cancelled",
+            }.get(state, state)
+        return out
+    need = row["replicas"] * row["gpus_per_replica"]
+    free = await repo.free_gpus(pool, row["gpu_type"])
+    usage = (await repo.team_usage(pool, row["team"])).get(row["gpu_type"])
+    headroom = 0 if usage is None else usage["guaranteed"] + usage["borrow_limit"] - usage["in_use"]
+    spec = row["spec"] if isinstance(row["spec"], dict) else {}
+    topo = spec.get("topology") or {}
+    reason = row["pending_reason"]
+    if reason is None:
+        message = "the job waits for the next placement cycle to rank it"
+    else:
+        template = _PENDING_TEXT.get(reason, "pending: " + reason)
+        message = template.format(
+            team=row["team"],
+            gpu_type=row["gpu_type"],
+            free=free,
+            need=need,
+            pack=topo.get("pack", "any"),
+            max_blocks=topo.get("max_blocks"),
+        )
+    if row["pending_detail"]:
+        message += f" ({row['pending_detail']})"
+    if row["queue_position"] is not None:
+        message += f"; position {row['queue_position']} in the queue"
+    if row["expected_start"] is not None:
+        message += f"; expected to start at {row['expected_start'].isoformat()}"
+    out.update(
+        {
+            "queue_position": row["queue_position"],
+            "pending_reason": reason,
+            "pending_detail": row["pending_detail"],
+            "expected_start": row["expected_start"],
+            "message": message,
+            "waiting_for": {
+                "gpus_requested": need,
+                "gpus_free_of_type": max(0, int(free)),
+                "team_quota_headroom": headroom,
+                "jobs_ahead": None if row["queue_position"] is None else max(0, row["queue_position"] - 1),
+            },
+        }
+    )
+    return out
+
+
+@router.get(
+    "/jobs/{job_id}/logs",
+    response_class=StreamingResponse,
+    summary="A rank's output, proxied from its node's agent",
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "the rank's output"}},
+)
+async def job_logs(
+    request: Request,
+    job_id: JobId,
+    rank: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+    attempt: Annotated[int | None, Query(ge=1, le=1_000_000, description="default: the newest attempt with this rank")] = None,
+    follow: bool = False,
+    offset: Annotated[int, Query(ge=0, le=2**53)] = 0,
+    principal: Principal = Depends(current_principal),
+) -> Any:
+    pool = pool_of(request)
+    await visible_job(pool, principal, job_id)
+    lease = await repo.find_rank_lease(pool, job_id, rank, attempt)
+    if lease is None:
+        which = f"attempt {attempt}" if attempt else "any attempt"
+        raise ApiError(404, "logs_not_found", f"job {job_id} has no rank {rank} in {which} (not scheduled yet?)")
+    if not lease["agent_addr"]:
+        raise ApiError(
+            503, "agent_unreachable", f"node {lease['node_id']} has no registered agent address to read logs from"
+        )
+    body = await open_agent_log(
+        lease["agent_addr"],
+        lease["lease_id"],
+        token=settings_of(request).agent_log_token,
+        offset=offset,
+        follow=follow,
+    )
+    return StreamingResponse(
+        body,
+        media_type="text/plain; charset=utf-8",
+        headers={"X-Lease-Id": lease["lease_id"], "X-Attempt": str(lease["attempt"]), "Cache-Control": "no-store"},
+    )
+
+
+# --- cancel, extend -------------------------------------------------------------------------
+
+
+@router.delete("/jobs/{job_id}", status_code=202, response_model=CancelAccepted, summary="Cancel a job")
+async def cancel_job(
+    request: Request,
+    job_id: JobId,
+    idempotency_key: IdempotencyKey,
+    reason: Reason = "cancelled by user",
+    principal: Principal = Depends(current_principal),
+) -> Any:
+    """Signals `cancel` to the job's workflow and records the request in the audit
+    trail; the workflow stops the ranks and records the state change."""
+    pool = pool_of(request)
+    gateway = gateway_of(request)
+
+    async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
+        job = await visible_job(conn, principal, job_id)
+        if job["state"] in TERMINAL_STATES:
+            raise ApiError(409, "job_terminal", f"job {job_id} already finished ({job['state']})", {"state": job["state"]})
+        await write_audit(
+            conn, principal.name, "cancel_request", job_id, reason, {"state": job["state"], "attempt": job["attempt"]}
+        )
+        try:
+            await gateway.cancel_job(job_id, CancelRequest(actor=principal.name, reason=reason or "cancelled by user"))
+        except WorkflowClosed as e:
+            raise ApiError(409, "job_terminal", f"job {job_id} already finished") from e
+        except ControlUnavailable as e:
+            raise ApiError(
+                503, "control_plane_unavailable", "the control plane is unreachable; retry the cancel with the same key"
+            ) from e
+
+        async def after() -> None:
+            if not job["workflow_started"]:
+                await repo.mark_workflow_started(pool, job_id)  # signal-with-start started it
+
+        return idempotency.Outcome(202, {"job_id": job_id, "state": "CANCELLING"}, after_commit=after)
+
+    return await idempotency.run(request, principal, idempotency_key, work)
+
+
+@router.post("/jobs/{job_id}:extend", response_model=ExtendGranted, summary="Ask for more runtime")
+async def extend_job(
+    request: Request,
+    job_id: JobId,
+    body: ExtendBody,
+    idempotency_key: IdempotencyKey,
+    principal: Principal = Depends(current_principal),
+) -> Any:
+    """The job's workflow decides (extensions are capped in number and size, and may
+    not delay a reservation); a refusal is a 409 whose code says why."""
+    settings = settings_of(request)
+    gateway = gateway_of(request)
+
+    async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
+        job = await visible_job(conn, principal, job_id)
+        if job["state"] in TERMINAL_STATES:
+            raise ApiError(409, "job_terminal", f"job {job_id} already finished ({job['state']})", {"state": job["state"]})
+        try:
+            seconds = parse_duration(body.by)
+        except ValueError as e:
+            raise ApiError(422, "invalid_duration", str(e)) from e
+        if job["extensions"] >= settings.max_extensions:
+            raise ApiError(
+                409,
+                "extension_too_many",
+                f"job {job_id} already had {job['extensions']} extensions (at most {settings.max_extensions})",
+            )
+        request_ = ExtendRequest(actor=principal.name, seconds=seconds, reason=body.reason)
+        try:
+            result = await gateway.extend_job(job_id, request_)
+        except WorkflowMissing as e:
+            raise ApiError(409, "extension_not_running", f"job {job_id} is not running yet") from e
+        except WorkflowClosed as e:
+            raise ApiError(409, "job_terminal", f"job {job_id} already finished") from e
+        except UpdateRejected as e:
+            raise ApiError(422, "extension_rejected", f"the extension was rejected: {e}") from e
+        except ControlUnavailable as e:
+            raise ApiError(
+                503, "control_plane_unavailable", "the control plane is unreachable; retry with the same key"
+            ) from e
+        if not result.granted:
+            raise ApiError(
+                409,
+                f"extension_{result.code}",
+                result.message or f"the extension was refused ({result.code})",
+                {"extensions_used": result.extensions_used},
+            )
+        await write_audit(
+            conn,
+            principal.name,
+            "extend_request",
+            job_id,
+            body.reason or None,
+            {"seconds": seconds, "by": format_duration(seconds), "new_deadline": result.new_deadline.isoformat() if result.new_deadline else None, "granted": True},
+        )
+        out = {
+            "job_id": job_id,
+            "granted": True,
+            "code": result.code,
+            "message": result.message,
+            "new_deadline": result.new_deadline,
+            "extensions_used": result.extensions_used,
+        }
+        return idempotency.Outcome(200, out)
+
+    return await idempotency.run(request, principal, idempotency_key, work)

@@ -1,0 +1,142 @@
+"""/v1/nodes: list, one node (state, GPUs, leases), drain (admin)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import asyncpg
+from fastapi import APIRouter, Depends, Header, Query, Request
+from pydantic import AfterValidator
+
+from activities.store import write_audit
+from api import idempotency
+from api import repository as repo
+from api.auth import current_principal, require_admin
+from api.deps import NodeId, decode_cursor, encode_cursor, page_size, pool_of
+from api.errors import ERROR_RESPONSES, ApiError
+from api.schemas import DrainAccepted, DrainBody, NodeList, NodeState, NodeView, storable
+from common.settings import Principal
+
+router = APIRouter(prefix="/v1", tags=["nodes"], dependencies=[Depends(current_principal)], responses=ERROR_RESPONSES)
+
+IdempotencyKey = Annotated[str, Header(alias="Idempotency-Key", description="required on every write")]
+Filter = Annotated[str | None, Query(max_length=200), AfterValidator(lambda v: v if v is None else storable(v))]
+NOT_DRAINABLE = ("down", "cordoned")
+
+
+def node_summary(r: asyncpg.Record) -> dict[str, Any]:
+    return {
+        "node_id": r["node_id"],
+        "block_id": r["block_id"],
+        "gpu_type": r["gpu_type"],
+        "gpus": r["gpus"],
+        "gpus_allocated": r["gpus_allocated"],
+        "state": r["state"],
+        "reason": r["reason"],
+        "drain_evict": r["drain_evict"],
+        "updated_at": r["updated_at"],
+    }
+
+
+@router.get("/nodes", response_model=NodeList, summary="Nodes, by id")
+async def list_nodes(
+    request: Request,
+    state: NodeState | None = None,
+    block: Filter = None,
+    gpu_type: Filter = None,
+    cursor: Annotated[str | None, Query(max_length=2000)] = None,
+    limit: Annotated[int | None, Query(ge=1, le=1_000_000)] = None,
+) -> Any:
+    n = page_size(request, limit)
+    raw = decode_cursor("nodes", cursor)
+    after = str(raw[0]) if raw else None
+    if after is not None and not isinstance(raw[0], str):
+        raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned")
+    rows = await repo.list_nodes(
+        pool_of(request), state=state, block=block, gpu_type=gpu_type, after=after, limit=n + 1
+    )
+    next_cursor = None
+    if len(rows) > n:
+        rows = rows[:n]
+        next_cursor = encode_cursor("nodes", [rows[-1]["node_id"]])
+    return {"nodes": [node_summary(r) for r in rows], "next_cursor": next_cursor}
+
+
+@router.get("/nodes/{node_id}", response_model=NodeView, summary="One node: state, GPUs and live leases")
+async def get_node(request: Request, node_id: NodeId, principal: Principal = Depends(current_principal)) -> Any:
+    """Other teams' leases show only their GPUs (no job ids) unless the caller is an admin."""
+    pool = pool_of(request)
+    node = await repo.get_node(pool, node_id)
+    if node is None:
+        raise ApiError(404, "node_not_found", f"no node {node_id}")
+    leases = await repo.node_leases(pool, node_id)
+    allocs = {a["gpu_index"]: a for a in await repo.node_allocations(pool, node_id)}
+
+    def visible(team: str) -> bool:
+        return principal.admin or principal.team == team
+
+    out = node_summary(node)
+    out["task_queue"] = node["task_queue"] if principal.admin else None
+    out["agent_addr"] = node["agent_addr"] if principal.admin else None
+    out["gpu_slots"] = [
+        {
+            "index": i,
+            "allocated": i in allocs,
+            "borrowed": allocs[i]["borrowed"] if i in allocs else None,
+            "job_id": allocs[i]["job_id"] if i in allocs and visible(allocs[i]["team"]) else None,
+        }
+        for i in range(node["gpus"])
+    ]
+    out["leases"] = [
+        {
+            "lease_id": lease["lease_id"],
+            "job_id": lease["job_id"],
+            "team": lease["team"],
+            "attempt": lease["attempt"],
+            "rank": lease["rank"],
+            "gpu_indices": list(lease["gpu_indices"]),
+            "epoch": lease["epoch"],
+        }
+        if visible(lease["team"])
+        else {"gpu_indices": list(lease["gpu_indices"])}
+        for lease in leases
+    ]
+    return out
+
+
+@router.post("/nodes/{node_id}:drain", status_code=202, response_model=DrainAccepted, summary="Drain a node (admin)")
+async def drain_node(
+    request: Request,
+    node_id: NodeId,
+    body: DrainBody,
+    idempotency_key: IdempotencyKey,
+    principal: Principal = Depends(require_admin),
+) -> Any:
+    """Sets the node `draining` (no new placements) with the reason, audited in the same
+    transaction; with `evict` the health monitor also stops its running jobs."""
+
+    async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
+        node = await repo.get_node(conn, node_id, for_update=True)
+        if node is None:
+            raise ApiError(404, "node_not_found", f"no node {node_id}")
+        if node["state"] in NOT_DRAINABLE:
+            raise ApiError(
+                409,
+                "node_not_drainable",
+                f"node {node_id} is {node['state']}; it takes no placements already",
+                {"state": node["state"]},
+            )
+        await repo.set_node_draining(conn, node_id, body.reason, body.evict)
+        await write_audit(
+            conn, principal.name, "drain", node_id, body.reason, {"from_state": node["state"], "evict": body.evict}
+        )
+        out = {
+            "node_id": node_id,
+            "state": "draining",
+            "previous_state": node["state"],
+            "reason": body.reason,
+            "evict": body.evict,
+        }
+        return idempotency.Outcome(202, out)
+
+    return await idempotency.run(request, principal, idempotency_key, work)

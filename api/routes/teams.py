@@ -1,0 +1,107 @@
+"""/v1/teams/{team}: quota (read; admin write), queue."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Any
+
+import asyncpg
+from fastapi import APIRouter, Depends, Header, Query, Request
+
+from activities.seed import TeamQuota as SeedQuota
+from activities.seed import set_quota
+from api import idempotency
+from api import repository as repo
+from api.auth import current_principal, require_admin, require_team_access
+from api.deps import TeamName, decode_cursor, encode_cursor, page_size, pool_of
+from api.errors import ERROR_RESPONSES, ApiError
+from api.schemas import QuotaSet, TeamQueue, TeamQuota
+from common.settings import Principal
+
+router = APIRouter(prefix="/v1", tags=["teams"], dependencies=[Depends(current_principal)], responses=ERROR_RESPONSES)
+
+IdempotencyKey = Annotated[str, Header(alias="Idempotency-Key", description="required on every write")]
+TEAM_NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+
+
+async def _known_team(db: repo.Db, team: str) -> None:
+    if not await repo.team_exists(db, team):
+        raise ApiError(404, "unknown_team", f"there is no team {team!r}")
+
+
+@router.get("/teams/{team}/quota", response_model=TeamQuota, summary="The team's quota and usage per GPU type")
+async def get_quota(request: Request, team: TeamName, principal: Principal = Depends(current_principal)) -> Any:
+    require_team_access(principal, team)
+    pool = pool_of(request)
+    await _known_team(pool, team)
+    return await repo.team_usage(pool, team)
+
+
+@router.put("/teams/{team}/quota", response_model=TeamQuota, summary="Set the team's quota for one GPU type (admin)")
+async def put_quota(
+    request: Request,
+    team: TeamName,
+    body: QuotaSet,
+    idempotency_key: IdempotencyKey,
+    principal: Principal = Depends(require_admin),
+) -> Any:
+    """Audited with the admin and the reason; creates the team if it is new. Lowering a
+    guarantee re-marks the team's newest allocations as borrowed in the same transaction."""
+
+    async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
+        if not TEAM_NAME.fullmatch(team):
+            raise ApiError(422, "invalid_team_name", "a team name is lowercase letters, digits and dashes, starting with a letter")
+        if not await repo.gpu_type_exists(conn, body.gpu_type):
+            raise ApiError(422, "unknown_gpu_type", f"this cluster has no GPU type {body.gpu_type!r}")
+        borrow_limit = body.borrow_limit
+        if borrow_limit is None:
+            current = await repo.get_quota(conn, team, body.gpu_type)
+            borrow_limit = current["borrow_limit"] if current else 0
+        await set_quota(
+            conn,
+            SeedQuota(team=team, gpu_type=body.gpu_type, guaranteed=body.guaranteed, borrow_limit=borrow_limit),
+            actor=principal.name,
+            reason=body.reason,
+        )
+        return idempotency.Outcome(200, await repo.team_usage(conn, team))
+
+    return await idempotency.run(request, principal, idempotency_key, work)
+
+
+@router.get("/teams/{team}/queue", response_model=TeamQueue, summary="The team's queued jobs in order, and its usage")
+async def get_queue(
+    request: Request,
+    team: TeamName,
+    cursor: Annotated[str | None, Query(max_length=2000)] = None,
+    limit: Annotated[int | None, Query(ge=1, le=1_000_000)] = None,
+    principal: Principal = Depends(current_principal),
+) -> Any:
+    require_team_access(principal, team)
+    pool = pool_of(request)
+    await _known_team(pool, team)
+    n = page_size(request, limit)
+    raw = decode_cursor("queue", cursor)
+    after = None
+    if raw is not None:
+        try:
+            after = (int(raw[0]), int(raw[1]), datetime.fromisoformat(raw[2]), str(raw[3]))
+        except (ValueError, TypeError, IndexError) as e:
+            raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned") from e
+        if not all(-(2**31) <= v < 2**31 for v in after[:2]):
+            raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned")
+    rows = await repo.team_queue(pool, team, after=after, limit=n + 1)
+    next_cursor = None
+    if len(rows) > n:
+        rows = rows[:n]
+        last = rows[-1]
+        pos = last["queue_position"] if last["queue_position"] is not None else 2147483647
+        next_cursor = encode_cursor("queue", [pos, last["class_rank"], last["submitted_at"].isoformat(), last["job_id"]])
+    jobs = [{k: r[k] for k in r.keys() if k != "class_rank"} for r in rows]
+    return {
+        "team": team,
+        "usage": await repo.team_usage(pool, team),
+        "counts": await repo.team_state_counts(pool, team),
+        "jobs": jobs,
+        "next_cursor": next_cursor,
+    }

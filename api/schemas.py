@@ -1,0 +1,325 @@
+"""Request and response shapes of the public API (add fields, never rename these).
+
+Every string a client sends is bounded and must be storable in Postgres (no NUL,
+no lone surrogates); every number is bounded, so nothing a client sends can reach
+the database as an overflow.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, StringConstraints
+
+PRIORITY_CLASSES = ("prod-serving", "prod-batch", "research", "preemptible")
+JOB_STATES = (
+    "QUEUED",
+    "STARTING",
+    "RUNNING",
+    "PREEMPTING",
+    "CANCELLING",
+    "SUCCEEDED",
+    "FAILED",
+    "CANCELLED",
+    "TIMED_OUT",
+)
+TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "TIMED_OUT"})
+NODE_STATES = ("ready", "suspect", "down", "cordoned", "draining", "burn_in")
+
+JobState = Literal[
+    "QUEUED", "STARTING", "RUNNING", "PREEMPTING", "CANCELLING", "SUCCEEDED", "FAILED", "CANCELLED", "TIMED_OUT"
+]
+NodeState = Literal["ready", "suspect", "down", "cordoned", "draining", "burn_in"]
+
+
+def storable(s: str) -> str:
+    """Postgres text cannot hold NUL, and UTF-8 cannot encode lone surrogates."""
+    if "\x00" in s:
+        raise ValueError("must not contain NUL characters")
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError("must be valid Unicode text") from e
+    return s
+
+
+def is_storable(s: str) -> bool:
+    try:
+        storable(s)
+    except ValueError:
+        return False
+    return True
+
+
+def Text(max_length: int, min_length: int = 0) -> Any:  # noqa: N802 - a type factory
+    return Annotated[str, StringConstraints(min_length=min_length, max_length=max_length), AfterValidator(storable)]
+
+
+Str1000 = Text(1000)
+Str1000_1 = Text(1000, 1)
+Str200 = Text(200)
+Str32_1 = Text(32, 1)
+Str4096 = Text(4096)
+Str512_1 = Text(512, 1)
+Str63_1 = Text(63, 1)
+Str64_1 = Text(64, 1)
+Str8192 = Text(8192)
+EnvKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+DurationValue = Annotated[
+    str | Annotated[int, Field(ge=1, le=10**9)],
+    Field(description='a duration: "72h", "90m", "1d12h", "3600s" or a number of seconds'),
+]
+
+
+class Topology(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pack: Literal["block", "node", "any"] = Field("any", description="block: fewest blocks; node: one node; any")
+    max_blocks: int | None = Field(None, ge=1, le=10_000, description="with pack=block, the most blocks the job may span")
+
+
+class Checkpoint(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    preemptible: bool = Field(False, description="the job can checkpoint and resume")
+    grace_seconds: float = Field(30.0, ge=0, le=86_400, allow_inf_nan=False)
+
+
+class JobSubmit(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    team: Str63_1
+    priority_class: Str32_1 = Field(description="prod-serving, prod-batch, research or preemptible")
+    image: Str512_1
+    command: list[Str4096] = Field(min_length=1, max_length=256)
+    gpu_type: Str64_1
+    replicas: int = Field(ge=1, le=100_000)
+    gpus_per_replica: int = Field(ge=1, le=8)
+    topology: Topology = Field(default_factory=Topology)
+    max_runtime: DurationValue | None = Field(None, description="required; capped per priority class")
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint)
+    env: dict[EnvKey, Str8192] = Field(default_factory=dict, max_length=256)
+    name: Str200 | None = None
+
+
+class SubmitAccepted(BaseModel):
+    job_id: str
+    state: str
+    queue_position: int | None = Field(
+        None, description="1-based; an estimate (class, then submit time) until the next placement cycle publishes one"
+    )
+    queue_position_estimated: bool = True
+
+
+class RankAllocation(BaseModel):
+    rank: int
+    node_id: str
+    block_id: str
+    gpu_indices: list[int]
+    lease_id: str
+
+
+class Allocation(BaseModel):
+    nodes: list[str]
+    blocks: list[str]
+    ranks: list[RankAllocation] = Field(default_factory=list)
+
+
+class JobSummary(BaseModel):
+    job_id: str
+    team: str
+    name: str | None = None
+    priority_class: str
+    gpu_type: str
+    replicas: int
+    gpus_per_replica: int
+    gpus: int
+    state: str
+    attempt: int
+    submitted_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    queue_position: int | None = None
+    pending_reason: str | None = None
+
+
+class JobView(JobSummary):
+    allocation: Allocation
+    last_checkpoint: str | None = None
+    last_checkpoint_at: datetime | None = None
+    preemptions: int
+    extensions: int
+    max_runtime_s: float
+    exit_code: int | None = None
+    queued_at: datetime
+    pending_detail: str | None = None
+    expected_start: datetime | None = None
+    submitted_by: str
+    workflow_started: bool
+    spec: dict[str, Any]
+
+
+class JobList(BaseModel):
+    jobs: list[JobSummary]
+    next_cursor: str | None = None
+
+
+class JobEvent(BaseModel):
+    id: int
+    attempt: int
+    event: str
+    from_state: str | None = None
+    to_state: str | None = None
+    reason: str | None = None
+    detail: dict[str, Any] = Field(default_factory=dict)
+    actor: str
+    at: datetime
+
+
+class JobEvents(BaseModel):
+    job_id: str
+    events: list[JobEvent]
+    next_cursor: str | None = None
+
+
+class CancelAccepted(BaseModel):
+    job_id: str
+    state: Literal["CANCELLING"] = "CANCELLING"
+
+
+class ExtendBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    by: DurationValue = Field(description="how much longer the job may run")
+    reason: Str1000 = ""
+
+
+class ExtendGranted(BaseModel):
+    job_id: str
+    granted: bool
+    code: str
+    message: str
+    new_deadline: datetime | None = None
+    extensions_used: int = 0
+
+
+class WaitingFor(BaseModel):
+    gpus_requested: int
+    gpus_free_of_type: int = Field(description="GPUs of the job's type on ready nodes with no live allocation")
+    team_quota_headroom: int = Field(description="guaranteed + borrow limit - GPUs the team holds, for this type")
+    jobs_ahead: int | None = None
+
+
+class Explain(BaseModel):
+    job_id: str
+    state: str
+    pending: bool
+    queue_position: int | None = None
+    pending_reason: str | None = None
+    pending_detail: str | None = None
+    expected_start: datetime | None = None
+    message: str
+    waiting_for: WaitingFor | None = None
+
+
+class QuotaEntry(BaseModel):
+    guaranteed: int
+    in_use: int = Field(description="GPUs of this type the team holds now (guaranteed and borrowed)")
+    borrowed: int = Field(description="of in_use, GPUs held beyond the guarantee (always preemptible)")
+    borrow_limit: int
+
+
+class TeamQuota(RootModel[dict[str, QuotaEntry]]):
+    """GPU type -> quota and usage, e.g. {"h100": {"guaranteed", "in_use", "borrowed", ...}}."""
+
+
+class QuotaSet(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    gpu_type: Str64_1
+    guaranteed: int = Field(ge=0, le=10_000_000)
+    borrow_limit: int | None = Field(None, ge=0, le=10_000_000, description="unset = keep the current one (0 if new)")
+    reason: Str1000_1 = Field(description="recorded in the audit row")
+
+
+class QueueEntry(BaseModel):
+    job_id: str
+    name: str | None = None
+    priority_class: str
+    gpu_type: str
+    gpus: int
+    state: str
+    queue_position: int | None = None
+    pending_reason: str | None = None
+    expected_start: datetime | None = None
+    submitted_at: datetime
+
+
+class TeamQueue(BaseModel):
+    team: str
+    usage: dict[str, QuotaEntry]
+    counts: dict[str, int] = Field(description="jobs of the team by live state")
+    jobs: list[QueueEntry]
+    next_cursor: str | None = None
+
+
+class NodeSummary(BaseModel):
+    node_id: str
+    block_id: str
+    gpu_type: str
+    gpus: int
+    gpus_allocated: int
+    state: str
+    reason: str | None = None
+    drain_evict: bool = False
+    updated_at: datetime
+
+
+class NodeList(BaseModel):
+    nodes: list[NodeSummary]
+    next_cursor: str | None = None
+
+
+class NodeLease(BaseModel):
+    lease_id: str | None = Field(None, description="hidden for other teams' leases unless admin")
+    job_id: str | None = None
+    team: str | None = None
+    attempt: int | None = None
+    rank: int | None = None
+    gpu_indices: list[int]
+    epoch: int | None = None
+
+
+class NodeGpu(BaseModel):
+    index: int
+    allocated: bool
+    borrowed: bool | None = None
+    job_id: str | None = None
+
+
+class NodeView(NodeSummary):
+    task_queue: str | None = None
+    agent_addr: str | None = None
+    gpu_slots: list[NodeGpu]
+    leases: list[NodeLease]
+
+
+class DrainBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: Str1000_1
+    evict: bool = Field(False, description="also stop the node's running jobs (the health monitor acts on it)")
+
+
+class DrainAccepted(BaseModel):
+    node_id: str
+    state: str
+    previous_state: str
+    reason: str
+    evict: bool
+
+
+class Me(BaseModel):
+    name: str
+    team: str | None = None
+    admin: bool
+
+
+class Health(BaseModel):
+    status: str
+    database: str
