@@ -32,6 +32,11 @@ class JobInput:
     attempt: int = 1
     # carried across continue-as-new so a resumed attempt knows where it stands
     resume_from: str | None = None
+    # set only by a continue-as-new in the middle of a running attempt (long histories)
+    carry: RunCarry | None = None
+    # signals the previous run received but did not act on, handed to the next run
+    cancel: CancelRequest | None = None
+    allocation: Allocation | None = None
 
 
 @dataclass(frozen=True)
@@ -71,3 +76,254 @@ class JobStatus:
     ranks_total: int = 0
     deadline: datetime | None = None
     leases: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------
+# Everything below was added with the job and placement workflows. The names
+# above are a contract with api/; the ones below are shared by workflows/,
+# activities/ and control/ (and may grow, never be renamed: histories name them).
+# ---------------------------------------------------------------------------
+
+from common.contracts import TaskStatus  # noqa: E402  (a contract type, allowed in workflows)
+
+# job states (DESIGN.md, Job lifecycle); the transition table lives in placement/
+QUEUED = "QUEUED"
+STARTING = "STARTING"
+RUNNING = "RUNNING"
+PREEMPTING = "PREEMPTING"
+CANCELLING = "CANCELLING"
+SUCCEEDED = "SUCCEEDED"
+FAILED = "FAILED"
+CANCELLED = "CANCELLED"
+TIMED_OUT = "TIMED_OUT"
+TERMINAL_STATES = frozenset({SUCCEEDED, FAILED, CANCELLED, TIMED_OUT})
+
+# activity names: control activities (mostly local activities of JobWorkflow) ...
+ACT_LOAD_JOB = "load_job"
+ACT_MARK_RUNNING = "mark_running"
+ACT_MARK_CANCELLING = "mark_cancelling"
+ACT_FINISH_JOB = "finish_job"
+ACT_REQUEUE_JOB = "requeue_job"
+ACT_EXTEND_JOB = "extend_job"
+ACT_READ_LEADER = "read_leader"
+# ... the cycle, run on the leader's own task queue ...
+ACT_PLACEMENT_CYCLE = "placement_cycle"
+# ... and the agent's, on the node's task queue (common.contracts payloads)
+ACT_START_TASK = "start_task"
+ACT_STOP_TASK = "stop_task"
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """One rank of an allocated gang: where it runs and the lease that owns its GPUs."""
+
+    rank: int
+    node_id: str
+    gpu_indices: list[int]
+    lease_id: str
+    task_queue: str
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Signal ``allocated``: placement committed this attempt's gang under ``epoch``.
+
+    Idempotent on (attempt, epoch): the workflow keeps the first one per attempt,
+    so a re-signal after a lost signal (or from a new leader) changes nothing."""
+
+    job_id: str
+    attempt: int
+    epoch: int
+    ranks: list[RankPlacement]
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+
+@dataclass(frozen=True)
+class PreemptRequest:
+    """Signal ``preempt``: placement marked this attempt PREEMPTING under ``epoch``."""
+
+    job_id: str
+    attempt: int
+    epoch: int
+    reason: str = "preempted"
+    by_job: str | None = None
+
+
+@dataclass(frozen=True)
+class TaskStatusBatch:
+    """Signal ``task_status``: the agents' reports for one job, batched by the leader."""
+
+    statuses: list[TaskStatus]
+
+
+@dataclass(frozen=True)
+class JobResult:
+    job_id: str
+    state: str
+    attempt: int
+    exit_code: int | None = None
+    reason: str = ""
+
+
+# --- JobWorkflow <-> control activities -------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    job_id: str
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    """What a JobWorkflow run needs from Postgres, plus the settings it runs under
+    (read in the activity, so they are recorded in history and replay deterministically)."""
+
+    job_id: str
+    exists: bool
+    state: str = QUEUED
+    attempt: int = 1
+    team: str = ""
+    priority_class: str = "research"
+    replicas: int = 1
+    gpus_per_replica: int = 1
+    image: str = ""
+    command: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    max_runtime_s: float = 3600.0
+    original_max_runtime_s: float = 3600.0
+    extensions: int = 0
+    last_checkpoint: str | None = None
+    checkpoint_dir: str = ""
+    preemptible: bool = False
+    grace_s: float = 30.0
+    gang_start_timeout_s: float = 600.0
+    start_task_timeout_s: float = 60.0
+    stop_margin_s: float = 10.0
+    max_extensions: int = 2
+    max_extension_fraction: float = 0.25
+    # set when the job already holds a live gang (a new run found it STARTING or later)
+    allocation: Allocation | None = None
+
+
+@dataclass(frozen=True)
+class JobTransition:
+    """A job state write by the workflow: guarded by attempt (and the expected states),
+    idempotent (re-applying a done transition is a no-op that reports the state)."""
+
+    job_id: str
+    attempt: int
+    to_state: str
+    reason: str = ""
+    actor: str = "workflow"
+    epoch: int | None = None
+    exit_code: int | None = None
+    checkpoint_uri: str | None = None
+
+
+@dataclass(frozen=True)
+class TransitionResult:
+    applied: bool
+    state: str
+    attempt: int
+    released: int = 0
+
+
+@dataclass(frozen=True)
+class RequeueJob:
+    """End an attempt that did not finish: release its gang and queue attempt + 1
+    (or FAILED after too many failures the job caused itself)."""
+
+    job_id: str
+    attempt: int
+    cause: str  # "preempted" | "failed"
+    reason: str
+    job_fault: bool = False
+    checkpoint_uri: str | None = None
+    epoch: int | None = None
+    actor: str = "workflow"
+
+
+@dataclass(frozen=True)
+class RequeueResult:
+    state: str  # QUEUED, or FAILED (too many failures), or a terminal state already there
+    attempt: int  # the attempt now current
+    resume_from: str | None = None
+    applied: bool = True
+
+
+@dataclass(frozen=True)
+class ExtendJob:
+    job_id: str
+    attempt: int
+    seconds: float
+    actor: str
+    reason: str
+    running_since: datetime
+    request_id: str = ""  # the update's id: a retried activity returns the first answer
+
+
+# --- PlacementWorkflow ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlacementInput:
+    cycles: int = 0  # cycles run by earlier runs (continue-as-new)
+
+
+@dataclass(frozen=True)
+class ReadLeader:
+    scope: str = ""
+
+
+@dataclass(frozen=True)
+class LeaderInfo:
+    live: bool
+    epoch: int = 0
+    holder: str = ""
+    task_queue: str = ""
+    cycle_s: float = 1.0
+    cycle_timeout_s: float = 30.0
+    start_timeout_s: float = 5.0
+    max_cycles_per_run: int = 500
+
+
+@dataclass(frozen=True)
+class CycleInput:
+    epoch: int
+    cycle: int
+
+
+@dataclass(frozen=True)
+class CycleResult:
+    epoch: int
+    placed: int = 0
+    preempted: int = 0
+    resignalled: int = 0
+    queued: int = 0
+    published: int = 0
+    failed_commits: int = 0
+    duration_ms: float = 0.0
+    more: bool = False  # something is still placeable: run again without waiting
+
+
+@dataclass(frozen=True)
+class RankCarry:
+    rank: int
+    started: bool
+    exited: bool
+    exit_code: int | None = None
+    outcome: str = ""
+    restarts: int = 0
+
+
+@dataclass(frozen=True)
+class RunCarry:
+    """A running attempt's state, carried across a continue-as-new that keeps it running."""
+
+    attempt: int
+    allocation: Allocation
+    running_since: datetime
+    deadline: datetime
+    ranks: list[RankCarry]
+    checkpoint: str | None = None

@@ -1,0 +1,176 @@
+"""The JobWorkflow's control activities (run as local activities: short Postgres writes).
+
+``JobActivities(pool, settings).all()`` lists them for a control worker. Each takes
+one frozen dataclass from ``workflows.messages`` and returns one.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from temporalio import activity
+
+from activities import job_store
+from common.settings import Settings
+from workflows import messages as m
+
+
+def master_port_for(job_id: str, attempt: int) -> int:
+    """One rendezvous port per gang attempt (DESIGN.md pitfall: many simulated nodes share a host)."""
+    return 20000 + zlib.crc32(f"{job_id}.{attempt}".encode()) % 20000
+
+
+def master_addr_for(agent_addr: str | None) -> str:
+    if agent_addr:
+        host = agent_addr.rsplit(":", 1)[0] if ":" in agent_addr else agent_addr
+        if host and host not in ("0.0.0.0", "::"):
+            return host
+    return "127.0.0.1"
+
+
+def node_queue(settings: Settings, node_id: str, task_queue: str | None) -> str:
+    if settings.agent_task_queue_mode == "shared":
+        return settings.agent_shared_task_queue
+    return task_queue or settings.node_task_queue(node_id)
+
+
+def allocation_from_leases(
+    settings: Settings, job_id: str, attempt: int, leases: list[Any]
+) -> m.Allocation | None:
+    """The Allocation message of a committed gang, from its live lease rows (rank order)."""
+    if not leases:
+        return None
+    leases = sorted(leases, key=lambda r: r["rank"])
+    return m.Allocation(
+        job_id=job_id,
+        attempt=attempt,
+        epoch=int(max(r["epoch"] for r in leases)),
+        ranks=[
+            m.RankPlacement(
+                rank=r["rank"],
+                node_id=r["node_id"],
+                gpu_indices=list(r["gpu_indices"]),
+                lease_id=r["lease_id"],
+                task_queue=node_queue(settings, r["node_id"], r["task_queue"]),
+            )
+            for r in leases
+        ],
+        master_addr=master_addr_for(leases[0]["agent_addr"]),
+        master_port=master_port_for(job_id, attempt),
+    )
+
+
+class JobActivities:
+    def __init__(self, pool: asyncpg.Pool, settings: Settings) -> None:
+        self.pool = pool
+        self.settings = settings
+
+    def all(self) -> list[Any]:
+        return [
+            self.load_job,
+            self.mark_running,
+            self.mark_cancelling,
+            self.finish_job,
+            self.requeue_job,
+            self.extend_job,
+        ]
+
+    @activity.defn(name=m.ACT_LOAD_JOB)
+    async def load_job(self, req: m.LoadJob) -> m.JobSnapshot:
+        s = self.settings
+        job, leases = await job_store.load_job(self.pool, req.job_id)
+        if job is None:
+            return m.JobSnapshot(job_id=req.job_id, exists=False)
+        spec = job_store.parse_spec(job["spec"])
+        ck = job_store.spec_checkpoint(spec)
+        ck_dir = ck.get("dir") or ck.get("path") or str(Path(s.state_dir).resolve() / "checkpoints" / req.job_id)
+        alloc = None
+        if job["state"] in job_store.ACTIVE:
+            alloc = allocation_from_leases(s, req.job_id, job["attempt"], leases)
+        return m.JobSnapshot(
+            job_id=req.job_id,
+            exists=True,
+            state=job["state"],
+            attempt=job["attempt"],
+            team=job["team"],
+            priority_class=job["priority_class"],
+            replicas=job["replicas"],
+            gpus_per_replica=job["gpus_per_replica"],
+            image=str(spec.get("image", "")),
+            command=job_store.spec_command(spec),
+            env=job_store.spec_env(spec),
+            max_runtime_s=float(job["max_runtime_s"]),
+            original_max_runtime_s=float(job["max_runtime_s"] - job["extended_s"]),
+            extensions=job["extensions"],
+            last_checkpoint=job["last_checkpoint"],
+            checkpoint_dir=str(ck_dir),
+            preemptible=bool(ck.get("preemptible", False)),
+            grace_s=job_store.spec_grace_s(spec, s.default_grace_s),
+            gang_start_timeout_s=s.gang_start_timeout_s,
+            start_task_timeout_s=s.start_task_timeout_s,
+            stop_margin_s=s.stop_margin_s,
+            max_extensions=s.max_extensions,
+            max_extension_fraction=s.max_extension_fraction,
+            allocation=alloc,
+        )
+
+    @activity.defn(name=m.ACT_MARK_RUNNING)
+    async def mark_running(self, t: m.JobTransition) -> m.TransitionResult:
+        o = await job_store.mark_running(self.pool, t.job_id, t.attempt, actor=t.actor, epoch=t.epoch)
+        return m.TransitionResult(o.applied, o.state, o.attempt)
+
+    @activity.defn(name=m.ACT_MARK_CANCELLING)
+    async def mark_cancelling(self, t: m.JobTransition) -> m.TransitionResult:
+        o = await job_store.mark_cancelling(self.pool, t.job_id, t.attempt, actor=t.actor, reason=t.reason)
+        return m.TransitionResult(o.applied, o.state, o.attempt)
+
+    @activity.defn(name=m.ACT_FINISH_JOB)
+    async def finish_job(self, t: m.JobTransition) -> m.TransitionResult:
+        o = await job_store.finish_job(
+            self.pool,
+            t.job_id,
+            t.attempt,
+            t.to_state,
+            actor=t.actor,
+            reason=t.reason,
+            exit_code=t.exit_code,
+            checkpoint_uri=t.checkpoint_uri,
+        )
+        return m.TransitionResult(o.applied, o.state, o.attempt, o.released)
+
+    @activity.defn(name=m.ACT_REQUEUE_JOB)
+    async def requeue_job(self, r: m.RequeueJob) -> m.RequeueResult:
+        o = await job_store.requeue_job(
+            self.pool,
+            r.job_id,
+            r.attempt,
+            cause=r.cause,
+            reason=r.reason,
+            actor=r.actor,
+            job_fault=r.job_fault,
+            checkpoint_uri=r.checkpoint_uri,
+            max_failed_attempts=self.settings.max_failed_attempts,
+            failure_window_s=self.settings.failure_window_s,
+        )
+        return m.RequeueResult(
+            state=o.state, attempt=o.attempt, resume_from=(o.extra or {}).get("resume_from"), applied=o.applied
+        )
+
+    @activity.defn(name=m.ACT_EXTEND_JOB)
+    async def extend_job(self, e: m.ExtendJob) -> m.ExtendResult:
+        r = await job_store.extend_job(
+            self.pool,
+            e.job_id,
+            e.attempt,
+            e.seconds,
+            actor=e.actor,
+            reason=e.reason,
+            running_since=e.running_since,
+            max_extensions=self.settings.max_extensions,
+            max_fraction=self.settings.max_extension_fraction,
+            request_id=e.request_id,
+        )
+        return m.ExtendResult(**r)

@@ -1,0 +1,511 @@
+"""Job state writes of the control plane (DESIGN.md, Job lifecycle), one transaction each.
+
+Every state change writes its ``job_events`` row in the same transaction, and every
+release / preemption / cancel / extension its ``audit`` row (invariant 7). Writes
+are guarded by the attempt (and, for the leader's writes, the fencing epoch via
+``store.check_epoch``) and are idempotent: re-applying a transition that is already
+done is a no-op that reports where the job stands, so a retried activity or a
+duplicate signal never applies twice.
+
+Functions here take a pool or a connection and know nothing about Temporal;
+``activities.job_activities`` wraps them as activities.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from activities import store
+from activities.store import StaleEpoch, _transaction, write_audit, write_job_event
+
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "TIMED_OUT")
+ACTIVE = ("STARTING", "RUNNING", "PREEMPTING", "CANCELLING")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    applied: bool
+    state: str
+    attempt: int
+    released: int = 0
+    extra: Mapping[str, Any] | None = None
+
+
+def parse_spec(spec: Any) -> dict[str, Any]:
+    if spec is None:
+        return {}
+    if isinstance(spec, str):
+        return json.loads(spec)
+    return dict(spec)
+
+
+def spec_command(spec: Mapping[str, Any]) -> list[str]:
+    cmd = spec.get("command") or []
+    if isinstance(cmd, str):
+        return shlex.split(cmd)
+    return [str(c) for c in cmd]
+
+
+def spec_env(spec: Mapping[str, Any]) -> dict[str, str]:
+    env = spec.get("env") or {}
+    return {str(k): str(v) for k, v in dict(env).items()}
+
+
+def spec_checkpoint(spec: Mapping[str, Any]) -> dict[str, Any]:
+    ck = spec.get("checkpoint") or {}
+    return dict(ck) if isinstance(ck, Mapping) else {}
+
+
+def spec_grace_s(spec: Mapping[str, Any], default: float) -> float:
+    ck = spec_checkpoint(spec)
+    for v in (spec.get("grace_seconds"), spec.get("grace_s"), ck.get("grace_seconds"), ck.get("grace_s")):
+        if v is not None:
+            return float(v)
+    return default
+
+
+async def load_job(db: asyncpg.Pool | asyncpg.Connection, job_id: str) -> tuple[asyncpg.Record | None, list[asyncpg.Record]]:
+    """The job row and the live leases of its current attempt (with each node's task queue)."""
+    async with _transaction(db) as conn:
+        job = await conn.fetchrow("SELECT * FROM jobs WHERE job_id = $1", job_id)
+        if job is None:
+            return None, []
+        leases = await conn.fetch(
+            "SELECT l.lease_id, l.rank, l.node_id, l.gpu_indices, l.epoch, n.task_queue, n.agent_addr"
+            " FROM leases l JOIN nodes n USING (node_id)"
+            " WHERE l.job_id = $1 AND l.attempt = $2 AND l.state = 'live' ORDER BY l.rank",
+            job_id,
+            job["attempt"],
+        )
+        return job, list(leases)
+
+
+async def _lock(conn: asyncpg.Connection, job_id: str) -> asyncpg.Record:
+    row = await conn.fetchrow(
+        "SELECT job_id, team, state, attempt, started_at, max_runtime_s, extended_s, extensions,"
+        " last_checkpoint, priority_class FROM jobs WHERE job_id = $1 FOR UPDATE",
+        job_id,
+    )
+    if row is None:
+        raise store.UnknownSubject(f"no job {job_id}")
+    return row
+
+
+async def mark_running(
+    db: asyncpg.Pool | asyncpg.Connection, job_id: str, attempt: int, *, actor: str, epoch: int | None = None
+) -> Outcome:
+    """STARTING -> RUNNING once every rank has started. Anything else reports the state."""
+    async with _transaction(db) as conn:
+        job = await _lock(conn, job_id)
+        if job["attempt"] != attempt or job["state"] != "STARTING":
+            return Outcome(job["state"] == "RUNNING" and job["attempt"] == attempt, job["state"], job["attempt"])
+        await conn.execute(
+            "UPDATE jobs SET state = 'RUNNING', started_at = now(), front_of_class = false, updated_at = now()"
+            " WHERE job_id = $1",
+            job_id,
+        )
+        await write_job_event(
+            conn, job_id, attempt, "running", "STARTING", "RUNNING", actor, "every rank started", {"epoch": epoch}
+        )
+        return Outcome(True, "RUNNING", attempt)
+
+
+async def mark_cancelling(
+    db: asyncpg.Pool | asyncpg.Connection, job_id: str, attempt: int, *, actor: str, reason: str
+) -> Outcome:
+    """STARTING / RUNNING / PREEMPTING -> CANCELLING (ranks are being stopped), audited as a cancel."""
+    async with _transaction(db) as conn:
+        job = await _lock(conn, job_id)
+        if job["attempt"] != attempt or job["state"] not in ("STARTING", "RUNNING", "PREEMPTING"):
+            return Outcome(False, job["state"], job["attempt"])
+        await conn.execute(
+            "UPDATE jobs SET state = 'CANCELLING', updated_at = now() WHERE job_id = $1", job_id
+        )
+        await write_job_event(conn, job_id, attempt, "cancel_requested", job["state"], "CANCELLING", actor, reason)
+        await write_audit(conn, actor, "cancel", job_id, reason, {"attempt": attempt, "from_state": job["state"]})
+        return Outcome(True, "CANCELLING", attempt)
+
+
+_FINISH_EVENT = {"SUCCEEDED": "succeeded", "FAILED": "failed", "CANCELLED": "cancelled", "TIMED_OUT": "timed_out"}
+
+
+async def finish_job(
+    db: asyncpg.Pool | asyncpg.Connection,
+    job_id: str,
+    attempt: int,
+    to_state: str,
+    *,
+    actor: str,
+    reason: str,
+    exit_code: int | None = None,
+    checkpoint_uri: str | None = None,
+) -> Outcome:
+    """Any non-terminal state of this attempt -> a terminal state, releasing every live
+    lease of the attempt in the same transaction. A job already terminal is left alone."""
+    if to_state not in TERMINAL:
+        raise ValueError(f"{to_state} is not terminal")
+    async with _transaction(db) as conn:
+        job = await _lock(conn, job_id)
+        if job["state"] in TERMINAL:
+            return Outcome(job["state"] == to_state, job["state"], job["attempt"])
+        if job["attempt"] != attempt:
+            return Outcome(False, job["state"], job["attempt"])
+        if to_state == "CANCELLED" and job["state"] != "CANCELLING":
+            # a cancel from QUEUED/STARTING is audited here (from CANCELLING it already was)
+            await write_audit(conn, actor, "cancel", job_id, reason, {"attempt": attempt, "from_state": job["state"]})
+        elif to_state == "TIMED_OUT":
+            await write_audit(conn, actor, "timeout", job_id, reason, {"attempt": attempt})
+        released = await store.release_job(conn, job_id, attempt, reason=to_state.lower(), actor=actor)
+        await conn.execute(
+            "UPDATE jobs SET state = $2, finished_at = now(), exit_code = $3,"
+            " last_checkpoint = COALESCE($4, last_checkpoint),"
+            " last_checkpoint_at = CASE WHEN $4::text IS NULL THEN last_checkpoint_at ELSE now() END,"
+            " queue_position = NULL, pending_reason = NULL, pending_detail = NULL, expected_start = NULL,"
+            " updated_at = now() WHERE job_id = $1",
+            job_id,
+            to_state,
+            exit_code,
+            checkpoint_uri,
+        )
+        detail = {"exit_code": exit_code, "released": released}
+        await write_job_event(conn, job_id, attempt, _FINISH_EVENT[to_state], job["state"], to_state, actor, reason, detail)
+        return Outcome(True, to_state, attempt, released)
+
+
+async def requeue_job(
+    db: asyncpg.Pool | asyncpg.Connection,
+    job_id: str,
+    attempt: int,
+    *,
+    cause: str,
+    reason: str,
+    actor: str,
+    job_fault: bool = False,
+    checkpoint_uri: str | None = None,
+    max_failed_attempts: int = 3,
+    failure_window_s: float = 86400.0,
+) -> Outcome:
+    """End attempt ``attempt`` without finishing the job: release its gang and queue
+    attempt + 1 keeping the original submit time (a failed attempt goes to the front of
+    its class), or FAILED once the job itself caused ``max_failed_attempts`` failures
+    within ``failure_window_s``. Idempotent: a job already past ``attempt`` is left alone."""
+    if cause not in ("preempted", "failed"):
+        raise ValueError(f"unknown requeue cause {cause!r}")
+    async with _transaction(db) as conn:
+        job = await _lock(conn, job_id)
+        if job["attempt"] > attempt:
+            # already re-queued (a retried activity): report it as such, whatever came since
+            return Outcome(True, "QUEUED", job["attempt"], extra={"resume_from": job["last_checkpoint"]})
+        if job["state"] in TERMINAL or job["attempt"] != attempt:
+            return Outcome(False, job["state"], job["attempt"], extra={"resume_from": job["last_checkpoint"]})
+        from_state = job["state"]
+        released = await store.release_job(
+            conn, job_id, attempt, reason="preempted" if cause == "preempted" else "attempt_failed", actor=actor
+        )
+        resume_from = checkpoint_uri or job["last_checkpoint"]
+        if cause == "failed":
+            await write_job_event(
+                conn,
+                job_id,
+                attempt,
+                "attempt_failed",
+                None,
+                None,
+                actor,
+                reason,
+                {"job_fault": job_fault, "released": released},
+            )
+            faults = await conn.fetchval(
+                "SELECT count(*) FROM job_events WHERE job_id = $1 AND event = 'attempt_failed'"
+                " AND (detail->>'job_fault')::boolean AND at > now() - make_interval(secs => $2)",
+                job_id,
+                failure_window_s,
+            )
+            if job_fault and faults >= max_failed_attempts:
+                await conn.execute(
+                    "UPDATE jobs SET state = 'FAILED', finished_at = now(), failed_attempts = failed_attempts + 1,"
+                    " last_checkpoint = $2, updated_at = now() WHERE job_id = $1",
+                    job_id,
+                    resume_from,
+                )
+                await write_job_event(
+                    conn,
+                    job_id,
+                    attempt,
+                    "failed",
+                    from_state,
+                    "FAILED",
+                    actor,
+                    f"{faults} failed attempts caused by the job within {failure_window_s:.0f}s: {reason}",
+                )
+                return Outcome(True, "FAILED", attempt, released, {"resume_from": resume_from})
+        await conn.execute(
+            "UPDATE jobs SET state = 'QUEUED', attempt = attempt + 1, queued_at = now(),"
+            " front_of_class = $2, failed_attempts = failed_attempts + $3::int,"
+            " last_checkpoint = $4,"
+            " last_checkpoint_at = CASE WHEN $5::text IS NULL THEN last_checkpoint_at ELSE now() END,"
+            " started_at = NULL, updated_at = now() WHERE job_id = $1",
+            job_id,
+            cause == "failed",
+            1 if (cause == "failed" and job_fault) else 0,
+            resume_from,
+            checkpoint_uri,
+        )
+        await write_job_event(
+            conn,
+            job_id,
+            attempt + 1,
+            "requeued",
+            from_state,
+            "QUEUED",
+            actor,
+            reason,
+            {"cause": cause, "previous_attempt": attempt, "resume_from": resume_from, "job_fault": job_fault},
+        )
+        return Outcome(True, "QUEUED", attempt + 1, released, {"resume_from": resume_from})
+
+
+async def extend_job(
+    db: asyncpg.Pool | asyncpg.Connection,
+    job_id: str,
+    attempt: int,
+    seconds: float,
+    *,
+    actor: str,
+    reason: str,
+    running_since: datetime,
+    max_extensions: int,
+    max_fraction: float,
+    request_id: str = "",
+) -> dict[str, Any]:
+    """Grant or refuse a runtime extension; either way it is audited and evented.
+
+    Refused when: the job is not RUNNING; it already has ``max_extensions``; the
+    extension exceeds ``max_fraction`` of the original max_runtime; or the new end
+    would pass the expected start of a reservation on any node the job holds."""
+    async with _transaction(db) as conn:
+        job = await _lock(conn, job_id)
+        if request_id:
+            done = await conn.fetchval(
+                "SELECT detail FROM job_events WHERE job_id = $1 AND event IN ('extended', 'extension_refused')"
+                " AND detail->>'request_id' = $2 ORDER BY id DESC LIMIT 1",
+                job_id,
+                request_id,
+            )
+            if done is not None:  # a retried request: the first answer stands
+                return {
+                    "granted": done["code"] == "granted",
+                    "code": done["code"],
+                    "message": done["message"],
+                    "new_deadline": datetime.fromisoformat(done["new_deadline"]) if done.get("new_deadline") else None,
+                    "extensions_used": done["extensions"],
+                }
+        original = job["max_runtime_s"] - job["extended_s"]
+        new_runtime = job["max_runtime_s"] + seconds
+        code, message = "granted", f"extended by {seconds:.0f}s"
+        new_deadline = None
+        if job["state"] != "RUNNING" or job["attempt"] != attempt:
+            code, message = "not_running", f"job is {job['state']}"
+        elif job["extensions"] >= max_extensions:
+            code, message = "too_many", f"at most {max_extensions} extensions per job"
+        elif seconds <= 0 or seconds > max_fraction * original + 1e-9:
+            code, message = "too_long", f"each extension is at most {max_fraction:.0%} of {original:.0f}s"
+        else:
+            new_deadline = await conn.fetchval(
+                "SELECT $1::timestamptz + make_interval(secs => $2)", running_since, new_runtime
+            )
+            blocking = await conn.fetchrow(
+                "SELECT r.job_id, r.expected_start FROM reservations r"
+                " WHERE r.job_id <> $1 AND r.expected_start IS NOT NULL AND r.expected_start < $2"
+                "   AND (r.nodes && (SELECT coalesce(array_agg(DISTINCT l.node_id), '{}') FROM leases l"
+                "                    WHERE l.job_id = $1 AND l.state = 'live')"
+                "     OR r.blocks && (SELECT coalesce(array_agg(DISTINCT n.block_id), '{}') FROM leases l"
+                "                     JOIN nodes n USING (node_id) WHERE l.job_id = $1 AND l.state = 'live'))"
+                " ORDER BY r.expected_start LIMIT 1",
+                job_id,
+                new_deadline,
+            )
+            if blocking is not None:
+                code = "delays_reservation"
+                message = f"would delay the reservation of {blocking['job_id']} (expected start {blocking['expected_start'].isoformat()})"
+                new_deadline = None
+        granted = code == "granted"
+        extensions = job["extensions"] + (1 if granted else 0)
+        detail = {
+            "seconds": seconds,
+            "code": code,
+            "message": message,
+            "extensions": extensions,
+            "request_id": request_id,
+            "new_deadline": new_deadline.isoformat() if new_deadline else None,
+        }
+        if granted:
+            await conn.execute(
+                "UPDATE jobs SET max_runtime_s = max_runtime_s + $2, extended_s = extended_s + $2,"
+                " extensions = extensions + 1, updated_at = now() WHERE job_id = $1",
+                job_id,
+                seconds,
+            )
+            detail["max_runtime_s"] = new_runtime
+        await write_job_event(
+            conn,
+            job_id,
+            job["attempt"],
+            "extended" if granted else "extension_refused",
+            job["state"],
+            job["state"],
+            actor,
+            reason or message,
+            detail,
+        )
+        await write_audit(conn, actor, "extend" if granted else "extend_refused", job_id, reason or message, detail)
+        return {
+            "granted": granted,
+            "code": code,
+            "message": message,
+            "new_deadline": new_deadline,
+            "extensions_used": extensions,
+        }
+
+
+# --- the leader's writes (fenced by the epoch) --------------------------------
+
+
+async def mark_preempting(
+    db: asyncpg.Pool | asyncpg.Connection,
+    *,
+    scope: str,
+    epoch: int,
+    job_id: str,
+    attempt: int,
+    reason: str,
+    by_job: str | None,
+    actor: str = "placement",
+) -> Outcome:
+    """STARTING / RUNNING -> PREEMPTING under the leader's epoch, audited as a preemption.
+    Already PREEMPTING for this attempt: a no-op (applied=True so the caller re-signals)."""
+    async with _transaction(db) as conn:
+        await store.check_epoch(conn, scope, epoch)
+        job = await _lock(conn, job_id)
+        if job["attempt"] != attempt:
+            return Outcome(False, job["state"], job["attempt"])
+        if job["state"] == "PREEMPTING":
+            return Outcome(True, "PREEMPTING", attempt)
+        if job["state"] not in ("STARTING", "RUNNING"):
+            return Outcome(False, job["state"], job["attempt"])
+        await conn.execute(
+            "UPDATE jobs SET state = 'PREEMPTING', preemptions = preemptions + 1,"
+            " preempted_at = preempted_at || now(), updated_at = now() WHERE job_id = $1",
+            job_id,
+        )
+        detail = {"attempt": attempt, "epoch": epoch, "by_job": by_job}
+        await write_job_event(conn, job_id, attempt, "preempting", job["state"], "PREEMPTING", actor, reason, detail)
+        await write_audit(conn, actor, "preempt", job_id, reason, detail)
+        return Outcome(True, "PREEMPTING", attempt)
+
+
+@dataclass(frozen=True)
+class Publication:
+    """What a cycle publishes for one queued job (DESIGN.md: 'why pending')."""
+
+    job_id: str
+    queue_position: int | None
+    pending_reason: str | None
+    pending_detail: str | None
+    expected_start: datetime | None
+
+
+async def publish_positions(
+    db: asyncpg.Pool | asyncpg.Connection, *, scope: str, epoch: int, rows: Sequence[Publication]
+) -> int:
+    """Write queue positions / pending reasons of QUEUED jobs (the caller sends changed rows
+    only; the SQL skips rows that already hold these values). Returns rows written."""
+    if not rows:
+        return 0
+    async with _transaction(db) as conn:
+        await store.check_epoch(conn, scope, epoch)
+        status = await conn.execute(
+            "UPDATE jobs j SET queue_position = u.pos, pending_reason = u.reason, pending_detail = u.detail,"
+            "   expected_start = u.start"
+            " FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::timestamptz[])"
+            "   AS u(job_id, pos, reason, detail, start)"
+            " WHERE j.job_id = u.job_id AND j.state = 'QUEUED'"
+            "   AND (j.queue_position, j.pending_reason, j.pending_detail, j.expected_start)"
+            "       IS DISTINCT FROM (u.pos, u.reason, u.detail, u.start)",
+            [r.job_id for r in rows],
+            [r.queue_position for r in rows],
+            [r.pending_reason for r in rows],
+            [r.pending_detail for r in rows],
+            [r.expected_start for r in rows],
+        )
+        return int(status.split()[-1])
+
+
+@dataclass(frozen=True)
+class ReservationRow:
+    job_id: str
+    expected_start: datetime | None
+    nodes: tuple[str, ...]
+    blocks: tuple[str, ...]
+
+
+async def publish_reservations(
+    db: asyncpg.Pool | asyncpg.Connection, *, scope: str, epoch: int, rows: Sequence[ReservationRow]
+) -> None:
+    """Replace the published reservations with ``rows`` (the caller calls only on change)."""
+    async with _transaction(db) as conn:
+        await store.check_epoch(conn, scope, epoch)
+        keep = [r.job_id for r in rows]
+        await conn.execute("DELETE FROM reservations WHERE NOT (job_id = ANY($1::text[]))", keep)
+        if rows:
+            await conn.executemany(
+                "INSERT INTO reservations (job_id, epoch, expected_start, nodes, blocks) VALUES ($1, $2, $3, $4, $5)"
+                " ON CONFLICT (job_id) DO UPDATE SET epoch = EXCLUDED.epoch, expected_start = EXCLUDED.expected_start,"
+                " nodes = EXCLUDED.nodes, blocks = EXCLUDED.blocks, updated_at = now()",
+                [(r.job_id, epoch, r.expected_start, list(r.nodes), list(r.blocks)) for r in rows],
+            )
+
+
+async def unstarted_queued_jobs(db: asyncpg.Pool | asyncpg.Connection, *, older_than_s: float, limit: int = 500) -> list[str]:
+    """QUEUED jobs whose workflow the API has not (yet) started."""
+    rows = await db.fetch(
+        "SELECT job_id FROM jobs WHERE state = 'QUEUED' AND NOT workflow_started"
+        " AND submitted_at < now() - make_interval(secs => $1) ORDER BY submitted_at LIMIT $2",
+        older_than_s,
+        limit,
+    )
+    return [r["job_id"] for r in rows]
+
+
+async def mark_workflow_started(db: asyncpg.Pool | asyncpg.Connection, job_ids: Sequence[str]) -> None:
+    if job_ids:
+        await db.execute("UPDATE jobs SET workflow_started = true WHERE job_id = ANY($1::text[])", list(job_ids))
+
+
+__all__ = [
+    "ACTIVE",
+    "TERMINAL",
+    "Outcome",
+    "Publication",
+    "ReservationRow",
+    "StaleEpoch",
+    "extend_job",
+    "finish_job",
+    "load_job",
+    "mark_cancelling",
+    "mark_preempting",
+    "mark_running",
+    "mark_workflow_started",
+    "parse_spec",
+    "publish_positions",
+    "publish_reservations",
+    "requeue_job",
+    "unstarted_queued_jobs",
+]

@@ -1,0 +1,35 @@
+"""Fixtures of the workflow tests: a control worker + a fake agent on unique task queues."""
+
+from __future__ import annotations
+
+import pytest
+
+from activities.job_activities import JobActivities
+from common.temporal import make_worker
+from control.status_forwarder import TaskStatusForwarder
+from tests.workflows.fake_agent import FakeAgent
+from tests.workflows.harness import Stand, scaled_settings, seed
+from workflows.job import JobWorkflow
+
+
+@pytest.fixture
+def settings_overrides() -> dict:
+    return {}
+
+
+@pytest.fixture
+async def stand(pool, temporal_env, tmp_path, settings_overrides):
+    settings = scaled_settings(tmp_path, **settings_overrides)
+    client = temporal_env.client
+    nodes, epoch = await seed(pool, settings)
+    forwarder = TaskStatusForwarder(client)
+    await forwarder.start()
+    agent = FakeAgent(forwarder, tmp_path / "agent")
+    control = make_worker(
+        client, settings.control_task_queue, workflows=[JobWorkflow], activities=JobActivities(pool, settings).all()
+    )
+    node = make_worker(client, settings.agent_shared_task_queue, activities=agent.activities())
+    async with control, node:
+        yield Stand(pool=pool, client=client, settings=settings, agent=agent, epoch=epoch, nodes=nodes)
+        await agent.kill_all()
+        await forwarder.stop()

@@ -1,0 +1,639 @@
+"""JobWorkflow: one job's life (DESIGN.md, Job lifecycle). Workflow id = job id.
+
+Orchestration only: every Postgres write is a (local) control activity, every rank
+start/stop a short activity on the node's task queue. One run handles one attempt:
+
+    QUEUED --allocated--> STARTING --every rank started--> RUNNING --all exited 0--> SUCCEEDED
+    RUNNING --preempt--> PREEMPTING --ranks stopped, checkpoint kept--> QUEUED (attempt + 1)
+    STARTING/RUNNING --a rank failed / never started--> QUEUED (attempt + 1, front of class)
+                     (or FAILED after max_failed_attempts caused by the job in the window)
+    any --cancel--> CANCELLING --ranks stopped--> CANCELLED;  RUNNING --max_runtime--> TIMED_OUT
+
+A new attempt is a continue-as-new (``JobInput(job_id, attempt, resume_from)``); a long
+running attempt continues-as-new with its state in ``JobInput.carry``. Signal handlers
+are idempotent on (attempt, epoch): the first allocation per attempt wins, stale
+reports (older attempt or epoch) are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError
+
+from common.contracts import StartTask, StartTaskResult, StopTask, StopTaskResult, TaskState, TaskStatus
+from workflows import messages as m
+
+MAX_IN_FLIGHT = 400  # activities in flight per workflow stay under 500 (DESIGN.md)
+HISTORY_LIMIT = 3000  # continue-as-new well before ~4,096 events
+
+LOCAL = dict(
+    start_to_close_timeout=timedelta(seconds=15),
+    retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=5)),
+)
+
+class _NoUpdate:
+    id = ""
+
+
+_NO_UPDATE = _NoUpdate()
+
+_INFRA_OUTCOMES = (TaskState.FENCED, TaskState.LOST, TaskState.REJECTED)
+
+
+@dataclass
+class _Rank:
+    placement: m.RankPlacement
+    started: bool = False
+    exited: bool = False
+    exit_code: int | None = None
+    outcome: str = ""
+    start_error: str | None = None
+    restarts: int = 0
+    restarting: bool = False
+    restarted_at: datetime | None = None
+
+    @property
+    def failed(self) -> bool:
+        """Exited badly on its own (not because we stopped it)."""
+        if self.start_error is not None:
+            return True
+        if not self.exited:
+            return False
+        if self.outcome in _INFRA_OUTCOMES:
+            return True
+        return self.outcome == TaskState.EXITED and self.exit_code != 0
+
+    @property
+    def job_fault(self) -> bool:
+        return self.exited and self.outcome == TaskState.EXITED and self.exit_code not in (None, 0)
+
+
+@dataclass
+class _Inbox:
+    statuses: list[TaskStatus] = field(default_factory=list)
+
+
+@workflow.defn(name=m.JOB_WORKFLOW)
+class JobWorkflow:
+    def __init__(self) -> None:
+        self._job_id = ""
+        self._snap: m.JobSnapshot | None = None
+        self._state = m.QUEUED
+        self._attempt = 0
+        self._allocs: dict[int, m.Allocation] = {}
+        self._alloc: m.Allocation | None = None
+        self._preempts: dict[int, m.PreemptRequest] = {}
+        self._cancel: m.CancelRequest | None = None
+        self._ranks: dict[int, _Rank] = {}
+        self._by_lease: dict[str, _Rank] = {}
+        self._inbox = _Inbox()
+        self._checkpoint: str | None = None
+        self._checkpoint_rank: int | None = None
+        self._running_since: datetime | None = None
+        self._deadline: datetime | None = None
+        self._extensions_used = 0
+        self._stopping = False
+        self._start_tasks: list[asyncio.Task] = []
+        self._sem = asyncio.Semaphore(MAX_IN_FLIGHT)
+
+    # ------------------------------------------------------------------ handlers
+
+    @workflow.signal(name=m.SIGNAL_ALLOCATED)
+    def allocated(self, alloc: m.Allocation) -> None:
+        if alloc.attempt in self._allocs:
+            return  # first allocation per attempt wins; re-signals are no-ops
+        if self._attempt and alloc.attempt < self._attempt:
+            return
+        self._allocs[alloc.attempt] = alloc
+
+    @workflow.signal(name=m.SIGNAL_PREEMPT)
+    def preempt(self, req: m.PreemptRequest) -> None:
+        if self._attempt and req.attempt < self._attempt:
+            return
+        self._preempts.setdefault(req.attempt, req)
+
+    @workflow.signal(name=m.SIGNAL_CANCEL)
+    def cancel(self, req: m.CancelRequest) -> None:
+        if self._cancel is None:
+            self._cancel = req
+
+    @workflow.signal(name=m.SIGNAL_TASK_STATUS)
+    def task_status(self, batch: m.TaskStatusBatch) -> None:
+        self._inbox.statuses.extend(batch.statuses)
+        self._drain_statuses()
+
+    @workflow.query(name=m.QUERY_STATUS)
+    def status(self) -> m.JobStatus:
+        return m.JobStatus(
+            job_id=self._job_id,
+            state=self._state,
+            attempt=self._attempt,
+            epoch=self._alloc.epoch if self._alloc else None,
+            ranks_started=sum(1 for r in self._ranks.values() if r.started),
+            ranks_total=len(self._ranks) or (self._snap.replicas if self._snap else 0),
+            deadline=self._deadline,
+            leases=[r.placement.lease_id for r in self._ranks.values()],
+        )
+
+    @workflow.update(name=m.UPDATE_EXTEND)
+    async def extend(self, req: m.ExtendRequest) -> m.ExtendResult:
+        if self._state != m.RUNNING or self._stopping or self._running_since is None:
+            return m.ExtendResult(
+                granted=False,
+                code="not_running",
+                message=f"job is {self._state}" + (" and stopping" if self._stopping else ""),
+                extensions_used=self._extensions_used,
+            )
+        result: m.ExtendResult = await workflow.execute_local_activity(
+            m.ACT_EXTEND_JOB,
+            m.ExtendJob(
+                job_id=self._job_id,
+                attempt=self._attempt,
+                seconds=req.seconds,
+                actor=req.actor,
+                reason=req.reason,
+                running_since=self._running_since,
+                request_id=(workflow.current_update_info() or _NO_UPDATE).id,
+            ),
+            result_type=m.ExtendResult,
+            **LOCAL,
+        )
+        self._extensions_used = result.extensions_used
+        if result.granted and result.new_deadline is not None:
+            self._deadline = result.new_deadline
+        return result
+
+    @extend.validator
+    def _validate_extend(self, req: m.ExtendRequest) -> None:
+        if not (req.seconds > 0 and req.seconds < 1e9):
+            raise ValueError("seconds must be a positive number")
+
+    # ------------------------------------------------------------------ main
+
+    @workflow.run
+    async def run(self, inp: m.JobInput) -> m.JobResult:
+        self._job_id = inp.job_id
+        self._attempt = inp.attempt
+        if inp.cancel is not None and self._cancel is None:
+            self._cancel = inp.cancel
+        if inp.allocation is not None:
+            self._allocs.setdefault(inp.allocation.attempt, inp.allocation)
+        if inp.carry is not None:  # answer queries sensibly while the snapshot loads
+            self._state = m.RUNNING
+            self._restore(inp.carry)
+        snap = await self._local(m.ACT_LOAD_JOB, m.LoadJob(inp.job_id), m.JobSnapshot)
+        self._snap = snap
+        if not snap.exists:
+            return m.JobResult(inp.job_id, "UNKNOWN", inp.attempt, reason="no such job")
+        self._attempt = snap.attempt
+        self._state = snap.state
+        self._extensions_used = snap.extensions
+        if snap.state in m.TERMINAL_STATES:
+            return m.JobResult(inp.job_id, snap.state, snap.attempt, reason="already finished")
+        # drop anything that arrived for an older attempt before we knew ours
+        self._allocs = {a: x for a, x in self._allocs.items() if a >= self._attempt}
+        self._preempts = {a: x for a, x in self._preempts.items() if a >= self._attempt}
+
+        carry = inp.carry
+        if carry is not None and carry.attempt == snap.attempt and snap.state in (m.RUNNING, m.PREEMPTING, m.CANCELLING):
+            return await self._supervise()  # restored above
+
+        if snap.allocation is not None:
+            self._allocs.setdefault(self._attempt, snap.allocation)
+        if snap.state in (m.QUEUED, m.STARTING):
+            await workflow.wait_condition(
+                lambda: self._cancel is not None
+                or self._attempt in self._allocs
+                or self._attempt in self._preempts
+            )
+            if self._attempt not in self._allocs:
+                if self._cancel is not None:
+                    return await self._finish(m.CANCELLED, self._cancel.reason, actor=self._cancel.actor)
+                return await self._requeue("preempted", "preempted before its gang started", job_fault=False)
+            return await self._start_gang()
+        # A run that finds the job RUNNING / PREEMPTING / CANCELLING without its state
+        # (the workflow was restarted by an operator): stop the gang and end the attempt.
+        if snap.allocation is not None:
+            self._begin(snap.allocation, assume_started=True)
+        if snap.state == m.CANCELLING or self._cancel is not None:
+            return await self._cancel_active()
+        if snap.state == m.PREEMPTING:
+            return await self._preempt()
+        return await self._fail_attempt("the job workflow was restarted mid-attempt", job_fault=False)
+
+    # ------------------------------------------------------------------ phases
+
+    async def _start_gang(self) -> m.JobResult:
+        snap = self._require_snap()
+        alloc = self._allocs[self._attempt]
+        self._begin(alloc)
+        self._state = m.STARTING
+        for r in self._ranks.values():
+            self._start_tasks.append(asyncio.create_task(self._start_rank(r)))
+        timed_out = False
+        try:
+            await workflow.wait_condition(
+                lambda: self._cancel is not None
+                or self._attempt in self._preempts
+                or self._any_failed()
+                or self._all_started(),
+                timeout=timedelta(seconds=snap.gang_start_timeout_s),
+            )
+        except asyncio.TimeoutError:
+            timed_out = True
+        if self._cancel is not None:
+            return await self._cancel_active()
+        if self._attempt in self._preempts:
+            return await self._preempt()
+        if timed_out or self._any_failed():
+            reason, fault = self._failure_reason(timed_out)
+            return await self._fail_attempt(reason, job_fault=fault)
+
+        res = await self._local(
+            m.ACT_MARK_RUNNING,
+            m.JobTransition(self._job_id, self._attempt, m.RUNNING, "every rank started", epoch=alloc.epoch),
+            m.TransitionResult,
+        )
+        if res.state == m.PREEMPTING:
+            return await self._preempt()
+        if res.state != m.RUNNING:
+            # e.g. the job was ended behind our back: make sure nothing keeps running
+            await self._stop_all("job is " + res.state)
+            return m.JobResult(self._job_id, res.state, res.attempt, reason="state changed during start")
+        self._state = m.RUNNING
+        self._running_since = workflow.now()
+        self._deadline = self._running_since + timedelta(seconds=snap.max_runtime_s)
+        return await self._supervise()
+
+    async def _supervise(self) -> m.JobResult:
+        snap = self._require_snap()
+        serving = snap.priority_class == "prod-serving"
+        self._state = m.RUNNING if self._state not in (m.PREEMPTING, m.CANCELLING) else self._state
+        if self._state == m.CANCELLING:
+            return await self._cancel_active()
+        if self._state == m.PREEMPTING:
+            return await self._preempt()
+        while True:
+            assert self._deadline is not None
+            deadline = self._deadline
+            remaining = (deadline - workflow.now()).total_seconds()
+            if remaining <= 0:
+                return await self._time_out()
+            try:
+                await workflow.wait_condition(
+                    lambda: self._cancel is not None
+                    or self._attempt in self._preempts
+                    or self._any_failed(serving)
+                    or self._all_exited()
+                    or self._deadline != deadline
+                    or self._history_long(),
+                    timeout=timedelta(seconds=remaining),
+                )
+            except asyncio.TimeoutError:
+                continue
+            if self._cancel is not None:
+                return await self._cancel_active()
+            if self._attempt in self._preempts:
+                return await self._preempt()
+            if self._any_failed(serving):
+                if serving:
+                    self._restart_failed_replicas()
+                    continue
+                reason, fault = self._failure_reason(False)
+                return await self._fail_attempt(reason, job_fault=fault)
+            if self._all_exited():
+                if all(r.exit_code == 0 for r in self._ranks.values()):
+                    return await self._finish(m.SUCCEEDED, "every rank exited 0", exit_code=0)
+                reason, fault = self._failure_reason(False)
+                return await self._fail_attempt(reason, job_fault=fault)
+            if self._history_long() and not any(r.restarting for r in self._ranks.values()):
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                workflow.continue_as_new(
+                    m.JobInput(
+                        self._job_id, self._attempt, snap.last_checkpoint, carry=self._carry(), cancel=self._cancel
+                    )
+                )
+
+    async def _preempt(self) -> m.JobResult:
+        self._state = m.PREEMPTING
+        req = self._preempts.get(self._attempt)
+        await self._stop_all(req.reason if req else "preempted")
+        if self._cancel is not None:
+            return await self._finish(m.CANCELLED, self._cancel.reason, actor=self._cancel.actor)
+        return await self._requeue("preempted", req.reason if req else "preempted", job_fault=False,
+                                   epoch=req.epoch if req else None)
+
+    async def _fail_attempt(self, reason: str, *, job_fault: bool) -> m.JobResult:
+        workflow.logger.info("job %s attempt %d failed: %s", self._job_id, self._attempt, reason)
+        await self._stop_all("attempt failed: " + reason)
+        if self._cancel is not None:
+            return await self._finish(m.CANCELLED, self._cancel.reason, actor=self._cancel.actor)
+        return await self._requeue("failed", reason, job_fault=job_fault)
+
+    async def _cancel_active(self) -> m.JobResult:
+        req = self._cancel or m.CancelRequest(actor="system", reason="cancelled")
+        if self._state != m.CANCELLING:
+            await self._local(
+                m.ACT_MARK_CANCELLING,
+                m.JobTransition(self._job_id, self._attempt, m.CANCELLING, req.reason, actor=req.actor),
+                m.TransitionResult,
+            )
+            self._state = m.CANCELLING
+        await self._stop_all("cancelled: " + req.reason)
+        return await self._finish(m.CANCELLED, req.reason, actor=req.actor)
+
+    async def _time_out(self) -> m.JobResult:
+        await self._stop_all("max_runtime reached")
+        return await self._finish(m.TIMED_OUT, "max_runtime reached")
+
+    # ------------------------------------------------------------------ ranks
+
+    def _begin(self, alloc: m.Allocation, *, assume_started: bool = False) -> None:
+        self._alloc = alloc
+        self._ranks = {p.rank: _Rank(p, started=assume_started) for p in alloc.ranks}
+        self._by_lease = {p.lease_id: self._ranks[p.rank] for p in alloc.ranks}
+        self._drain_statuses()
+
+    def _restore(self, carry: m.RunCarry) -> None:
+        self._begin(carry.allocation)
+        for rc in carry.ranks:
+            r = self._ranks[rc.rank]
+            r.started, r.exited, r.exit_code, r.outcome, r.restarts = (
+                rc.started, rc.exited, rc.exit_code, rc.outcome, rc.restarts
+            )
+        self._running_since = carry.running_since
+        self._deadline = carry.deadline
+        self._checkpoint = carry.checkpoint
+        self._drain_statuses()
+
+    def _carry(self) -> m.RunCarry:
+        assert self._alloc is not None and self._running_since is not None and self._deadline is not None
+        return m.RunCarry(
+            attempt=self._attempt,
+            allocation=self._alloc,
+            running_since=self._running_since,
+            deadline=self._deadline,
+            ranks=[
+                m.RankCarry(r.placement.rank, r.started, r.exited, r.exit_code, str(r.outcome), r.restarts)
+                for r in self._ranks.values()
+            ],
+            checkpoint=self._checkpoint,
+        )
+
+    def _start_request(self, r: _Rank) -> StartTask:
+        snap = self._require_snap()
+        alloc = self._alloc
+        assert alloc is not None
+        env = dict(snap.env)
+        if r.restarts:
+            env["GPUFLEET_RESTART"] = str(r.restarts)
+        return StartTask(
+            lease_id=r.placement.lease_id,
+            job_id=self._job_id,
+            attempt=self._attempt,
+            epoch=alloc.epoch,
+            node_id=r.placement.node_id,
+            rank=r.placement.rank,
+            world_size=len(alloc.ranks),
+            image=snap.image,
+            command=list(snap.command),
+            gpu_indices=list(r.placement.gpu_indices),
+            master_addr=alloc.master_addr,
+            master_port=alloc.master_port,
+            env=env,
+            checkpoint_dir=snap.checkpoint_dir,
+            resume_from=self._checkpoint or snap.last_checkpoint,
+        )
+
+    async def _start_rank(self, r: _Rank) -> None:
+        snap = self._require_snap()
+        async with self._sem:
+            if self._stopping or r.exited:
+                return
+            try:
+                res: StartTaskResult = await workflow.execute_activity(
+                    m.ACT_START_TASK,
+                    self._start_request(r),
+                    result_type=StartTaskResult,
+                    task_queue=r.placement.task_queue,
+                    start_to_close_timeout=timedelta(seconds=snap.start_task_timeout_s),
+                    schedule_to_close_timeout=timedelta(seconds=snap.gang_start_timeout_s),
+                    retry_policy=RetryPolicy(
+                        initial_interval=timedelta(milliseconds=500), maximum_interval=timedelta(seconds=10)
+                    ),
+                )
+            except ActivityError as e:
+                if not self._stopping:
+                    r.start_error = f"start on {r.placement.node_id} failed: {e.cause or e}"
+                return
+        if res.accepted:
+            r.started = True
+        elif not self._stopping:
+            r.start_error = f"start on {r.placement.node_id} refused: {res.reason or 'rejected'}"
+
+    async def _stop_rank(self, r: _Rank, reason: str, grace: float) -> None:
+        snap = self._require_snap()
+        async with self._sem:
+            try:
+                res: StopTaskResult = await workflow.execute_activity(
+                    m.ACT_STOP_TASK,
+                    StopTask(
+                        lease_id=r.placement.lease_id,
+                        epoch=self._alloc.epoch if self._alloc else 0,
+                        node_id=r.placement.node_id,
+                        grace_seconds=grace,
+                        reason=reason,
+                    ),
+                    result_type=StopTaskResult,
+                    task_queue=r.placement.task_queue,
+                    start_to_close_timeout=timedelta(seconds=grace + snap.start_task_timeout_s),
+                    schedule_to_close_timeout=timedelta(seconds=grace + 3 * snap.start_task_timeout_s),
+                    retry_policy=RetryPolicy(
+                        initial_interval=timedelta(milliseconds=500),
+                        maximum_interval=timedelta(seconds=5),
+                        maximum_attempts=3,
+                    ),
+                )
+            except ActivityError as e:
+                workflow.logger.warning("stop of %s failed: %s", r.placement.lease_id, e.cause or e)
+                return
+        if res.checkpoint_uri:
+            self._note_checkpoint(r.placement.rank, res.checkpoint_uri)
+        if r.exited:
+            return
+        if res.exit_code is not None:
+            r.exited, r.exit_code, r.outcome = True, res.exit_code, TaskState.STOPPED
+        elif not res.accepted:
+            # the agent holds no such task (never started, or long gone): nothing to wait for
+            r.exited, r.outcome = True, TaskState.STOPPED
+
+    async def _stop_all(self, reason: str) -> None:
+        """Stop every rank not known to have exited: SIGTERM, the grace period to
+        checkpoint, SIGKILL at its end (the agent's part); then wait for the exit reports."""
+        snap = self._require_snap()
+        self._stopping = True
+        for t in self._start_tasks:
+            if not t.done():
+                t.cancel()
+        if self._start_tasks:
+            await asyncio.gather(*self._start_tasks, return_exceptions=True)
+        grace = snap.grace_s
+        targets = [r for r in self._ranks.values() if not r.exited]
+        if not targets:
+            return
+        await asyncio.gather(*(self._stop_rank(r, reason, grace) for r in targets))
+        try:
+            await workflow.wait_condition(
+                lambda: all(r.exited for r in targets), timeout=timedelta(seconds=grace + snap.stop_margin_s)
+            )
+        except asyncio.TimeoutError:
+            workflow.logger.warning(
+                "job %s: %d rank(s) sent no exit report after their stop", self._job_id,
+                sum(1 for r in targets if not r.exited),
+            )
+
+    def _restart_failed_replicas(self) -> None:
+        """prod-serving: a failed replica restarts alone (the others keep serving)."""
+        for r in self._ranks.values():
+            if r.failed and not r.restarting:
+                r.restarts += 1
+                r.restarting = True
+                r.started = False
+                r.exited = False
+                r.exit_code = None
+                r.outcome = ""
+                r.start_error = None
+                r.restarted_at = workflow.now()
+                self._start_tasks = [t for t in self._start_tasks if not t.done()]
+                self._start_tasks.append(asyncio.create_task(self._restart_rank(r)))
+
+    async def _restart_rank(self, r: _Rank) -> None:
+        try:
+            await self._start_rank(r)
+        finally:
+            r.restarting = False
+
+    # ------------------------------------------------------------------ status reports
+
+    def _drain_statuses(self) -> None:
+        keep: list[TaskStatus] = []
+        for s in self._inbox.statuses:
+            if self._attempt and s.attempt < self._attempt:
+                continue  # a report about an earlier attempt
+            r = self._by_lease.get(s.lease_id)
+            if r is None or s.attempt != self._attempt:
+                if not self._attempt or s.attempt >= self._attempt:
+                    keep.append(s)  # for an allocation we have not seen yet
+                continue
+            if self._alloc is not None and s.epoch < self._alloc.epoch:
+                continue  # stale epoch
+            self._apply_status(r, s)
+        self._inbox.statuses = keep[-1000:]
+
+    def _apply_status(self, r: _Rank, s: TaskStatus) -> None:
+        if s.checkpoint_uri:
+            self._note_checkpoint(r.placement.rank, s.checkpoint_uri)
+        if r.restarted_at is not None and s.at.tzinfo is not None and s.at < r.restarted_at:
+            return  # from before this replica's restart
+        state = TaskState(s.state)
+        if state == TaskState.STARTED:
+            if not r.exited:
+                r.started = True
+            return
+        if r.exited:
+            return
+        r.started = r.started or state == TaskState.EXITED
+        r.exited = True
+        r.exit_code = s.exit_code
+        r.outcome = state
+
+    def _note_checkpoint(self, rank: int, uri: str) -> None:
+        # rank 0's checkpoint is the job's; another rank's counts until rank 0 reports one
+        if self._checkpoint_rank is None or rank <= self._checkpoint_rank:
+            self._checkpoint = uri
+            self._checkpoint_rank = rank
+
+    # ------------------------------------------------------------------ predicates
+
+    def _all_started(self) -> bool:
+        return bool(self._ranks) and all(r.started for r in self._ranks.values())
+
+    def _all_exited(self) -> bool:
+        return bool(self._ranks) and all(r.exited for r in self._ranks.values())
+
+    def _any_failed(self, serving: bool = False) -> bool:
+        if serving:
+            return any(r.failed and not r.restarting for r in self._ranks.values())
+        return any(r.failed for r in self._ranks.values())
+
+    def _failure_reason(self, timed_out: bool) -> tuple[str, bool]:
+        for r in sorted(self._ranks.values(), key=lambda r: r.placement.rank):
+            if r.job_fault:
+                return f"rank {r.placement.rank} exited with code {r.exit_code}", True
+        for r in sorted(self._ranks.values(), key=lambda r: r.placement.rank):
+            if r.start_error:
+                return f"rank {r.placement.rank} never started: {r.start_error}", False
+            if r.failed:
+                return f"rank {r.placement.rank} on {r.placement.node_id} was {str(r.outcome).lower()}", False
+        if timed_out:
+            missing = [r.placement.rank for r in self._ranks.values() if not r.started]
+            return f"gang not started within the start timeout (ranks {missing[:10]} missing)", False
+        return "ranks exited without all succeeding", True
+
+    def _history_long(self) -> bool:
+        info = workflow.info()
+        return info.is_continue_as_new_suggested() or info.get_current_history_length() > HISTORY_LIMIT
+
+    # ------------------------------------------------------------------ writes
+
+    async def _finish(self, state: str, reason: str, *, exit_code: int | None = None, actor: str = "workflow") -> m.JobResult:
+        res = await self._local(
+            m.ACT_FINISH_JOB,
+            m.JobTransition(
+                self._job_id, self._attempt, state, reason, actor=actor, exit_code=exit_code,
+                checkpoint_uri=self._checkpoint,
+            ),
+            m.TransitionResult,
+        )
+        self._state = res.state
+        return m.JobResult(self._job_id, res.state, res.attempt, exit_code=exit_code, reason=reason)
+
+    async def _requeue(self, cause: str, reason: str, *, job_fault: bool, epoch: int | None = None) -> m.JobResult:
+        res = await self._local(
+            m.ACT_REQUEUE_JOB,
+            m.RequeueJob(
+                job_id=self._job_id,
+                attempt=self._attempt,
+                cause=cause,
+                reason=reason,
+                job_fault=job_fault,
+                checkpoint_uri=self._checkpoint,
+                epoch=epoch,
+            ),
+            m.RequeueResult,
+        )
+        self._state = res.state
+        if res.state == m.QUEUED and res.attempt > self._attempt:
+            await workflow.wait_condition(workflow.all_handlers_finished)
+            workflow.continue_as_new(
+                m.JobInput(
+                    self._job_id,
+                    res.attempt,
+                    res.resume_from,
+                    cancel=self._cancel,
+                    allocation=self._allocs.get(res.attempt),
+                )
+            )
+        return m.JobResult(self._job_id, res.state, res.attempt, reason=reason)
+
+    async def _local(self, name: str, arg: object, result_type: type):
+        return await workflow.execute_local_activity(name, arg, result_type=result_type, **LOCAL)
+
+    def _require_snap(self) -> m.JobSnapshot:
+        assert self._snap is not None
+        return self._snap
