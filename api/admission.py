@@ -136,7 +136,7 @@ async def admit(conn: asyncpg.Connection, settings: Settings, principal: Princip
     try:
         max_runtime_s = parse_duration(job.max_runtime)
     except ValueError as e:
-        raise reject("invalid_max_runtime", str(e)) from e
+        raise reject("invalid_max_runtime", f"max_runtime: {e}") from e
     cap = settings.max_runtime_caps_s.get(job.priority_class)
     if cap is not None and max_runtime_s > cap:
         raise reject(

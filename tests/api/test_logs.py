@@ -1,0 +1,112 @@
+"""GET /v1/jobs/{id}/logs: real rank output, proxied from the agent on the node that
+holds the rank (a real HTTP server here, speaking the agent's log contract)."""
+
+from __future__ import annotations
+
+import pytest
+
+from activities import store
+from tests.api.agent_server import AgentLogServer
+from tests.api.conftest import ALPHA, BETA, auth, submit
+from tests.foundation.builders import gang
+
+
+@pytest.fixture
+def agent():
+    with AgentLogServer(token="agent-secret") as server:
+        yield server
+
+
+async def place(pool, job_id: str, nodes: list[str], agent_addr: str | None, attempt: int = 1) -> list[str]:
+    epoch = await store.acquire_leadership(pool, scope="placement", holder="t", task_queue="q", grpc_addr="x", ttl_s=60)
+    if epoch is None:
+        epoch = await pool.fetchval("SELECT epoch FROM leader")
+    await pool.execute("UPDATE nodes SET agent_addr = $1", agent_addr)
+    return await store.commit_gang(
+        pool, scope="placement", epoch=epoch, job_id=job_id, attempt=attempt,
+        placements=gang(*[(n, (0, 1, 2, 3)) for n in nodes]),
+    )
+
+
+async def test_logs_of_a_rank_are_proxied_from_its_agent(client, pool, agent):
+    job_id = (await submit(client, replicas=2)).json()["job_id"]
+    leases = await place(pool, job_id, ["b0-n0", "b0-n1"], agent.addr)
+    agent.logs[leases[0]] = b"rank0 step 1\nrank0 step 2\n"
+    agent.logs[leases[1]] = b"rank1 step 1\n"
+    r = await client.get(f"/v1/jobs/{job_id}/logs", headers=auth(ALPHA))
+    assert r.status_code == 200 and r.text == "rank0 step 1\nrank0 step 2\n"
+    assert r.headers["content-type"].startswith("text/plain") and r.headers["x-lease-id"] == leases[0]
+    r = await client.get(f"/v1/jobs/{job_id}/logs", params={"rank": 1, "attempt": 1}, headers=auth(ALPHA))
+    assert r.text == "rank1 step 1\n"
+    r = await client.get(f"/v1/jobs/{job_id}/logs", params={"offset": 13}, headers=auth(ALPHA))
+    assert r.text == "rank0 step 2\n"
+    # the API presents the agent log token, never the caller's
+    assert {q["auth"] for q in agent.requests} == {"Bearer agent-secret"}
+    assert agent.requests[-1]["offset"] == 13 and agent.requests[-1]["follow"] is False
+
+
+async def test_follow_streams_until_the_agent_ends(client, pool, agent):
+    job_id = (await submit(client)).json()["job_id"]
+    [lease] = await place(pool, job_id, ["b1-n0"], agent.addr)
+    agent.logs[lease] = b"start\n"
+    agent.follow_lines[lease] = [b"step 1\n", b"step 2\n", b"done\n"]
+    async with client.stream("GET", f"/v1/jobs/{job_id}/logs", params={"follow": "true"}, headers=auth(ALPHA)) as r:
+        assert r.status_code == 200
+        text = "".join([chunk async for chunk in r.aiter_text()])
+    assert text == "start\nstep 1\nstep 2\ndone\n"
+    assert agent.requests[-1]["follow"] is True
+
+
+async def test_log_errors_use_the_error_shape(client, pool, agent):
+    job_id = (await submit(client, replicas=2)).json()["job_id"]
+    # not scheduled yet
+    r = await client.get(f"/v1/jobs/{job_id}/logs", headers=auth(ALPHA))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "logs_not_found"
+    leases = await place(pool, job_id, ["b0-n0", "b0-n1"], agent.addr)
+    # the agent has no file for it
+    r = await client.get(f"/v1/jobs/{job_id}/logs", headers=auth(ALPHA))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "logs_not_found"
+    # another team cannot read them
+    agent.logs[leases[0]] = b"secret\n"
+    r = await client.get(f"/v1/jobs/{job_id}/logs", headers=auth(BETA))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found"
+    # the agent refuses the API's token
+    agent.token = "rotated"
+    r = await client.get(f"/v1/jobs/{job_id}/logs", headers=auth(ALPHA))
+    assert r.status_code == 502 and r.json()["error"]["code"] == "agent_auth_failed"
+    # the agent is gone
+    await pool.execute("UPDATE nodes SET agent_addr = '127.0.0.1:1'")
+    r = await client.get(f"/v1/jobs/{job_id}/logs", headers=auth(ALPHA))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "agent_unreachable"
+    # no agent registered for the node
+    await pool.execute("UPDATE nodes SET agent_addr = NULL")
+    r = await client.get(f"/v1/jobs/{job_id}/logs", headers=auth(ALPHA))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "agent_unreachable"
+
+
+async def test_logs_of_an_earlier_attempt(client, pool, agent):
+    job_id = (await submit(client)).json()["job_id"]
+    [a1] = await place(pool, job_id, ["b0-n0"], agent.addr)
+    await store.release_job(pool, job_id, 1, reason="preempted", actor="test")
+    await pool.execute("UPDATE jobs SET state = 'QUEUED', attempt = 2 WHERE job_id = $1", job_id)
+    [a2] = await place(pool, job_id, ["b1-n1"], agent.addr, attempt=2)
+    agent.logs[a1] = b"attempt one\n"
+    agent.logs[a2] = b"attempt two\n"
+    assert (await client.get(f"/v1/jobs/{job_id}/logs", headers=auth(ALPHA))).text == "attempt two\n"
+    r = await client.get(f"/v1/jobs/{job_id}/logs", params={"attempt": 1}, headers=auth(ALPHA))
+    assert r.text == "attempt one\n" and r.headers["x-attempt"] == "1"
+
+
+async def test_proxy_function_directly(agent):
+    from api.errors import ApiError
+    from api.logs_proxy import open_agent_log
+
+    agent.logs["L1"] = b"abcdef"
+    body = await open_agent_log(agent.addr, "L1", token="agent-secret", offset=2)
+    assert b"".join([c async for c in body]) == b"cdef"
+    with pytest.raises(ApiError) as e:
+        await open_agent_log(agent.addr, "nope", token="agent-secret")
+    assert e.value.status == 404
+    with pytest.raises(ApiError) as e:
+        await open_agent_log("127.0.0.1:1", "L1", token="agent-secret")
+    assert e.value.code == "agent_unreachable"
