@@ -1,0 +1,535 @@
+"""``plan`` (one cycle, pure) and ``apply`` (commit a plan or an event to the state).
+
+A cycle, in order:
+
+1. re-check borrowed flags of the (team, type) pairs whose usage or quota changed;
+2. drop reservations whose owner left the queue, spares whose owner is gone, and
+   refresh every head-of-line reservation's expected start;
+3. replace lost replicas of running prod-serving jobs (alone, not as a gang);
+4. walk the queue in order (``ordering.iter_order``), at most ``Policy.lookahead``
+   jobs: place on free capacity it may use (quota, reservations, hot spares,
+   topology), else choose victims (if its class and quota allow), else reserve blocks
+   (head-of-line large gang), else record why it waits.
+
+Everything is decided on the state tentatively and rolled back before ``plan``
+returns, so the state is unchanged and equal inputs give equal plans (ties are
+broken by ids, never by insertion order). ``apply`` then records what the driver
+committed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from placement import quota as quota_mod
+from placement.model import (
+    DEFAULT_POLICY,
+    SERVING_RANK,
+    JobSpec,
+    NodeHealth,
+    Pending,
+    PendingReason,
+    Placement,
+    Plan,
+    Policy,
+    Preemption,
+    Relabel,
+    ReplicaSlot,
+    Reservation,
+    ReservationKind,
+)
+from placement.ordering import JobQueue, iter_order
+from placement.reservations import excluded_owners, expected_start, make_head_of_line, plan_head_of_line
+from placement.state import ClusterState, RunningJob, _TypeIndex, indices_of, make_placement, mask_of
+from placement.topology import Search, Shape, choose_spares, find_placement, find_small_node, job_shape
+from placement.victims import ClearableIndex, Mode, eligible_upper_bound, find_small, find_whole, reason_for
+
+_INF = float("inf")
+
+
+def plan(state: ClusterState, queue: JobQueue, policy: Policy = DEFAULT_POLICY, now: float = 0.0) -> Plan:
+    """One placement cycle. Leaves ``state`` and ``queue`` unchanged; returns a ``Plan``."""
+    state.begin_tentative()
+    try:
+        return _Cycle(state, queue, policy, now).run()
+    finally:
+        state.rollback()
+
+
+class _Cycle:
+    def __init__(self, state: ClusterState, queue: JobQueue, policy: Policy, now: float) -> None:
+        self.state = state
+        self.queue = queue
+        self.policy = policy
+        self.now = now
+        self.placements: list[Placement] = []
+        self.preemptions: list[Preemption] = []
+        self.pending: list[Pending] = []
+        self.relabels: list[Relabel] = []
+        self.dropped_spares: list[str] = []
+        self.memo: dict[tuple, PendingReason] = {}
+        self.victim_memo: set[tuple] = set()
+        self.clearable: dict[tuple[str, Mode], ClearableIndex] = {}
+        self.victims_left = policy.max_preemptions_per_cycle
+        self.searches_left = policy.max_victim_searches_per_cycle
+        self.considered = 0
+
+    # ------------------------------------------------------------------ cycle
+
+    def run(self) -> Plan:
+        state, now = self.state, self.now
+        checked = state.quota_dirty()
+        for team, gpu_type in checked:
+            self.relabels.extend(quota_mod.relabel(state, team, gpu_type))
+        self._housekeeping()
+        self._replacements()
+        limit = self.policy.lookahead
+        if limit > 0:
+            for job in iter_order(self.queue, state, self.policy, now):
+                self.considered += 1
+                self._consider(job)
+                if self.considered >= limit:
+                    break
+        return Plan(
+            now=now,
+            placements=tuple(self.placements),
+            preemptions=tuple(self.preemptions),
+            reservations=state.reservations(),
+            pending=tuple(self.pending),
+            relabels=tuple(self.relabels),
+            dropped_spares=tuple(self.dropped_spares),
+            quota_checked=checked,
+            considered=self.considered,
+        )
+
+    def _housekeeping(self) -> None:
+        state, now = self.state, self.now
+        for res in state.reservations():
+            if res.job_id not in self.queue or state.is_running(res.job_id) or state.type_index(res.gpu_type) is None:
+                state.remove_reservation(res.job_id)
+                continue
+            if res.kind is ReservationKind.PREEMPTION:
+                if not state._awaiting.get(res.job_id) and now > res.expected_start + self.policy.preemption_hold_s:
+                    state.remove_reservation(res.job_id)  # its victims are long gone: stop holding
+                continue
+            if res.kind is ReservationKind.HEAD_OF_LINE:
+                es = expected_start(state, res, now)
+                if es == _INF:
+                    state.remove_reservation(res.job_id)  # its blocks can no longer hold it: re-planned
+                elif es != res.expected_start:
+                    state.add_reservation(replace(res, expected_start=es))
+        for owner in state.spare_owners():
+            if not state.is_running(owner) and owner not in self.queue:
+                state.release_spares(owner)
+                self.dropped_spares.append(owner)
+
+    def _pend(self, job: JobSpec, reason: PendingReason, detail: str = "") -> None:
+        self.pending.append(Pending(job.job_id, reason, detail))
+
+    # ------------------------------------------------------------------ one job
+
+    def _consider(self, job: JobSpec) -> None:
+        state, policy, now = self.state, self.policy, self.now
+        ti = state.type_index(job.gpu_type)
+        if ti is None:
+            self._pend(job, PendingReason.GPU_TYPE)
+            return
+        if state.is_running(job.job_id):
+            self._pend(job, PendingReason.INVALID, "already running")
+            return
+        shape = job_shape(job, ti.node_gpus)
+        if isinstance(shape, str):
+            self._pend(job, PendingReason.INVALID, shape)
+            return
+        borrowed = quota_mod.classify(state, job, shape.charge, policy)
+        if borrowed is None:
+            self._pend(job, PendingReason.QUOTA)
+            return
+        serving = job.rank == SERVING_RANK
+        own_res = state.reservation(job.job_id)
+        spare_nodes = state.release_spares(job.job_id) if job.job_id in state._spares else ()
+        own_spares = bool(spare_nodes)
+        restrict = None
+        try_free = True
+        if serving and borrowed and not policy.serving_borrows_idle:
+            # beyond its guarantee prod-serving only takes capacity reclaimed from borrowed allocations
+            if own_res is not None and own_res.kind is ReservationKind.PREEMPTION:
+                restrict = frozenset(own_res.nodes)
+            else:
+                try_free = False
+        fail: PendingReason | None = PendingReason.QUOTA
+        if try_free:
+            fail, placed = self._try_place(job, ti, shape, borrowed, restrict, own_spares)
+            if placed is not None:
+                self._commit(job, ti, shape, placed, own_res)
+                return
+        for nid in spare_nodes:  # not placed: its spares stay held for it
+            state.hold_spare(nid, job.job_id)
+        if fail is PendingReason.CAPACITY and self._would_fit_healthy(ti, shape):
+            fail = PendingReason.NODE_HEALTH
+        if state._awaiting.get(job.job_id):
+            self._pend(job, PendingReason.PREEMPTING)
+            return
+        mode = None
+        if not borrowed:
+            mode = Mode(job.rank, False)
+        elif serving:
+            mode = Mode(job.rank, True)
+        if mode is not None and policy.preemption and self._preempt(job, ti, shape, mode):
+            self._pend(job, PendingReason.PREEMPTING)
+            return
+        if (
+            policy.reservations
+            and shape.whole
+            and shape.charge >= policy.reserve_min_gpus
+            and not (serving and borrowed and not policy.serving_borrows_idle)
+        ):
+            if own_res is not None and own_res.kind is ReservationKind.HEAD_OF_LINE:
+                self._pend(job, PendingReason.RESERVED)
+                return
+            if self._reserve(job, ti, shape):
+                self._pend(job, PendingReason.RESERVED)
+                return
+        if own_res is not None and own_res.kind is ReservationKind.PREEMPTION and fail is not PendingReason.QUOTA:
+            self._pend(job, PendingReason.PREEMPTING, "waiting for reclaimed nodes")
+            return
+        self._pend(job, fail or PendingReason.CAPACITY)
+
+    def _try_place(
+        self,
+        job: JobSpec,
+        ti: _TypeIndex,
+        shape: Shape,
+        borrowed: bool,
+        restrict: frozenset[str] | None,
+        own_spares: bool,
+    ) -> tuple[PendingReason | None, Placement | None]:
+        state, policy, now = self.state, self.policy, self.now
+        if shape.whole:
+            if ti.free_nodes < shape.nodes:
+                return PendingReason.CAPACITY, None
+        elif ti.free_gpus < shape.total:
+            return PendingReason.CAPACITY, None
+        excl = excluded_owners(state._reservations.values(), job, now, policy) if state._reservations else frozenset()
+        t = job.topology
+        key = (
+            job.gpu_type,
+            shape.whole,
+            shape.nodes,
+            shape.total,
+            job.gpus_per_replica,
+            job.replicas,
+            t.pack,
+            t.max_blocks,
+            excl,
+            restrict,
+        )
+        memo_ok = not own_spares
+        if memo_ok:
+            hit = self.memo.get(key)
+            if hit is not None:
+                return hit, None
+        search = Search(state, ti, excl, restrict)
+        r = find_placement(search, job, shape, borrowed, policy)
+        if isinstance(r, PendingReason):
+            if memo_ok:
+                self.memo[key] = r
+            return r, None
+        if shape.whole:
+            spares = choose_spares(search, job, shape, [n.node_id for n in r.nodes], policy)
+            if spares:
+                r = replace(r, spare_nodes=tuple(sorted(spares)))
+        if state._node_res:
+            owners = {state._node_res.get(n.node_id) for n in r.nodes} - {None, job.job_id}
+            if owners:
+                r = replace(r, backfill=True)
+        return None, r
+
+    def _commit(self, job: JobSpec, ti: _TypeIndex, shape: Shape, placed: Placement, own_res: Reservation | None) -> None:
+        state = self.state
+        state.allocate(job, placed, self.now)
+        if own_res is not None:
+            state.remove_reservation(job.job_id)
+        self.placements.append(placed)
+
+    def _would_fit_healthy(self, ti: _TypeIndex, shape: Shape) -> bool:
+        if shape.whole:
+            return ti.free_nodes < shape.nodes <= ti.free_nodes + ti.unready_idle_nodes
+        return ti.free_gpus < shape.total <= ti.free_gpus + ti.unready_idle_gpus
+
+    # ------------------------------------------------------------------ preemption
+
+    def _preempt(self, job: JobSpec, ti: _TypeIndex, shape: Shape, mode: Mode) -> bool:
+        state, policy, now = self.state, self.policy, self.now
+        if self.victims_left <= 0 or self.searches_left <= 0:
+            return False
+        if ti.free_gpus + eligible_upper_bound(ti, mode) < shape.charge:
+            return False
+        excl = excluded_owners(state._reservations.values(), job, now, policy) if state._reservations else frozenset()
+        t = job.topology
+        mkey = (job.gpu_type, mode, shape.whole, shape.nodes, shape.total, t.pack, t.max_blocks, excl)
+        if mkey in self.victim_memo:
+            return False
+        self.searches_left -= 1
+        search = Search(state, ti, excl)
+        if shape.whole:
+            ckey = (job.gpu_type, mode)
+            index = self.clearable.get(ckey)
+            if index is None:
+                index = self.clearable[ckey] = ClearableIndex(state, ti, mode, now, policy)
+            choice = find_whole(
+                state, search, shape, t.pack, t.max_blocks, mode, now, policy, index, self.victims_left
+            )
+        else:
+            choice = find_small(state, search, shape.total, mode, now, policy, self.victims_left)
+        if choice is None or len(choice.victims) > self.victims_left:
+            self.victim_memo.add(mkey)
+            return False
+        self.victims_left -= len(choice.victims)
+        for vid in choice.victims:
+            rj = state.running(vid)
+            self.preemptions.append(Preemption(vid, job.job_id, reason_for(rj, mode), rj.spec.grace_s, rj.borrowed))
+            state.mark_preempting(vid, job.job_id)
+        res = Reservation(
+            job_id=job.job_id,
+            gpu_type=job.gpu_type,
+            kind=ReservationKind.PREEMPTION,
+            blocks=choice.blocks,
+            nodes=choice.nodes,
+            nodes_needed=shape.nodes,
+            gpus=shape.charge,
+            priority_rank=job.rank,
+            expected_start=now + choice.grace_s,
+            created_at=now,
+        )
+        state.add_reservation(res)
+        return True
+
+    # ------------------------------------------------------------------ reservations
+
+    def _reserve(self, job: JobSpec, ti: _TypeIndex, shape: Shape) -> bool:
+        state, policy, now = self.state, self.policy, self.now
+        mine = [
+            r
+            for r in state.reservations()
+            if r.gpu_type == job.gpu_type and r.kind is ReservationKind.HEAD_OF_LINE
+        ]
+        if len(mine) >= policy.max_reservations_per_type:
+            lower = [r for r in mine if r.priority_rank > job.rank]
+            if not lower:
+                return False
+            weakest = max(lower, key=lambda r: (r.priority_rank, r.created_at, r.job_id))
+            state.remove_reservation(weakest.job_id)
+        got = plan_head_of_line(state, ti, job, shape.nodes, now)
+        if got is None:
+            return False
+        blocks, start = got
+        state.add_reservation(make_head_of_line(job, blocks, shape.nodes, shape.charge, start, now))
+        return True
+
+    # ------------------------------------------------------------------ prod-serving replicas
+
+    def _replacements(self) -> None:
+        state, policy, now = self.state, self.policy, self.now
+        for jid in state.degraded_jobs():
+            rj = state.running(jid)
+            ti = state.type_index(rj.gpu_type)
+            if ti is None:
+                continue
+            missing = sorted(state._missing.get(jid, ()))
+            excl = excluded_owners(state._reservations.values(), rj.spec, now, policy) if state._reservations else frozenset()
+            search = Search(state, ti, excl)
+            p = _replace_replicas(state, search, rj, missing, policy)
+            if p is not None:
+                state.place_replicas(p, now)
+                self.placements.append(p)
+
+
+def _replace_replicas(
+    state: ClusterState, search: Search, rj: RunningJob, missing: list[int], policy: Policy
+) -> Placement | None:
+    job = rj.spec
+    ti = search.ti
+    gpr = job.gpus_per_replica
+    held: list[tuple[str, tuple[int, ...]]] = []
+    slots: list[ReplicaSlot] = []
+    if rj.whole:
+        per = ti.node_gpus // gpr
+        want = math.ceil(len(missing) / per)
+        nodes: list[str] = []
+        order = list(rj.blocks) + [b for _, b in sorted((c, b) for b, c in ti.blocks_free.items()) if b not in rj.blocks]
+        for bid in order:
+            if bid not in ti.blocks_free:
+                continue
+            nodes.extend(search.block_nodes(bid, want - len(nodes)))
+            if len(nodes) >= want:
+                break
+        if not nodes:
+            return None
+        all_gpus = tuple(range(ti.node_gpus))
+        for i, nid in enumerate(nodes):
+            held.append((nid, all_gpus))
+            for j, r in enumerate(missing[i * per : (i + 1) * per]):
+                slots.append(ReplicaSlot(r, nid, all_gpus[j * gpr : (j + 1) * gpr]))
+    else:
+        taken: dict[str, int] = {}
+        for r in missing:
+            nid = find_small_node(search, gpr, policy)
+            if nid is None:
+                break
+            node = state._nodes[nid]
+            # pick GPUs, then take them so the next replica sees the node's new free set
+            gpus = indices_of(node.free_mask & ~taken.get(nid, 0))[:gpr]
+            if len(gpus) < gpr:
+                break
+            taken[nid] = taken.get(nid, 0) | mask_of(gpus)
+            state._take(node, mask_of(gpus), "\0replacement")
+            slots.append(ReplicaSlot(r, nid, gpus))
+        for nid, m in taken.items():
+            state._give(state._nodes[nid], m, "\0replacement")
+            held.append((nid, tuple(sorted(g for s in slots if s.node_id == nid for g in s.gpus))))
+        if not slots:
+            return None
+    blocks = [state._nodes[n].block for n, _ in held]
+    return make_placement(
+        job, held, slots, blocks, rj.borrowed, sum(len(g) for _, g in held), replacement=True
+    )
+
+
+# ---------------------------------------------------------------------- apply
+
+
+def apply(
+    state: ClusterState,
+    plan: Plan,
+    queue: JobQueue | None,
+    now: float,
+    committed: set[str] | frozenset[str] | None = None,
+    jobs: dict[str, JobSpec] | None = None,
+) -> None:
+    """Record a committed plan: relabels, placements (removed from ``queue``), preemptions,
+    reservations, dropped spares.
+
+    ``committed``: job ids whose placement / victim ids whose preemption actually
+    committed (None: all). Job specs come from ``queue`` (or ``jobs``).
+    """
+    for rl in plan.relabels:
+        if state.is_running(rl.job_id):
+            state.set_borrowed(rl.job_id, rl.borrowed)
+    state.mark_quota_checked(plan.quota_checked)
+    for owner in plan.dropped_spares:
+        state.release_spares(owner)
+    for p in plan.placements:
+        if committed is not None and p.job_id not in committed:
+            continue
+        if p.replacement:
+            state.place_replicas(p, now)
+            continue
+        spec = None
+        if queue is not None:
+            spec = queue.get(p.job_id)
+        if spec is None and jobs is not None:
+            spec = jobs.get(p.job_id)
+        if spec is None:
+            raise KeyError(f"no spec for {p.job_id}: pass the queue or jobs")
+        state.allocate(spec, p, now)
+        if queue is not None:
+            queue.remove(p.job_id)
+    for pr in plan.preemptions:
+        if committed is not None and pr.victim not in committed:
+            continue
+        rj = state.get_running(pr.victim)
+        if rj is not None and rj.preempting_for is None:
+            state.mark_preempting(pr.victim, pr.beneficiary)
+    state.set_reservations(plan.reservations)
+
+
+# ---------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, slots=True)
+class JobEnded:
+    """The job's gang is gone (finished, failed, cancelled, stopped after preemption)."""
+
+    job_id: str
+    keep_spares: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHealthChanged:
+    node_id: str
+    health: NodeHealth
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicasLost:
+    job_id: str
+    replicas: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpointed:
+    job_id: str
+    at: float
+
+
+Event = JobEnded | NodeHealthChanged | ReplicasLost | Checkpointed
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFailure:
+    """What ``fail_node`` did: gangs released (re-queue them, front of class), serving jobs degraded."""
+
+    released: tuple[str, ...]
+    degraded: tuple[str, ...]
+
+
+def apply_event(state: ClusterState, event: Event, now: float) -> tuple[str, ...]:
+    """Apply one event; returns the jobs it touched."""
+    if isinstance(event, JobEnded):
+        if state.is_running(event.job_id):
+            state.release(event.job_id, now, keep_spares=event.keep_spares)
+            return (event.job_id,)
+        return ()
+    if isinstance(event, NodeHealthChanged):
+        return state.set_node_health(event.node_id, event.health)
+    if isinstance(event, ReplicasLost):
+        state.release_replicas(event.job_id, event.replicas, now)
+        return (event.job_id,)
+    if isinstance(event, Checkpointed):
+        state.set_checkpoint(event.job_id, event.at)
+        return (event.job_id,)
+    raise TypeError(f"unknown event {event!r}")
+
+
+def fail_node(state: ClusterState, node_id: str, now: float, health: NodeHealth = NodeHealth.DOWN) -> NodeFailure:
+    """A node is lost: mark it, release every gang on it (keeping its hot spares for the
+    restart) and drop only the lost replicas of prod-serving jobs."""
+    jobs = state.set_node_health(node_id, health)
+    released, degraded = [], []
+    for jid in jobs:
+        rj = state.running(jid)
+        if rj.rank == SERVING_RANK:
+            lost = [r for r, (n, _) in rj.slots.items() if n == node_id]
+            state.release_replicas(jid, lost, now)
+            degraded.append(jid)
+        else:
+            state.release(jid, now, keep_spares=True)
+            released.append(jid)
+    return NodeFailure(tuple(released), tuple(degraded))
+
+
+def requeue_spec(job: JobSpec, now: float, *, preempted: bool = False, front: bool = False,
+                 checkpoint_at: float | None = None) -> JobSpec:
+    """The spec to queue again after a preemption (attempt + 1, same submit time, preemption
+    recorded) or a failed attempt (``front``: ahead of its class)."""
+    times = job.preemption_times + ((now,) if preempted else ())
+    return replace(
+        job,
+        attempt=job.attempt + 1,
+        started_at=None,
+        last_checkpoint_at=checkpoint_at if checkpoint_at is not None else job.last_checkpoint_at,
+        preemption_times=times,
+        front=front,
+    )

@@ -1,0 +1,280 @@
+"""Invariant checkers for tests and the simulator (full scans: never call them in a cycle).
+
+* ``check_state(state)``: indexes agree with a recomputation from scratch, no GPU is
+  held twice, whole-node jobs own their nodes, gangs are complete (except degraded
+  prod-serving), max_blocks is honoured, guaranteed usage <= guarantee.
+* ``check_plan(state, plan, queue, policy)``: called with the state the plan was
+  made from (before ``apply``): placements use free GPUs of ready nodes of the right
+  type, no GPU twice, gangs all-or-nothing, whole nodes for >= node-size jobs,
+  max_blocks, quota (guaranteed never above the guarantee, borrowed within the
+  limit), victim rules (class, prod-serving never, 30-minute protection, daily
+  budget except borrowed, borrowed-only beyond a guarantee, no preemption for
+  borrowing), every considered job placed or given a reason.
+
+Both return a list of human-readable violations (empty when all hold).
+"""
+
+from __future__ import annotations
+
+from placement import quota as quota_mod
+from placement.model import SERVING_RANK, NodeHealth, Pack, Plan, Policy, ReservationKind
+from placement.ordering import JobQueue
+from placement.state import ClusterState, indices_of, mask_of
+from placement.topology import job_shape
+
+
+def check_state(state: ClusterState, strict_quota: bool = True) -> list[str]:
+    errs: list[str] = []
+    nodes = state._nodes
+    # node masks vs jobs
+    for nid, node in nodes.items():
+        union = 0
+        for jid, m in node.jobs.items():
+            if union & m:
+                errs.append(f"{nid}: GPUs {indices_of(union & m)} held twice")
+            union |= m
+            rj = state._running.get(jid)
+            if rj is None:
+                errs.append(f"{nid}: held by unknown job {jid}")
+            elif rj.held.get(nid) != m:
+                errs.append(f"{nid}: {jid} holds {indices_of(m)} on the node, job says {rj.held.get(nid)}")
+        if union | node.free_mask != node.full or union & node.free_mask:
+            errs.append(f"{nid}: free mask disagrees with holdings")
+        if node.nfree != node.free_mask.bit_count():
+            errs.append(f"{nid}: nfree wrong")
+        if node.spare_of is not None and (node.jobs or node.health is not NodeHealth.READY):
+            errs.append(f"{nid}: spare of {node.spare_of} but busy or not ready")
+        for jid in node.jobs:
+            rj = state._running.get(jid)
+            if rj is not None and rj.whole and len(node.jobs) > 1:
+                errs.append(f"{nid}: whole-node job {jid} shares the node with {sorted(node.jobs)}")
+            if rj is not None and rj.whole and node.jobs[jid] != node.full:
+                errs.append(f"{nid}: whole-node job {jid} does not hold the whole node")
+    for jid, rj in state._running.items():
+        for nid, m in rj.held.items():
+            if nodes[nid].jobs.get(jid) != m:
+                errs.append(f"{jid}: holds {nid} but the node disagrees")
+            if nodes[nid].gpu_type != rj.gpu_type:
+                errs.append(f"{jid}: runs on {nodes[nid].gpu_type}, needs {rj.gpu_type}")
+        spec = rj.spec
+        missing = state._missing.get(jid, set())
+        if rj.rank != SERVING_RANK and missing:
+            errs.append(f"{jid}: gang missing replicas {sorted(missing)}")
+        if len(rj.slots) + len(missing) != spec.replicas:
+            errs.append(f"{jid}: {len(rj.slots)} slots + {len(missing)} missing != {spec.replicas} replicas")
+        for r, (nid, gpus) in rj.slots.items():
+            if mask_of(gpus) & ~rj.held.get(nid, 0):
+                errs.append(f"{jid}: replica {r} uses GPUs it does not hold")
+        if not missing:
+            errs.extend(_shape_errors(state, jid, rj.spec, sorted(rj.held), {n: indices_of(m) for n, m in rj.held.items()}))
+    # indexes
+    for t, ti in state._types.items():
+        buckets = [[] for _ in range(ti.node_gpus + 1)]
+        free_gpus = free_nodes = un_g = un_n = 0
+        blocks_free: dict[str, int] = {}
+        for bid, blk in ti.blocks.items():
+            fn = []
+            for nid in blk.nodes:
+                node = nodes[nid]
+                if node.spare_of is not None:
+                    continue
+                if node.health is not NodeHealth.READY:
+                    un_g += node.nfree
+                    un_n += node.nfree == node.gpus
+                    continue
+                if node.nfree:
+                    buckets[node.nfree].append(nid)
+                    free_gpus += node.nfree
+                if node.nfree == node.gpus:
+                    fn.append(nid)
+            if fn != blk.free_nodes:
+                errs.append(f"{bid}: free node index wrong")
+            if fn:
+                blocks_free[bid] = len(fn)
+            free_nodes += len(fn)
+        for f in range(1, ti.node_gpus + 1):
+            if sorted(buckets[f]) != ti.buckets[f]:
+                errs.append(f"{t}: bucket {f} wrong")
+        if (free_gpus, free_nodes, un_g, un_n) != (ti.free_gpus, ti.free_nodes, ti.unready_idle_gpus, ti.unready_idle_nodes):
+            errs.append(f"{t}: free totals wrong")
+        if blocks_free != ti.blocks_free:
+            errs.append(f"{t}: blocks_free wrong")
+        cats: dict[tuple[int, bool], list] = {}
+        cat_g: dict[tuple[int, bool], int] = {}
+        for jid, rj in state._running.items():
+            if rj.gpu_type != t or rj.rank == SERVING_RANK or rj.preempting_for is not None:
+                continue
+            c = (rj.rank, rj.borrowed)
+            cats.setdefault(c, []).append((-rj.lost_since, jid))
+            cat_g[c] = cat_g.get(c, 0) + rj.charge
+        for c in set(cats) | set(ti.victims):
+            if sorted(cats.get(c, [])) != ti.victims.get(c, []):
+                errs.append(f"{t}: victim list {c} wrong")
+            if cat_g.get(c, 0) != ti.cat_gpus.get(c, 0):
+                errs.append(f"{t}: victim GPUs {c} wrong")
+    # accounting and quota
+    acc: dict[tuple[str, str], list[int]] = {}
+    for rj in state._running.values():
+        a = acc.setdefault((rj.team, rj.gpu_type), [0, 0, 0])
+        a[0] += rj.charge
+        if rj.borrowed:
+            a[2] += 1
+        else:
+            a[1] += rj.charge
+    for key, a in state._acct.items():
+        if [a.used, a.gused, a.borrowed_n] != acc.get(key, [0, 0, 0]):
+            errs.append(f"{key}: accounting {a.used, a.gused, a.borrowed_n} != {acc.get(key)}")
+        if strict_quota and a.gused > state.quota(*key).guaranteed:
+            errs.append(f"{key}: guaranteed usage {a.gused} > guarantee {state.quota(*key).guaranteed}")
+    # reservations
+    for nid, owner in state._node_res.items():
+        if owner not in state._reservations:
+            errs.append(f"{nid}: reserved by unknown {owner}")
+    return errs
+
+
+def _shape_errors(
+    state: ClusterState, jid: str, spec, node_ids: list[str], held: dict[str, tuple[int, ...]]
+) -> list[str]:
+    errs = []
+    ti = state._types.get(spec.gpu_type)
+    if ti is None:
+        return [f"{jid}: unknown type"]
+    shape = job_shape(spec, ti.node_gpus)
+    if isinstance(shape, str):
+        return [f"{jid}: invalid shape placed: {shape}"]
+    blocks = {state._nodes[n].block for n in node_ids}
+    if shape.whole:
+        if len(node_ids) != shape.nodes:
+            errs.append(f"{jid}: {len(node_ids)} nodes, needs {shape.nodes}")
+        for n in node_ids:
+            if len(held[n]) != state._nodes[n].gpus:
+                errs.append(f"{jid}: >= node-size job holds part of {n}")
+    else:
+        if sum(len(g) for g in held.values()) != shape.total:
+            errs.append(f"{jid}: holds {sum(len(g) for g in held.values())} GPUs, needs {shape.total}")
+    if spec.topology.pack is Pack.NODE and len(node_ids) > 1:
+        errs.append(f"{jid}: pack=node on {len(node_ids)} nodes")
+    if spec.topology.pack is Pack.BLOCK and spec.topology.max_blocks and len(blocks) > spec.topology.max_blocks:
+        errs.append(f"{jid}: {len(blocks)} blocks > max_blocks {spec.topology.max_blocks}")
+    return errs
+
+
+def check_plan(state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy, respect_topology: bool = True) -> list[str]:
+    """Check a plan against the state it was made from (before ``apply``)."""
+    errs: list[str] = []
+    now = plan.now
+    nodes = state._nodes
+    state.begin_tentative()
+    try:
+        for rl in plan.relabels:
+            state.set_borrowed(rl.job_id, rl.borrowed)
+        seen: dict[tuple[str, int], str] = {}
+        gadd: dict[tuple[str, str], int] = {}
+        badd: dict[tuple[str, str], int] = {}
+        preempt_for: dict[str, list] = {}
+        for pr in plan.preemptions:
+            preempt_for.setdefault(pr.beneficiary, []).append(pr)
+        for p in plan.placements:
+            for key in p.gpu_keys():
+                if key in seen:
+                    errs.append(f"GPU {key} in two placements: {seen[key]} and {p.job_id}")
+                seen[key] = p.job_id
+            for ng in p.nodes:
+                node = nodes.get(ng.node_id)
+                if node is None:
+                    errs.append(f"{p.job_id}: unknown node {ng.node_id}")
+                    continue
+                if node.health is not NodeHealth.READY:
+                    errs.append(f"{p.job_id}: node {ng.node_id} is {node.health.value}")
+                if node.gpu_type != p.gpu_type:
+                    errs.append(f"{p.job_id}: node {ng.node_id} is {node.gpu_type}")
+                m = mask_of(ng.gpus)
+                if node.free_mask & m != m:
+                    errs.append(f"{p.job_id}: GPUs {ng.gpus} of {ng.node_id} are not free")
+                if node.spare_of is not None and node.spare_of != p.job_id:
+                    errs.append(f"{p.job_id}: uses {ng.node_id}, a spare of {node.spare_of}")
+            for n in p.spare_nodes:
+                node = nodes.get(n)
+                if node is None or node.jobs or node.health is not NodeHealth.READY:
+                    errs.append(f"{p.job_id}: spare {n} not a free ready node")
+                if (n, 0) in seen:
+                    errs.append(f"{p.job_id}: spare {n} also placed")
+            if p.replacement:
+                rj = state._running.get(p.job_id)
+                if rj is None or rj.rank != SERVING_RANK:
+                    errs.append(f"{p.job_id}: replacement for a job that is not running prod-serving")
+                continue
+            spec = queue.get(p.job_id)
+            if spec is None:
+                errs.append(f"{p.job_id}: placed but not queued")
+                continue
+            held = {ng.node_id: ng.gpus for ng in p.nodes}
+            # gang all-or-nothing: every replica placed, on GPUs of the placement
+            reps = sorted(s.replica for s in p.slots)
+            if reps != list(range(spec.replicas)):
+                errs.append(f"{p.job_id}: replicas {reps} != all {spec.replicas}")
+            for s in p.slots:
+                if len(s.gpus) != spec.gpus_per_replica or not set(s.gpus) <= set(held.get(s.node_id, ())):
+                    errs.append(f"{p.job_id}: replica {s.replica} slot wrong")
+            if respect_topology:
+                errs.extend(_shape_errors(state, p.job_id, spec, sorted(held), held))
+            key = (spec.team, spec.gpu_type)
+            if p.borrowed:
+                badd[key] = badd.get(key, 0) + p.gpus
+                if spec.rank == SERVING_RANK and not policy.serving_borrows_idle:
+                    res = state._reservations.get(p.job_id)
+                    if res is None or res.kind is not ReservationKind.PREEMPTION or not set(held) <= set(res.nodes):
+                        errs.append(f"{p.job_id}: prod-serving beyond its guarantee placed on idle capacity")
+            else:
+                gadd[key] = gadd.get(key, 0) + p.gpus
+        for key in set(gadd) | set(badd):
+            q = state.quota(*key)
+            g = state.guaranteed_used(*key) + gadd.get(key, 0)
+            if gadd.get(key, 0) and g > q.guaranteed:
+                errs.append(f"{key}: guaranteed usage {g} > guarantee {q.guaranteed}")
+            b = state.borrowed_used(*key) + badd.get(key, 0)
+            if badd.get(key, 0) and b > q.borrow_limit:
+                errs.append(f"{key}: borrowed usage {b} > borrow limit {q.borrow_limit}")
+        # victims
+        victims_seen: set[str] = set()
+        for pr in plan.preemptions:
+            if pr.victim in victims_seen:
+                errs.append(f"{pr.victim}: preempted twice")
+            victims_seen.add(pr.victim)
+            rj = state._running.get(pr.victim)
+            ben = queue.get(pr.beneficiary)
+            if rj is None or ben is None:
+                errs.append(f"preemption {pr}: unknown victim or beneficiary")
+                continue
+            if rj.rank == SERVING_RANK:
+                errs.append(f"{pr.victim}: prod-serving chosen as a victim")
+            if rj.preempting_for is not None:
+                errs.append(f"{pr.victim}: already being preempted")
+            if now - rj.started_at < policy.preemption_protect_s:
+                errs.append(f"{pr.victim}: preempted {now - rj.started_at:.0f}s after its start")
+            if not rj.borrowed and rj.spec.preemptions_since(now - policy.preemption_window_s) >= policy.daily_preemption_budget:
+                errs.append(f"{pr.victim}: past its daily preemption budget and not borrowed")
+            ti = state._types[ben.gpu_type]
+            shape = job_shape(ben, ti.node_gpus)
+            charge = shape.charge if not isinstance(shape, str) else 0
+            ben_borrowed = quota_mod.classify(state, ben, charge, policy)
+            if ben_borrowed:
+                if ben.rank != SERVING_RANK:
+                    errs.append(f"{pr.beneficiary}: borrows yet preempts {pr.victim}")
+                elif not rj.borrowed:
+                    errs.append(f"{pr.beneficiary}: prod-serving beyond guarantee takes non-borrowed {pr.victim}")
+            if not (rj.rank > ben.rank or (rj.rank == ben.rank and rj.borrowed)):
+                errs.append(f"{pr.victim} (rank {rj.rank}) is not lower class or same-class borrowed for {pr.beneficiary}")
+            if rj.gpu_type != ben.gpu_type:
+                errs.append(f"{pr.victim}: other GPU type than {pr.beneficiary}")
+        # reasons
+        placed = {p.job_id for p in plan.placements}
+        pend = {p.job_id for p in plan.pending}
+        if placed & pend:
+            errs.append(f"placed and pending: {sorted(placed & pend)}")
+        if len(placed - {p.job_id for p in plan.placements if p.replacement}) + len(pend) != plan.considered:
+            errs.append("considered jobs without a reason")
+    finally:
+        state.rollback()
+    return errs

@@ -1,0 +1,389 @@
+"""Values of the placement engine: enums, job specs, quotas, the policy and the plan.
+
+Everything here is an immutable value (frozen dataclasses, str enums) so drivers can
+hash, compare, log and ship it. Ids are plain strings, time is float seconds (any
+epoch, as long as the driver is consistent), GPU counts are ints.
+
+Stable names other packages rely on (do not rename without changing them too):
+
+* ``PriorityClass``: ``prod-serving`` > ``prod-batch`` > ``research`` > ``preemptible``.
+* ``Pack``: ``block`` | ``node`` | ``any``.
+* ``PendingReason``: ``quota``, ``capacity``, ``topology``, ``reservation``,
+  ``reserved``, ``lookahead``, ``node_health``, ``gpu_type``, ``preempting``,
+  ``invalid``.
+* ``PreemptReason``: ``priority`` (a higher class needs the GPUs), ``reclaim``
+  (borrowed capacity taken back, by a team within its guarantee or by prod-serving).
+* ``NodeHealth``: ``ready``, ``suspect``, ``down``, ``cordoned``, ``draining``,
+  ``burn_in`` (only ``ready`` nodes take new placements).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class PriorityClass(str, Enum):
+    PROD_SERVING = "prod-serving"
+    PROD_BATCH = "prod-batch"
+    RESEARCH = "research"
+    PREEMPTIBLE = "preemptible"
+
+    @property
+    def rank(self) -> int:
+        """0 is the highest class; a larger rank is a lower class."""
+        return _CLASS_RANK[self]
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_CLASS_RANK = {
+    PriorityClass.PROD_SERVING: 0,
+    PriorityClass.PROD_BATCH: 1,
+    PriorityClass.RESEARCH: 2,
+    PriorityClass.PREEMPTIBLE: 3,
+}
+CLASSES_BY_RANK: tuple[PriorityClass, ...] = tuple(sorted(_CLASS_RANK, key=_CLASS_RANK.__getitem__))
+SERVING_RANK = 0
+
+
+class Pack(str, Enum):
+    BLOCK = "block"  # as few network blocks as possible, at most max_blocks
+    NODE = "node"  # every replica on one node
+    ANY = "any"  # no constraint
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class NodeHealth(str, Enum):
+    READY = "ready"
+    SUSPECT = "suspect"
+    DOWN = "down"
+    CORDONED = "cordoned"
+    DRAINING = "draining"
+    BURN_IN = "burn_in"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class PendingReason(str, Enum):
+    QUOTA = "quota"  # over guarantee + borrow limit (or borrowing not allowed here)
+    CAPACITY = "capacity"  # not enough free GPUs of its type
+    TOPOLOGY = "topology"  # enough GPUs, but not in a shape it accepts (max_blocks, whole nodes, one node)
+    RESERVATION = "reservation"  # the free GPUs are held by another job's reservation or hot spares
+    RESERVED = "reserved"  # it holds a reservation and waits for its expected start
+    LOOKAHEAD = "lookahead"  # beyond the top-N considered this cycle
+    NODE_HEALTH = "node_health"  # it would fit if unhealthy nodes were ready
+    GPU_TYPE = "gpu_type"  # the cluster has no node of its GPU type
+    PREEMPTING = "preempting"  # victims chosen for it are stopping (grace period)
+    INVALID = "invalid"  # the shape can never be placed (gpus_per_replica > node size, pack=node > 1 node)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class PreemptReason(str, Enum):
+    PRIORITY = "priority"  # a job of a higher class needs the GPUs
+    RECLAIM = "reclaim"  # borrowed capacity is taken back
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ReservationKind(str, Enum):
+    HEAD_OF_LINE = "head_of_line"  # a large gang that cannot fit holds the blocks it will use
+    PREEMPTION = "preemption"  # nodes being cleared by preemption, held for the beneficiary
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Ordering(str, Enum):
+    FAIR_SHARE = "fair_share"  # DESIGN.md: class, below-guarantee, fair-share position - aging, submit
+    CLASS_FIFO = "class_fifo"  # class, then submit time
+    FIFO = "fifo"  # submit time only, classes ignored
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class PlacementError(Exception):
+    """Base class of the engine's typed errors."""
+
+
+class UnknownNode(PlacementError, KeyError):
+    pass
+
+
+class UnknownJob(PlacementError, KeyError):
+    pass
+
+
+class AllocationConflict(PlacementError):
+    """An allocation touched a GPU that is not free, a node that is not ready, or the wrong type."""
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    pack: Pack = Pack.ANY
+    max_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pack, Pack):
+            object.__setattr__(self, "pack", Pack(self.pack))
+        if self.max_blocks is not None and self.max_blocks < 1:
+            raise ValueError("max_blocks must be >= 1")
+
+
+_ANY = Topology()
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """What the engine needs to know about a job (queued or running).
+
+    ``preemptible`` is ``checkpoint.preemptible``: the job can checkpoint and resume.
+    A job that cannot is still preemptible by the class rules; all its work since
+    start counts as lost. ``preemption_times`` are the times it was preempted (the
+    engine counts those within ``Policy.preemption_window_s``). ``front`` puts a
+    re-queued job (failed attempt, node failure) ahead of its class.
+    """
+
+    job_id: str
+    team: str
+    priority: PriorityClass
+    gpu_type: str
+    replicas: int = 1
+    gpus_per_replica: int = 1
+    topology: Topology = _ANY
+    max_runtime_s: float = 86_400.0
+    preemptible: bool = True
+    grace_s: float = 30.0
+    submit_time: float = 0.0
+    attempt: int = 0
+    started_at: float | None = None
+    last_checkpoint_at: float | None = None
+    preemption_times: tuple[float, ...] = ()
+    front: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.priority, PriorityClass):
+            object.__setattr__(self, "priority", PriorityClass(self.priority))
+        if not isinstance(self.topology, Topology):
+            t: Any = self.topology
+            if isinstance(t, dict):
+                object.__setattr__(self, "topology", Topology(**t))
+            else:
+                raise TypeError("topology must be a Topology or a dict")
+        if not isinstance(self.preemption_times, tuple):
+            object.__setattr__(self, "preemption_times", tuple(self.preemption_times))
+
+    @property
+    def total_gpus(self) -> int:
+        return self.replicas * self.gpus_per_replica
+
+    @property
+    def rank(self) -> int:
+        return _CLASS_RANK[self.priority]
+
+    def preemptions_since(self, since: float) -> int:
+        return sum(1 for t in self.preemption_times if t > since)
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """Per team and GPU type: GPUs guaranteed, and GPUs it may borrow beyond that."""
+
+    guaranteed: int = 0
+    borrow_limit: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The knobs. Baselines for the simulator are presets (see ``PRESETS``).
+
+    * ``ordering``: ``fair_share`` (DESIGN.md), ``class_fifo`` or ``fifo``.
+    * ``topology``: False ignores blocks (first-fit by node id, max_blocks ignored).
+    * ``reservations``: a head-of-line large gang that cannot fit reserves blocks.
+    * ``backfill``: others may use reserved blocks if their max_runtime ends before
+      the expected start; False keeps reserved blocks closed to everyone else.
+    * ``preemption``: victims may be chosen; ``borrowing``: teams may exceed their
+      guarantee on idle capacity (up to the borrow limit).
+    * ``preemption_hold_s``: nodes cleared by preemption stay held for the beneficiary
+      this long after its victims' grace ended (then released if it still cannot use them).
+    * ``serving_borrows_idle``: False (DESIGN.md) means prod-serving beyond its
+      guarantee gets capacity only by reclaiming borrowed allocations.
+    """
+
+    lookahead: int = 2000
+    ordering: Ordering = Ordering.FAIR_SHARE
+    aging_step_per_hour: float = 1.0
+    topology: bool = True
+    reservations: bool = True
+    backfill: bool = True
+    preemption: bool = True
+    borrowing: bool = True
+    serving_borrows_idle: bool = False
+    reserve_min_gpus: int = 64
+    max_reservations_per_type: int = 1
+    hot_spare_fraction: float = 0.015
+    hot_spare_min_gpus: int = 1024
+    preemption_protect_s: float = 1800.0
+    daily_preemption_budget: int = 3
+    preemption_window_s: float = 86_400.0
+    preemption_hold_s: float = 300.0
+    max_preemptions_per_cycle: int = 256
+    max_victim_searches_per_cycle: int = 32
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ordering, Ordering):
+            object.__setattr__(self, "ordering", Ordering(self.ordering))
+        if self.lookahead < 0:
+            raise ValueError("lookahead must be >= 0")
+
+
+DEFAULT_POLICY = Policy()
+
+PRESETS: dict[str, Policy] = {
+    # the policy DESIGN.md describes
+    "gpufleet": DEFAULT_POLICY,
+    # plain FIFO over every class, first fit, no reservations/backfill/preemption; quotas still apply
+    "fifo_first_fit": Policy(
+        ordering=Ordering.FIFO, topology=False, reservations=False, backfill=False, preemption=False
+    ),
+    # everything but topology awareness, reservations and backfill
+    "no_topology_no_reservation": Policy(topology=False, reservations=False, backfill=False),
+    # classic EASY backfill: one reservation per GPU type, backfill, no borrowing, no preemption
+    "easy_backfill": Policy(
+        ordering=Ordering.CLASS_FIFO, borrowing=False, preemption=False, reservations=True, backfill=True
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSlot:
+    """Where one replica runs: its node and the GPU indices it uses there."""
+
+    replica: int
+    node_id: str
+    gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeGpus:
+    """GPU indices a placement holds on one node (a whole node for jobs of >= node-size GPUs)."""
+
+    node_id: str
+    gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One gang placement (or, with ``replacement``, lost replicas of a running prod-serving job).
+
+    ``nodes`` lists node -> GPU indices held (one allocation row each, all carrying
+    ``borrowed``); ``slots`` says which replica uses which of them. ``spare_nodes``
+    are whole nodes kept free for this gang's restarts (hot spares).
+    """
+
+    job_id: str
+    gpu_type: str
+    nodes: tuple[NodeGpus, ...]
+    slots: tuple[ReplicaSlot, ...]
+    blocks: tuple[str, ...]
+    borrowed: bool
+    gpus: int
+    spare_nodes: tuple[str, ...] = ()
+    replacement: bool = False
+    backfill: bool = False
+
+    def gpu_keys(self) -> list[tuple[str, int]]:
+        return [(n.node_id, g) for n in self.nodes for g in n.gpus]
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    victim: str
+    beneficiary: str
+    reason: PreemptReason
+    grace_s: float
+    victim_borrowed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Capacity held for one job: whole ``blocks`` (head-of-line) or ``nodes`` (preemption).
+
+    Only the owner may use it, plus jobs of a strictly higher class, plus (with
+    backfill) jobs whose max_runtime ends by ``expected_start``.
+    """
+
+    job_id: str
+    gpu_type: str
+    kind: ReservationKind
+    blocks: tuple[str, ...]
+    nodes: tuple[str, ...]
+    nodes_needed: int
+    gpus: int
+    priority_rank: int
+    expected_start: float
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Relabel:
+    """A running job's borrowed flag changed (quota re-check)."""
+
+    job_id: str
+    borrowed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    job_id: str
+    reason: PendingReason
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The output of one cycle. Jobs neither placed nor in ``pending`` were beyond the lookahead.
+
+    ``reservations`` is the complete set after this plan (apply replaces the state's
+    set with it). ``quota_checked`` lists the (team, gpu_type) pairs whose borrowed
+    flags were re-checked (``relabels`` holds the changes).
+    """
+
+    now: float
+    placements: tuple[Placement, ...] = ()
+    preemptions: tuple[Preemption, ...] = ()
+    reservations: tuple[Reservation, ...] = ()
+    pending: tuple[Pending, ...] = ()
+    relabels: tuple[Relabel, ...] = ()
+    dropped_spares: tuple[str, ...] = ()
+    quota_checked: tuple[tuple[str, str], ...] = ()
+    considered: int = 0
+    _index: dict[str, Pending] = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    def __post_init__(self) -> None:
+        self._index.update((p.job_id, p) for p in self.pending)
+
+    def reason(self, job_id: str) -> PendingReason | None:
+        """Why a queued job was not placed: None if placed, ``lookahead`` if not considered."""
+        p = self._index.get(job_id)
+        if p is not None:
+            return p.reason
+        for pl in self.placements:
+            if pl.job_id == job_id:
+                return None
+        return PendingReason.LOOKAHEAD
+
+    def placement(self, job_id: str) -> Placement | None:
+        for pl in self.placements:
+            if pl.job_id == job_id:
+                return pl
+        return None

@@ -1,0 +1,175 @@
+"""Queue order (DESIGN.md, Placement), without sorting the whole queue.
+
+``JobQueue`` keeps one lane per (class, team, GPU type), each sorted by
+(submit_time, job_id), plus a front lane per class for jobs re-queued ahead of their
+class (failed attempts, node failures). Within a lane the fair-share key only moves
+with the submit time (the team's position is common to the lane, and aging is
+linear in waiting time), so the top N of a class is a lazy heap merge of the lane
+heads: O(N log lanes) per cycle, whatever the queue length.
+
+Order with ``Ordering.FAIR_SHARE``:
+
+1. priority class (prod-serving first); within a class, front-of-class jobs first;
+2. a team below its guarantee (for the job's GPU type) before a team at or above it;
+3. the team's fair-share position (0 = most underserved; teams ranked by dominant
+   share = max over GPU types of decayed GPU-hours / guarantee) minus
+   ``aging_step_per_hour`` per hour waited (aging never crosses classes);
+4. submit time, then job id.
+
+``CLASS_FIFO``: class, then submit time. ``FIFO``: submit time only.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left, insort
+from collections.abc import Iterator
+
+from placement.model import JobSpec, Ordering, Policy
+from placement.state import ClusterState
+
+_INF = float("inf")
+
+
+class JobQueue:
+    """The queued jobs. ``push`` / ``remove`` are O(log n) plus a list insert."""
+
+    def __init__(self, jobs: list[JobSpec] | None = None) -> None:
+        self._jobs: dict[str, JobSpec] = {}
+        self._lanes: dict[tuple[int, str, str], list[tuple[float, str]]] = {}
+        self._front: dict[int, list[tuple[float, str]]] = {}
+        for j in jobs or ():
+            self.push(j)
+
+    def push(self, job: JobSpec) -> None:
+        """Queue a job (replacing a queued job with the same id)."""
+        if job.job_id in self._jobs:
+            self.remove(job.job_id)
+        self._jobs[job.job_id] = job
+        key = (job.submit_time, job.job_id)
+        if job.front:
+            insort(self._front.setdefault(job.rank, []), key)
+        else:
+            insort(self._lanes.setdefault((job.rank, job.team, job.gpu_type), []), key)
+
+    def remove(self, job_id: str) -> JobSpec | None:
+        job = self._jobs.pop(job_id, None)
+        if job is None:
+            return None
+        key = (job.submit_time, job.job_id)
+        if job.front:
+            lane = self._front[job.rank]
+            lk: object = job.rank
+            store: dict = self._front
+        else:
+            lk = (job.rank, job.team, job.gpu_type)
+            lane = self._lanes[lk]  # type: ignore[index]
+            store = self._lanes
+        i = bisect_left(lane, key)
+        del lane[i]
+        if not lane:
+            del store[lk]
+        return job
+
+    def get(self, job_id: str) -> JobSpec | None:
+        return self._jobs.get(job_id)
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._jobs
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __iter__(self) -> Iterator[JobSpec]:
+        """Every queued job, in id order (a full scan: not for cycles)."""
+        for jid in sorted(self._jobs):
+            yield self._jobs[jid]
+
+    def teams(self) -> tuple[str, ...]:
+        teams = {k[1] for k in self._lanes}
+        teams.update(self._jobs[jid].team for lane in self._front.values() for _, jid in lane)
+        return tuple(sorted(teams))
+
+    def lanes(self) -> dict[tuple[int, str, str], list[tuple[float, str]]]:
+        return self._lanes
+
+    def front(self) -> dict[int, list[tuple[float, str]]]:
+        return self._front
+
+
+def dominant_share(state: ClusterState, team: str, now: float) -> float:
+    """max over GPU types of decayed GPU-hours / guarantee (inf when using a type without guarantee)."""
+    best = 0.0
+    for t in state.gpu_types():
+        u = state.usage(team, t, now)
+        g = state.quota(team, t).guaranteed
+        if g > 0:
+            s = u / g
+        elif u > 1e-12:
+            s = _INF
+        else:
+            s = 0.0
+        if s > best:
+            best = s
+    return best
+
+
+def fair_share_positions(state: ClusterState, teams: tuple[str, ...], now: float) -> dict[str, int]:
+    """Team -> position (0 = most underserved), ties by team name."""
+    ranked = sorted(teams, key=lambda t: (dominant_share(state, t, now), t))
+    return {t: i for i, t in enumerate(ranked)}
+
+
+def iter_order(queue: JobQueue, state: ClusterState, policy: Policy, now: float) -> Iterator[JobSpec]:
+    """Queued jobs in placement order, lazily (take as many as the lookahead allows)."""
+    jobs = queue._jobs
+    front = queue.front()
+    lanes = queue.lanes()
+    if policy.ordering is Ordering.FIFO:
+        for rank in sorted(front):
+            for _, jid in front[rank]:
+                yield jobs[jid]
+        yield from _merge([(lane, 0.0, 0) for lane in lanes.values()], jobs, 0.0, now)
+        return
+    by_rank: dict[int, list[tuple[tuple[int, str, str], list[tuple[float, str]]]]] = {}
+    for key, lane in lanes.items():
+        by_rank.setdefault(key[0], []).append((key, lane))
+    fair = policy.ordering is Ordering.FAIR_SHARE
+    pos: dict[str, int] = {}
+    if fair:
+        pos = fair_share_positions(state, queue.teams(), now)
+    step = policy.aging_step_per_hour / 3600.0 if fair else 0.0
+    for rank in sorted(set(by_rank) | set(front)):
+        for _, jid in front.get(rank, ()):
+            yield jobs[jid]
+        entries = []
+        for (_, team, gpu_type), lane in sorted(by_rank.get(rank, ()), key=lambda kv: kv[0]):
+            if fair:
+                below = 0 if state.used(team, gpu_type) < state.quota(team, gpu_type).guaranteed else 1
+                entries.append((lane, float(pos[team]), below))
+            else:
+                entries.append((lane, 0.0, 0))
+        yield from _merge(entries, jobs, step, now)
+
+
+def _merge(
+    entries: list[tuple[list[tuple[float, str]], float, int]],
+    jobs: dict[str, JobSpec],
+    step: float,
+    now: float,
+) -> Iterator[JobSpec]:
+    heap: list[tuple[int, float, float, str, int, int]] = []
+    for li, (lane, base, below) in enumerate(entries):
+        if lane:
+            submit, jid = lane[0]
+            heap.append((below, base - step * (now - submit), submit, jid, li, 0))
+    heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
+    while heap:
+        below, _, _, jid, li, i = pop(heap)
+        yield jobs[jid]
+        lane, base, _ = entries[li]
+        i += 1
+        if i < len(lane):
+            submit, jid2 = lane[i]
+            push(heap, (below, base - step * (now - submit), submit, jid2, li, i))

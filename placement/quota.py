@@ -1,0 +1,70 @@
+"""Quotas: guaranteed and borrowed capacity per (team, GPU type).
+
+* A placement is *guaranteed* if the team's guaranteed usage plus the job's charge
+  stays within its guarantee; otherwise it is *borrowed* if borrowing is on and the
+  team's borrowed usage plus the charge stays within its borrow limit; otherwise the
+  job waits (``quota``). Flags are per job (every allocation row of a gang carries
+  the same flag), so guaranteed usage can never exceed the guarantee.
+* Borrowed placements take only idle capacity (they never cause preemption), except
+  prod-serving, which beyond its guarantee takes capacity only by reclaiming
+  borrowed allocations (``Policy.serving_borrows_idle`` False, the default).
+* Re-check (``relabel``), for the pairs whose usage or quota changed: if guaranteed
+  usage is above the guarantee (it was lowered), the newest guaranteed jobs become
+  borrowed; then borrowed jobs, oldest first, become guaranteed while they fit.
+"""
+
+from __future__ import annotations
+
+from placement.model import JobSpec, Policy, Relabel
+from placement.state import ClusterState
+
+_INF = float("inf")
+
+
+def classify(state: ClusterState, job: JobSpec, charge: int, policy: Policy) -> bool | None:
+    """False: guaranteed, True: borrowed, None: over quota."""
+    q = state.quota(job.team, job.gpu_type)
+    gused = state.guaranteed_used(job.team, job.gpu_type)
+    if gused + charge <= q.guaranteed:
+        return False
+    if policy.borrowing and state.borrowed_used(job.team, job.gpu_type) + charge <= q.borrow_limit:
+        return True
+    return None
+
+
+def below_guarantee(state: ClusterState, team: str, gpu_type: str) -> bool:
+    return state.used(team, gpu_type) < state.quota(team, gpu_type).guaranteed
+
+
+def over_share(state: ClusterState, team: str, gpu_type: str) -> float:
+    """How far a team is over its share of a type right now: used / guarantee."""
+    g = state.quota(team, gpu_type).guaranteed
+    u = state.used(team, gpu_type)
+    if g > 0:
+        return u / g
+    return _INF if u > 0 else 0.0
+
+
+def relabel(state: ClusterState, team: str, gpu_type: str) -> list[Relabel]:
+    """Re-check the borrowed flags of one (team, type); applies them to ``state`` and returns the changes."""
+    a = state._acct.get((team, gpu_type))
+    if a is None or not a.jobs:
+        return []
+    guarantee = state.quota(team, gpu_type).guaranteed
+    if a.gused <= guarantee and a.borrowed_n == 0:
+        return []
+    jobs = sorted((state._running[j] for j in a.jobs), key=lambda rj: (rj.started_at, rj.job_id))
+    out: list[Relabel] = []
+    if a.gused > guarantee:
+        for rj in reversed(jobs):
+            if a.gused <= guarantee:
+                break
+            if not rj.borrowed:
+                state.set_borrowed(rj.job_id, True)
+                out.append(Relabel(rj.job_id, True))
+    if a.borrowed_n:
+        for rj in jobs:
+            if rj.borrowed and rj.preempting_for is None and a.gused + rj.charge <= guarantee:
+                state.set_borrowed(rj.job_id, False)
+                out.append(Relabel(rj.job_id, False))
+    return out

@@ -1,0 +1,158 @@
+"""Reservations and backfill.
+
+A head-of-line large gang (>= ``Policy.reserve_min_gpus``, whole nodes) that cannot
+fit and cannot preempt reserves the blocks it will use: the set of at most
+``max_blocks`` blocks (not reserved by anyone else) where enough nodes become free
+earliest, judging by running jobs' ``started_at + max_runtime``. That time is the
+reservation's ``expected_start``, recomputed every cycle (cached per block version).
+
+Who may use reserved nodes (``may_use``): the owner; jobs of a strictly higher
+class than the owner; and, with backfill, jobs whose max_runtime ends by the
+expected start. Reservations survive across cycles and are dropped when the owner
+is placed or leaves the queue. Preemption reservations hold the nodes being cleared
+for a beneficiary (expected start: now + the victims' grace).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Iterable
+
+from placement.model import JobSpec, NodeHealth, Pack, Policy, Reservation, ReservationKind
+from placement.state import ClusterState, _Node, _TypeIndex
+
+_INF = float("inf")
+_NEG = float("-inf")
+
+
+def may_use(res: Reservation, job: JobSpec, now: float, policy: Policy) -> bool:
+    if res.job_id == job.job_id:
+        return True
+    if job.rank < res.priority_rank:
+        return True
+    return policy.backfill and now + job.max_runtime_s <= res.expected_start
+
+
+def excluded_owners(
+    reservations: Iterable[Reservation], job: JobSpec, now: float, policy: Policy
+) -> frozenset[str]:
+    return frozenset(r.job_id for r in reservations if r.gpu_type == job.gpu_type and not may_use(r, job, now, policy))
+
+
+def node_free_time(state: ClusterState, node: _Node) -> float:
+    """When the node will be entirely free (-inf: now; inf: never, e.g. not ready)."""
+    if node.health is not NodeHealth.READY or node.spare_of is not None:
+        return _INF
+    t = _NEG
+    running = state._running
+    for jid in node.jobs:
+        rj = running[jid]
+        if rj.preempting_for is not None:
+            continue  # stopping within its grace period
+        e = rj.end_time
+        if e > t:
+            t = e
+    return t
+
+
+def _block_times(state: ClusterState, bid: str, owner: str | None) -> list[float]:
+    blk = state._blocks[bid]
+    node_res = state._node_res
+    out = []
+    for nid in blk.nodes:
+        o = node_res.get(nid)
+        if o is not None and o != owner:
+            out.append(_INF)
+        else:
+            out.append(node_free_time(state, state._nodes[nid]))
+    out.sort()
+    return out
+
+
+def expected_start(state: ClusterState, res: Reservation, now: float) -> float:
+    """When ``res.nodes_needed`` nodes of its blocks will be free (cached per block versions)."""
+    if res.kind is not ReservationKind.HEAD_OF_LINE:
+        return res.expected_start
+    versions = tuple(state._blocks[b].version for b in res.blocks if b in state._blocks)
+    cached = state.res_cache.get(res.job_id)
+    if cached is not None and cached[0] == versions:
+        raw = cached[1]
+    else:
+        times: list[float] = []
+        for b in res.blocks:
+            if b in state._blocks:
+                times.extend(_block_times(state, b, res.job_id))
+        times.sort()
+        k = res.nodes_needed
+        raw = times[k - 1] if len(times) >= k else _INF
+        state.res_cache[res.job_id] = (versions, raw)
+    return max(raw, now)
+
+
+def plan_head_of_line(
+    state: ClusterState, ti: _TypeIndex, job: JobSpec, nodes_needed: int, now: float
+) -> tuple[tuple[str, ...], float] | None:
+    """Blocks (not reserved by anyone) where ``nodes_needed`` nodes are free earliest, and when."""
+    per_block: list[tuple[str, list[float]]] = []
+    for bid in sorted(ti.blocks):
+        if bid in state._block_res:
+            continue
+        per_block.append((bid, _block_times(state, bid, None)))
+    if not per_block:
+        return None
+    pack = job.topology.pack
+    if pack is Pack.BLOCK and job.topology.max_blocks:
+        m = job.topology.max_blocks
+    elif pack is Pack.NODE:
+        m = 1
+    else:
+        m = len(per_block)
+    k = nodes_needed
+
+    def counts(t: float) -> list[tuple[int, str]]:
+        return [(bisect_right(times, t), bid) for bid, times in per_block]
+
+    def feasible(t: float) -> bool:
+        c = sorted((n for n, _ in counts(t)), reverse=True)
+        return sum(c[:m]) >= k
+
+    candidates = sorted({x for _, times in per_block for x in times if x != _INF})
+    if not candidates or not feasible(candidates[-1]):
+        return None
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(candidates[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    t = candidates[lo]
+    now_free = {bid: bisect_right(times, now) for bid, times in per_block}
+    ranked = sorted(counts(t), key=lambda cb: (-cb[0], -now_free[cb[1]], cb[1]))
+    chosen: list[str] = []
+    got = 0
+    for n, bid in ranked:
+        if got >= k:
+            break
+        if n == 0:
+            continue
+        chosen.append(bid)
+        got += n
+    return tuple(sorted(chosen)), max(t, now)
+
+
+def make_head_of_line(
+    job: JobSpec, blocks: tuple[str, ...], nodes_needed: int, gpus: int, start: float, now: float
+) -> Reservation:
+    return Reservation(
+        job_id=job.job_id,
+        gpu_type=job.gpu_type,
+        kind=ReservationKind.HEAD_OF_LINE,
+        blocks=blocks,
+        nodes=(),
+        nodes_needed=nodes_needed,
+        gpus=gpus,
+        priority_rank=job.rank,
+        expected_start=start,
+        created_at=now,
+    )

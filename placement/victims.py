@@ -1,0 +1,291 @@
+"""Victim choice for a job that cannot fit on free capacity.
+
+Eligible victims (``eligible``) for a preemptor of class rank ``r``:
+
+* never prod-serving; never a job already being preempted;
+* never within ``preemption_protect_s`` of its start;
+* normal mode (the preemptor is within its team's guarantee): jobs of a lower class
+  (rank > r), or borrowed jobs of the same class;
+* borrowed-only mode (prod-serving beyond its guarantee): borrowed jobs only;
+* a job preempted ``daily_preemption_budget`` times in ``preemption_window_s`` is a
+  victim only if it is borrowed.
+
+Choice: target blocks first (the blocks where the gang fits with the most nodes
+already free), then victims inside them, greedily by fewest jobs per node freed,
+then least lost work (GPU-seconds since the most recent checkpoint, or since start
+if it cannot checkpoint), then the team furthest over its share (used /
+guarantee), then id. A small job takes one victim if any suffices (the one losing
+the least work), else the fewest victims sharing one node.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from placement.model import SERVING_RANK, NodeHealth, Pack, Policy, PreemptReason
+from placement.quota import over_share
+from placement.state import ClusterState, RunningJob, _TypeIndex
+from placement.topology import Search, Shape
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    rank: int  # the preemptor's class rank
+    borrowed_only: bool  # prod-serving beyond its guarantee
+
+
+def categories(mode: Mode) -> list[tuple[int, bool]]:
+    if mode.borrowed_only:
+        return [(r, True) for r in range(SERVING_RANK + 1, 4)]
+    cats = [(mode.rank, True)] if mode.rank != SERVING_RANK else []
+    for r in range(mode.rank + 1, 4):
+        cats.append((r, False))
+        cats.append((r, True))
+    return cats
+
+
+def eligible(rj: RunningJob, mode: Mode, now: float, policy: Policy) -> bool:
+    if rj.rank == SERVING_RANK or rj.preempting_for is not None:
+        return False
+    if now - rj.started_at < policy.preemption_protect_s:
+        return False
+    if mode.borrowed_only:
+        if not rj.borrowed:
+            return False
+    elif not (rj.rank > mode.rank or (rj.rank == mode.rank and rj.borrowed)):
+        return False
+    if not rj.borrowed and policy.daily_preemption_budget >= 0:
+        if rj.spec.preemptions_since(now - policy.preemption_window_s) >= policy.daily_preemption_budget:
+            return False
+    return True
+
+
+def reason_for(rj: RunningJob, mode: Mode) -> PreemptReason:
+    if mode.borrowed_only or rj.rank == mode.rank:
+        return PreemptReason.RECLAIM
+    return PreemptReason.PRIORITY
+
+
+def eligible_upper_bound(ti: _TypeIndex, mode: Mode) -> int:
+    return sum(ti.cat_gpus.get(c, 0) for c in categories(mode))
+
+
+def _iter_candidates(state: ClusterState, ti: _TypeIndex, mode: Mode) -> Iterator[RunningJob]:
+    """Running jobs of the eligible categories, least lost work first (most recent checkpoint)."""
+    lists = [ti.victims[c] for c in categories(mode) if ti.victims.get(c)]
+    running = state._running
+    for _, jid in heapq.merge(*lists):
+        yield running[jid]
+
+
+@dataclass(frozen=True, slots=True)
+class VictimChoice:
+    victims: tuple[str, ...]
+    nodes: tuple[str, ...]  # nodes to hold for the beneficiary
+    blocks: tuple[str, ...]
+    grace_s: float
+
+
+def _lost(rj: RunningJob, now: float) -> float:
+    """GPU-seconds lost if preempted now: its GPUs x time since its last checkpoint (or start)."""
+    return rj.charge * max(0.0, now - rj.lost_since)
+
+
+def _node_usable(state: ClusterState, search: Search, nid: str) -> bool:
+    node = state._nodes[nid]
+    return node.health is NodeHealth.READY and node.spare_of is None and search.ok(nid)
+
+
+def find_small(
+    state: ClusterState, search: Search, need: int, mode: Mode, now: float, policy: Policy, limit: int
+) -> VictimChoice | None:
+    """Victims that make room for ``need`` GPUs on one node (a small job)."""
+    ti = search.ti
+    best: tuple | None = None
+    scanned = 0
+    for rj in _iter_candidates(state, ti, mode):
+        if best is not None and now - rj.lost_since >= best[1]:
+            break  # from here every victim loses at least this much work (>= 1 GPU x time)
+        if not eligible(rj, mode, now, policy):
+            continue
+        scanned += 1
+        for nid in sorted(rj.held):
+            node = state._nodes[nid]
+            if node.nfree + rj.held[nid].bit_count() < need or not _node_usable(state, search, nid):
+                continue
+            key = (1, _lost(rj, now), -over_share(state, rj.team, rj.gpu_type), rj.job_id, nid)
+            if best is None or key < best:
+                best = key
+        if best is None and scanned >= 512:
+            break
+    if best is not None:
+        rj = state._running[best[3]]
+        return VictimChoice((rj.job_id,), (best[4],), (state._nodes[best[4]].block,), rj.spec.grace_s)
+    if limit < 2:
+        return None
+    # several victims on one node (small jobs sharing it)
+    seen: set[str] = set()
+    cand: tuple | None = None
+    for rj in _iter_candidates(state, ti, mode):
+        if not eligible(rj, mode, now, policy):
+            continue
+        for nid in rj.held:
+            if nid in seen:
+                continue
+            seen.add(nid)
+            if not _node_usable(state, search, nid):
+                continue
+            node = state._nodes[nid]
+            occ = []
+            for jid, m in node.jobs.items():
+                o = state._running[jid]
+                if eligible(o, mode, now, policy):
+                    occ.append((-m.bit_count(), _lost(o, now), jid, m.bit_count()))
+            occ.sort()
+            free = node.nfree
+            picked = []
+            for _, _, jid, n in occ:
+                if free >= need:
+                    break
+                picked.append(jid)
+                free += n
+            if free < need or len(picked) > limit:
+                continue
+            lost = sum(_lost(state._running[j], now) for j in picked)
+            key = (len(picked), lost, nid, tuple(picked))
+            if cand is None or key < cand:
+                cand = key
+        if len(seen) > 2048:
+            break
+    if cand is None:
+        return None
+    picked = cand[3]
+    grace = max(state._running[j].spec.grace_s for j in picked)
+    return VictimChoice(tuple(sorted(picked)), (cand[2],), (state._nodes[cand[2]].block,), grace)
+
+
+class ClearableIndex:
+    """Per cycle and mode: nodes whose every occupant is an eligible victim, by block (lazy)."""
+
+    def __init__(self, state: ClusterState, ti: _TypeIndex, mode: Mode, now: float, policy: Policy) -> None:
+        counts: dict[str, int] = {}
+        for rj in _iter_candidates(state, ti, mode):
+            if eligible(rj, mode, now, policy):
+                for nid in rj.held:
+                    counts[nid] = counts.get(nid, 0) + 1
+        by_block: dict[str, list[str]] = {}
+        nodes = state._nodes
+        for nid, c in counts.items():
+            node = nodes[nid]
+            if c == len(node.jobs) and node.health is NodeHealth.READY and node.spare_of is None:
+                by_block.setdefault(node.block, []).append(nid)
+        for v in by_block.values():
+            v.sort()
+        self.by_block = by_block
+
+
+def _clearable_now(state: ClusterState, search: Search, nid: str, mode: Mode, now: float, policy: Policy) -> bool:
+    if not _node_usable(state, search, nid):
+        return False
+    node = state._nodes[nid]
+    if not node.jobs:
+        return False
+    running = state._running
+    return all(eligible(running[j], mode, now, policy) for j in node.jobs)
+
+
+def find_whole(
+    state: ClusterState,
+    search: Search,
+    shape: Shape,
+    pack: Pack,
+    max_blocks: int | None,
+    mode: Mode,
+    now: float,
+    policy: Policy,
+    index: ClearableIndex,
+    limit: int,
+) -> VictimChoice | None:
+    """Victims that free ``shape.nodes`` whole nodes in at most ``max_blocks`` blocks."""
+    ti = search.ti
+    k = shape.nodes
+    pot: list[tuple[int, int, str]] = []
+    for bid in sorted(set(index.by_block) | set(ti.blocks_free)):
+        free = search.block_avail(bid) if bid in ti.blocks_free else 0
+        clear = len(index.by_block.get(bid, ()))
+        if free + clear:
+            pot.append((free + clear, free, bid))
+    if pack is Pack.BLOCK and max_blocks:
+        m = max_blocks
+    elif pack is Pack.NODE:
+        m = 1
+    else:
+        m = len(pot)
+    if not policy.topology:
+        m = len(pot)
+    single = [p for p in pot if p[0] >= k]
+    if single and m >= 1:
+        # the block that already has the most free nodes (fewest victims), then best fit, then id
+        targets = [min(single, key=lambda p: (-p[1], p[0], p[2]))[2]]
+    else:
+        targets = []
+        got = 0
+        for total, free, bid in sorted(pot, key=lambda p: (-p[0], -p[1], p[2])):
+            if got >= k:
+                break
+            if len(targets) >= m:
+                return None
+            targets.append(bid)
+            got += total
+        if got < k:
+            return None
+    targets.sort()
+    free_nodes: list[str] = []
+    for bid in targets:
+        if bid in ti.blocks_free:
+            free_nodes.extend(search.block_nodes(bid, ti.blocks[bid].free_nodes.__len__()))
+    need = k - len(free_nodes)
+    if need <= 0:
+        return None  # it fits without victims (the caller's search should have found it)
+    cand = [n for bid in targets for n in index.by_block.get(bid, ()) if _clearable_now(state, search, n, mode, now, policy)]
+    if len(cand) < need:
+        return None
+    running = state._running
+    nodes = state._nodes
+    chosen: set[str] = set()
+    freed: list[str] = []
+    remaining = set(cand)
+    over_cache: dict[str, float] = {}
+
+    def over(team: str) -> float:
+        v = over_cache.get(team)
+        if v is None:
+            v = over_cache[team] = over_share(state, team, ti.gpu_type)
+        return v
+
+    while len(freed) < need:
+        best = None
+        for nid in sorted(remaining):
+            new = [j for j in nodes[nid].jobs if j not in chosen]
+            lost = sum(_lost(running[j], now) for j in new)
+            o = max((over(running[j].team) for j in new), default=0.0)
+            key = (len(new), lost, -o, nid)
+            if best is None or key < best:
+                best = key
+        if best is None:
+            return None
+        for j in nodes[best[3]].jobs:
+            chosen.add(j)
+        if len(chosen) > limit:
+            return None
+        for nid in sorted(remaining):
+            if all(j in chosen for j in nodes[nid].jobs):
+                remaining.discard(nid)
+                freed.append(nid)
+    victims = tuple(sorted(chosen))
+    grace = max(running[j].spec.grace_s for j in victims)
+    hold = tuple(sorted(free_nodes + freed))
+    return VictimChoice(victims, hold, tuple(targets), grace)
+
