@@ -273,16 +273,17 @@ class _Cycle:
             return False
         self.searches_left -= 1
         search = Search(state, ti, excl)
+        use_free = not (mode.borrowed_only and not policy.serving_borrows_idle)
         if shape.whole:
             ckey = (job.gpu_type, mode)
             index = self.clearable.get(ckey)
             if index is None:
                 index = self.clearable[ckey] = ClearableIndex(state, ti, mode, now, policy)
             choice = find_whole(
-                state, search, shape, t.pack, t.max_blocks, mode, now, policy, index, self.victims_left
+                state, search, shape, t.pack, t.max_blocks, mode, now, policy, index, self.victims_left, use_free
             )
         else:
-            choice = find_small(state, search, shape.total, mode, now, policy, self.victims_left)
+            choice = find_small(state, search, shape.total, mode, now, policy, self.victims_left, use_free)
         if choice is None or len(choice.victims) > self.victims_left:
             self.victim_memo.add(mkey)
             return False

@@ -539,9 +539,12 @@ class ClusterState:
         for s in placement.slots:
             rj.slots[s.replica] = (s.node_id, s.gpus)
         rj.blocks = tuple(sorted({self._nodes[n].block for n in rj.held}))
-        self._settle((job.team, job.gpu_type), now)
+        key = (job.team, job.gpu_type)
+        self._settle(key, now)
         self._add_running(rj)
         self._log(self._remove_running, rj)
+        if self._journal is None and self._acct[key].gused > self.quota(*key).guaranteed:
+            self._quota_dirty.add(key)  # a stale flag from the store: the next plan re-checks it
         for nid in placement.spare_nodes:
             self.hold_spare(nid, job.job_id)
         return rj

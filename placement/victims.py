@@ -99,9 +99,19 @@ def _node_usable(state: ClusterState, search: Search, nid: str) -> bool:
 
 
 def find_small(
-    state: ClusterState, search: Search, need: int, mode: Mode, now: float, policy: Policy, limit: int
+    state: ClusterState,
+    search: Search,
+    need: int,
+    mode: Mode,
+    now: float,
+    policy: Policy,
+    limit: int,
+    use_free: bool = True,
 ) -> VictimChoice | None:
-    """Victims that make room for ``need`` GPUs on one node (a small job)."""
+    """Victims that make room for ``need`` GPUs on one node (a small job).
+
+    ``use_free`` False: only the victims' GPUs count (prod-serving beyond its guarantee).
+    """
     ti = search.ti
     best: tuple | None = None
     scanned = 0
@@ -113,7 +123,9 @@ def find_small(
         scanned += 1
         for nid in sorted(rj.held):
             node = state._nodes[nid]
-            if node.nfree + rj.held[nid].bit_count() < need or not _node_usable(state, search, nid):
+            if (node.nfree if use_free else 0) + rj.held[nid].bit_count() < need:
+                continue
+            if not _node_usable(state, search, nid):
                 continue
             key = (1, _lost(rj, now), -over_share(state, rj.team, rj.gpu_type), rj.job_id, nid)
             if best is None or key < best:
@@ -144,7 +156,7 @@ def find_small(
                 if eligible(o, mode, now, policy):
                     occ.append((-m.bit_count(), _lost(o, now), jid, m.bit_count()))
             occ.sort()
-            free = node.nfree
+            free = node.nfree if use_free else 0
             picked = []
             for _, _, jid, n in occ:
                 if free >= need:
@@ -207,13 +219,17 @@ def find_whole(
     policy: Policy,
     index: ClearableIndex,
     limit: int,
+    use_free: bool = True,
 ) -> VictimChoice | None:
-    """Victims that free ``shape.nodes`` whole nodes in at most ``max_blocks`` blocks."""
+    """Victims that free ``shape.nodes`` whole nodes in at most ``max_blocks`` blocks.
+
+    ``use_free`` False: free nodes do not count (prod-serving beyond its guarantee).
+    """
     ti = search.ti
     k = shape.nodes
     pot: list[tuple[int, int, str]] = []
     for bid in sorted(set(index.by_block) | set(ti.blocks_free)):
-        free = search.block_avail(bid) if bid in ti.blocks_free else 0
+        free = search.block_avail(bid) if use_free and bid in ti.blocks_free else 0
         clear = len(index.by_block.get(bid, ()))
         if free + clear:
             pot.append((free + clear, free, bid))
@@ -226,26 +242,67 @@ def find_whole(
     if not policy.topology:
         m = len(pot)
     single = [p for p in pot if p[0] >= k]
-    if single and m >= 1:
-        # the block that already has the most free nodes (fewest victims), then best fit, then id
-        targets = [min(single, key=lambda p: (-p[1], p[0], p[2]))[2]]
+    if single:
+        # one block: the one needing the fewest victims, then least lost work, most free nodes, id
+        best = None
+        for _, free, bid in sorted(single, key=lambda p: (-p[1], p[0], p[2]))[:_SINGLE_BLOCK_TRIES]:
+            got = _select(state, search, [bid], k, mode, now, policy, index, limit, use_free)
+            if got is not None:
+                key = (len(got[0]), got[3], -free, bid)
+                if best is None or key < best[0]:
+                    best = (key, bid, got)
+        if best is None:
+            return None
+        targets = [best[1]]
+        victims, freed, free_nodes, _ = best[2]
     else:
         targets = []
-        got = 0
+        got_n = 0
         for total, free, bid in sorted(pot, key=lambda p: (-p[0], -p[1], p[2])):
-            if got >= k:
+            if got_n >= k:
                 break
             if len(targets) >= m:
                 return None
             targets.append(bid)
-            got += total
-        if got < k:
+            got_n += total
+        if got_n < k:
             return None
-    targets.sort()
+        targets.sort()
+        sel = _select(state, search, targets, k, mode, now, policy, index, limit, use_free)
+        if sel is None:
+            return None
+        victims, freed, free_nodes, _ = sel
+    grace = max(state._running[j].spec.grace_s for j in victims)
+    hold = tuple(sorted(free_nodes + freed))
+    return VictimChoice(tuple(sorted(victims)), hold, tuple(sorted(targets)), grace)
+
+
+_SINGLE_BLOCK_TRIES = 16
+
+
+def _select(
+    state: ClusterState,
+    search: Search,
+    targets: list[str],
+    k: int,
+    mode: Mode,
+    now: float,
+    policy: Policy,
+    index: ClearableIndex,
+    limit: int,
+    use_free: bool = True,
+) -> tuple[set[str], list[str], list[str], float] | None:
+    """Greedy victims inside ``targets``: (victims, nodes they free, nodes already free, lost work).
+
+    Each step takes the occupants of one candidate node, the step with the fewest new
+    victims per node it frees (up to what is still needed), then least lost work, then
+    the team furthest over its share, then node id.
+    """
+    ti = search.ti
     free_nodes: list[str] = []
     for bid in targets:
-        if bid in ti.blocks_free:
-            free_nodes.extend(search.block_nodes(bid, ti.blocks[bid].free_nodes.__len__()))
+        if use_free and bid in ti.blocks_free:
+            free_nodes.extend(search.block_nodes(bid, len(ti.blocks[bid].free_nodes)))
     need = k - len(free_nodes)
     if need <= 0:
         return None  # it fits without victims (the caller's search should have found it)
@@ -258,6 +315,7 @@ def find_whole(
     freed: list[str] = []
     remaining = set(cand)
     over_cache: dict[str, float] = {}
+    lost_total = 0.0
 
     def over(team: str) -> float:
         v = over_cache.get(team)
@@ -266,26 +324,30 @@ def find_whole(
         return v
 
     while len(freed) < need:
+        left = need - len(freed)
         best = None
+        gains: dict[frozenset[str], int] = {}
         for nid in sorted(remaining):
-            new = [j for j in nodes[nid].jobs if j not in chosen]
+            new = frozenset(j for j in nodes[nid].jobs if j not in chosen)
+            gain = gains.get(new)
+            if gain is None:
+                after = chosen | new
+                touched = {n for j in new for n in running[j].held if n in remaining}
+                gain = gains[new] = sum(1 for n in touched if all(j in after for j in nodes[n].jobs))
+            useful = min(gain, left) or 1
             lost = sum(_lost(running[j], now) for j in new)
             o = max((over(running[j].team) for j in new), default=0.0)
-            key = (len(new), lost, -o, nid)
-            if best is None or key < best:
-                best = key
+            key = (len(new) / useful, lost / useful, -o, nid)
+            if best is None or key < best[0]:
+                best = (key, new, lost)
         if best is None:
             return None
-        for j in nodes[best[3]].jobs:
-            chosen.add(j)
+        chosen |= best[1]
+        lost_total += best[2]
         if len(chosen) > limit:
             return None
         for nid in sorted(remaining):
             if all(j in chosen for j in nodes[nid].jobs):
                 remaining.discard(nid)
                 freed.append(nid)
-    victims = tuple(sorted(chosen))
-    grace = max(running[j].spec.grace_s for j in victims)
-    hold = tuple(sorted(free_nodes + freed))
-    return VictimChoice(victims, hold, tuple(targets), grace)
-
+    return chosen, freed, free_nodes, lost_total

@@ -98,7 +98,10 @@ def occupy(
 
 def fill(st: ClusterState, node_ids: list[str], team: str = "filler", cls: str = "research", started_at: float = 0.0,
          borrowed: bool = False, prefix: str = "f", **kw) -> list[str]:
-    """One whole-node job per node."""
+    """One whole-node job per node (the team gets a large quota if it has none)."""
+    for t in st.gpu_types():
+        if st.quota(team, t).guaranteed == 0 and not borrowed:
+            st.set_quota(team, t, 100_000, 100_000)
     out = []
     for n in node_ids:
         jid = f"{prefix}-{n}"

@@ -1,0 +1,105 @@
+"""Queue order rules (DESIGN.md, Placement), one test per rule."""
+
+from __future__ import annotations
+
+from placement import ClusterState, JobQueue, Ordering, PendingReason, Policy, iter_order, plan
+
+from .helpers import HOUR, cluster, fill, queue_of, spec
+
+
+def order(st: ClusterState, q: JobQueue, now: float = 0.0, policy: Policy | None = None) -> list[str]:
+    return [j.job_id for j in iter_order(q, st, policy or Policy(), now)]
+
+
+def test_order_priority_class_first() -> None:
+    st = cluster()
+    q = queue_of(
+        spec("p", cls="preemptible", submit=0),
+        spec("r", cls="research", submit=1),
+        spec("b", cls="prod-batch", submit=2),
+        spec("s", cls="prod-serving", submit=3),
+    )
+    assert order(st, q) == ["s", "b", "r", "p"]
+
+
+def test_order_team_below_its_guarantee_first_within_class() -> None:
+    st = cluster()
+    st.set_quota("over", "h100", 8)
+    st.set_quota("under", "h100", 16)
+    fill(st, ["b0n0"], team="over")  # 'over' uses its whole guarantee
+    st.set_usage("under", "h100", 10_000.0, 0.0)  # heavy past usage does not matter: it is below its guarantee
+    q = queue_of(spec("o", team="over", submit=0), spec("u", team="under", submit=5))
+    assert order(st, q) == ["u", "o"]
+
+
+def test_order_fair_share_position_most_underserved_first() -> None:
+    st = cluster()
+    for t in ("heavy", "light"):
+        st.set_quota(t, "h100", 0)  # nobody below a guarantee: fair share decides
+    st.set_quota("heavy", "h100", 8)
+    st.set_quota("light", "h100", 8)
+    fill(st, ["b0n0"], team="heavy")
+    fill(st, ["b0n1"], team="light")
+    st.set_usage("heavy", "h100", 500.0, 0.0)
+    st.set_usage("light", "h100", 10.0, 0.0)
+    q = queue_of(spec("h", team="heavy", submit=0), spec("l", team="light", submit=10))
+    assert order(st, q, now=20) == ["l", "h"]
+
+
+def test_order_aging_one_step_per_hour_waited() -> None:
+    st = cluster()
+    for t, use in (("a", 10.0), ("b", 20.0), ("c", 30.0)):
+        st.set_quota(t, "h100", 8)
+        fill(st, [f"b0n{'abc'.index(t)}"], team=t, prefix=t)
+        st.set_usage(t, "h100", use, 0.0)
+    now = 10 * HOUR
+    # c is at position 2; its job waited 2.5 hours: key -0.5, ahead of a's fresh job (key 0)
+    q = queue_of(spec("a1", team="a", submit=now), spec("b1", team="b", submit=now), spec("c1", team="c", submit=now - 2.5 * HOUR))
+    assert order(st, q, now=now) == ["c1", "a1", "b1"]
+    # waiting only 1.5 hours puts it between a (0) and b (1)
+    q = queue_of(spec("a1", team="a", submit=now), spec("b1", team="b", submit=now), spec("c1", team="c", submit=now - 1.5 * HOUR))
+    assert order(st, q, now=now) == ["a1", "c1", "b1"]
+
+
+def test_order_aging_never_crosses_classes() -> None:
+    st = cluster()
+    q = queue_of(spec("old", cls="research", submit=0), spec("new", cls="prod-batch", submit=1000 * HOUR))
+    assert order(st, q, now=1000 * HOUR) == ["new", "old"]
+
+
+def test_order_ties_by_submit_time_then_id() -> None:
+    st = cluster()
+    q = queue_of(spec("z", submit=5), spec("y", submit=1), spec("x", submit=5))
+    assert order(st, q, now=10) == ["y", "x", "z"]
+
+
+def test_order_requeued_front_of_class() -> None:
+    st = cluster()
+    q = queue_of(spec("r1", submit=0), spec("again", submit=50, front=True), spec("b", cls="prod-batch", submit=99))
+    assert order(st, q, now=100) == ["b", "again", "r1"]
+
+
+def test_order_merges_per_team_lanes_without_sorting_the_queue() -> None:
+    st = cluster()
+    jobs = [spec(f"{t}{i:03d}", team=t, submit=i * 10 + k) for k, t in enumerate("abc") for i in range(100)]
+    q = queue_of(*jobs)
+    got = order(st, q, now=2000, policy=Policy(ordering=Ordering.CLASS_FIFO))
+    assert got == [j.job_id for j in sorted(jobs, key=lambda j: (j.submit_time, j.job_id))]
+
+
+def test_order_fifo_ignores_classes() -> None:
+    st = cluster()
+    q = queue_of(spec("r", cls="research", submit=0), spec("s", cls="prod-serving", submit=1))
+    assert order(st, q, policy=Policy(ordering=Ordering.FIFO)) == ["r", "s"]
+
+
+def test_lookahead_limits_the_jobs_considered() -> None:
+    st = cluster(blocks=1, nodes=1)
+    st.set_quota("t", "h100", 100)
+    fill(st, ["b0n0"])
+    q = queue_of(*[spec(f"j{i}", submit=i) for i in range(10)])
+    p = plan(st, q, Policy(lookahead=3), 100.0)
+    assert p.considered == 3
+    assert {x.job_id for x in p.pending} == {"j0", "j1", "j2"}
+    assert p.reason("j5") is PendingReason.LOOKAHEAD
+    assert p.reason("j0") is PendingReason.CAPACITY

@@ -1,0 +1,223 @@
+"""Placement rules (DESIGN.md, Jobs and Placement), one test per rule."""
+
+from __future__ import annotations
+
+from placement import (
+    JobEnded,
+    NodeHealth,
+    PendingReason,
+    Policy,
+    apply_event,
+    fail_node,
+    plan,
+    requeue_spec,
+)
+
+from .helpers import big_quota, blocks_of, cluster, add_blocks, cycle, fill, nodes_of, occupy, queue_of, spec
+
+
+def test_whole_nodes_for_jobs_of_8_or_more_gpus() -> None:
+    st = cluster(blocks=1, nodes=4)
+    big_quota(st, "t")
+    occupy(st, spec("small", gpr=2), {"b0n0": (0, 1)})
+    q = queue_of(spec("j", replicas=3, gpr=4))  # 12 GPUs: 2 replicas on one node, 1 on another
+    p = cycle(st, q, 100)
+    pl = p.placement("j")
+    assert pl is not None
+    assert sorted(n.node_id for n in pl.nodes) == ["b0n1", "b0n2"]
+    assert all(n.gpus == tuple(range(8)) for n in pl.nodes)  # whole nodes, even the half-used one
+    assert pl.gpus == 16
+    assert st.node_jobs("b0n2") == {"j": tuple(range(8))}
+
+
+def test_job_of_exactly_8_gpus_in_small_replicas_takes_a_whole_node() -> None:
+    st = cluster(blocks=1, nodes=2)
+    big_quota(st, "t")
+    occupy(st, spec("small", gpr=1), {"b0n0": (0,)})
+    p = cycle(st, queue_of(spec("j", replicas=4, gpr=2)), 100)
+    assert nodes_of(p, "j") == ["b0n1"]
+
+
+def test_fill_whole_blocks_first_then_best_fit() -> None:
+    st = cluster(blocks=3, nodes=4)
+    big_quota(st, "t")
+    fill(st, ["b1n0", "b1n1"])  # b1 has 2 free nodes; b0 and b2 are whole free blocks
+    p = cycle(st, queue_of(spec("j", replicas=6, gpr=8, pack="block")), 100)
+    # 6 nodes: one whole block (b0, lowest id) + the best fit for the remaining 2 (b1, exactly 2 free)
+    assert blocks_of(p, "j") == ("b0", "b1")
+
+
+def test_best_fit_block_fewest_free_that_still_fit() -> None:
+    st = cluster(blocks=3, nodes=4)
+    big_quota(st, "t")
+    fill(st, ["b1n0"])  # b1: 3 free
+    fill(st, ["b2n0", "b2n1"])  # b2: 2 free
+    p = cycle(st, queue_of(spec("j2", replicas=2, gpr=8, pack="block"), spec("j3", replicas=3, gpr=8, pack="block", submit=1)), 100)
+    assert blocks_of(p, "j2") == ("b2",)
+    assert blocks_of(p, "j3") == ("b1",)
+
+
+def test_max_blocks_honoured() -> None:
+    st = cluster(blocks=3, nodes=4)
+    big_quota(st, "t")
+    fill(st, ["b0n0", "b0n1", "b1n0", "b1n1", "b2n0", "b2n1"])  # 2 free nodes per block
+    q = queue_of(spec("two", replicas=4, gpr=8, pack="block", max_blocks=1))
+    p = cycle(st, q, 100)
+    assert p.reason("two") is PendingReason.TOPOLOGY
+    q = queue_of(spec("two", replicas=4, gpr=8, pack="block", max_blocks=2))
+    p = cycle(st, q, 100)
+    assert len(blocks_of(p, "two")) == 2
+
+
+def test_pack_node_puts_every_replica_on_one_node() -> None:
+    st = cluster(blocks=1, nodes=2)
+    big_quota(st, "t")
+    occupy(st, spec("a", gpr=5), {"b0n0": (0, 1, 2, 3, 4)})
+    occupy(st, spec("b", gpr=5), {"b0n1": (0, 1, 2, 3, 4)})
+    # 2 x 2 GPUs: spreads across the two nodes when allowed, never with pack=node
+    p = cycle(st, queue_of(spec("spread", replicas=2, gpr=2, pack="any")), 100, do_apply=False)
+    assert len(nodes_of(p, "spread")) == 2
+    p = cycle(st, queue_of(spec("one", replicas=2, gpr=2, pack="node")), 100)
+    assert p.reason("one") is PendingReason.TOPOLOGY
+
+
+def test_pack_node_larger_than_a_node_is_invalid() -> None:
+    st = cluster()
+    big_quota(st, "t")
+    p = cycle(st, queue_of(spec("j", replicas=2, gpr=8, pack="node"), spec("k", gpr=9, submit=1)), 100)
+    assert p.reason("j") is PendingReason.INVALID
+    assert p.reason("k") is PendingReason.INVALID
+
+
+def test_small_jobs_go_to_partly_used_blocks() -> None:
+    st = cluster(blocks=3, nodes=4)
+    big_quota(st, "t")
+    fill(st, ["b1n0", "b1n1", "b1n2"])  # b1 partly used (one free node), b0/b2 untouched
+    p = cycle(st, queue_of(spec("s", gpr=2)), 100)
+    assert nodes_of(p, "s") == ["b1n3"]
+
+
+def test_small_jobs_best_fit_node() -> None:
+    st = cluster(blocks=1, nodes=3)
+    big_quota(st, "t")
+    occupy(st, spec("x", gpr=2), {"b0n0": (0, 1)})  # 6 free
+    occupy(st, spec("y", gpr=5), {"b0n1": (0, 1, 2, 3, 4)})  # 3 free
+    p = cycle(st, queue_of(spec("s3", gpr=3), spec("s4", gpr=4, submit=1)), 100)
+    assert nodes_of(p, "s3") == ["b0n1"]
+    assert nodes_of(p, "s4") == ["b0n0"]
+    assert p.placement("s3").nodes[0].gpus == (5, 6, 7)
+
+
+def test_gang_all_or_nothing() -> None:
+    st = cluster(blocks=1, nodes=4)
+    big_quota(st, "t")
+    fill(st, ["b0n0", "b0n1"])
+    p = cycle(st, queue_of(spec("gang", replicas=3, gpr=8)), 100)
+    assert p.placements == ()
+    assert p.reason("gang") is PendingReason.CAPACITY
+    assert st.free_nodes("h100") == 2
+
+
+def test_jobs_run_only_on_their_gpu_type() -> None:
+    st = cluster(blocks=1, nodes=2, gpu_type="a100", prefix="a")
+    add_blocks(st, 1, 2, gpu_type="h100", prefix="h")
+    big_quota(st, "t", gpu_type="a100")
+    big_quota(st, "t", gpu_type="h100")
+    p = cycle(st, queue_of(spec("h", gpr=8, gpu_type="h100"), spec("a", gpr=8, gpu_type="a100"), spec("x", gpu_type="v100")), 100)
+    assert all(n.startswith("h") for n in nodes_of(p, "h"))
+    assert all(n.startswith("a") for n in nodes_of(p, "a"))
+    assert p.reason("x") is PendingReason.GPU_TYPE
+
+
+def test_only_ready_nodes_take_placements() -> None:
+    st = cluster(blocks=1, nodes=2)
+    big_quota(st, "t")
+    st.set_node_health("b0n0", NodeHealth.CORDONED)
+    st.set_node_health("b0n1", NodeHealth.SUSPECT)
+    p = cycle(st, queue_of(spec("j", gpr=4)), 100)
+    assert p.reason("j") is PendingReason.NODE_HEALTH
+    st.set_node_health("b0n1", NodeHealth.READY)
+    p = cycle(st, queue_of(spec("j", gpr=4)), 100)
+    assert nodes_of(p, "j") == ["b0n1"]
+
+
+def test_hot_spares_held_for_large_gangs_and_used_on_restart() -> None:
+    st = cluster(blocks=3, nodes=4)
+    big_quota(st, "t")
+    policy = Policy(hot_spare_min_gpus=64, hot_spare_fraction=0.1)
+    q = queue_of(spec("big", replicas=8, gpr=8, pack="block"))
+    p = cycle(st, q, 100, policy)
+    pl = p.placement("big")
+    assert len(pl.nodes) == 8 and len(pl.spare_nodes) == 1
+    spare = pl.spare_nodes[0]
+    assert st.spares("big") == (spare,)
+    # nobody else may take the spare
+    q2 = queue_of(spec("other", gpr=8, submit=1), spec("other2", gpr=8, submit=2), spec("other3", gpr=8, submit=3), spec("other4", gpr=8, submit=4))
+    p2 = cycle(st, q2, 110, policy)
+    assert all(spare not in [n.node_id for n in pl2.nodes] for pl2 in p2.placements)
+    assert len(p2.placements) == 3  # 12 nodes - 8 - 1 spare = 3 free
+    # a node of the gang fails: the gang is released (spares kept) and restarts using its spare
+    failed = nodes_of(p, "big")[0]
+    res = fail_node(st, failed, 200)
+    assert res.released == ("big",)
+    assert st.spares("big") == (spare,)
+    q3 = queue_of(requeue_spec(q.get("big") or spec("big", replicas=8, gpr=8, pack="block"), 200, front=True))
+    p3 = cycle(st, q3, 200, policy)
+    assert spare in nodes_of(p3, "big")
+    assert failed not in nodes_of(p3, "big")
+
+
+def test_spares_released_when_the_gang_ends() -> None:
+    st = cluster(blocks=3, nodes=4)
+    big_quota(st, "t")
+    policy = Policy(hot_spare_min_gpus=64, hot_spare_fraction=0.1)
+    p = cycle(st, queue_of(spec("big", replicas=8, gpr=8)), 100, policy)
+    assert p.placement("big").spare_nodes
+    apply_event(st, JobEnded("big"), 200)
+    assert st.spares("big") == ()
+    assert st.free_nodes("h100") == 12
+
+
+def test_prod_serving_lost_replica_replaced_alone() -> None:
+    st = cluster(blocks=1, nodes=4)
+    big_quota(st, "inf")
+    q = queue_of(spec("svc", team="inf", cls="prod-serving", replicas=3, gpr=4))
+    p = cycle(st, q, 100)
+    pl = p.placement("svc")
+    assert len(pl.slots) == 3
+    lost_node = pl.slots[0].node_id
+    res = fail_node(st, lost_node, 200)
+    assert res.degraded == ("svc",) and res.released == ()
+    assert st.is_running("svc")
+    assert st.missing_replicas("svc")
+    p2 = cycle(st, queue_of(), 210)
+    rp = p2.placement("svc")
+    assert rp is not None and rp.replacement
+    assert {s.replica for s in rp.slots} == set(st.missing_replicas("svc")) | {s.replica for s in rp.slots}
+    assert st.missing_replicas("svc") == ()
+    assert all(s.node_id != lost_node for s in rp.slots)
+
+
+def test_plan_leaves_state_and_queue_unchanged() -> None:
+    st = cluster(blocks=2, nodes=4)
+    big_quota(st, "t")
+    fill(st, ["b0n0"])
+    q = queue_of(spec("a", replicas=2, gpr=8), spec("b", gpr=3, submit=1))
+    before = (st.free_gpus("h100"), st.free_nodes("h100"), len(st), len(q))
+    p = plan(st, q, Policy(), 100)
+    assert len(p.placements) == 2
+    assert (st.free_gpus("h100"), st.free_nodes("h100"), len(st), len(q)) == before
+    assert not st.tentative
+
+
+def test_apply_partial_commit() -> None:
+    from placement import apply, check_state
+
+    st = cluster(blocks=2, nodes=4)
+    big_quota(st, "t")
+    q = queue_of(spec("a", gpr=8), spec("b", gpr=8, submit=1))
+    p = plan(st, q, Policy(), 100)
+    apply(st, p, q, 100, committed={"b"})
+    assert st.is_running("b") and not st.is_running("a")
+    assert "a" in q and "b" not in q
+    assert check_state(st) == []

@@ -1,0 +1,249 @@
+"""Preemption rules (DESIGN.md, Placement: victims), one test per rule."""
+
+from __future__ import annotations
+
+from placement import PendingReason, Policy, PreemptReason, plan
+
+from .helpers import HOUR, cluster, cycle, fill, occupy, queue_of, spec
+
+NOW = 10 * HOUR
+
+
+def victims(p) -> list[str]:
+    return sorted(pr.victim for pr in p.preemptions)
+
+
+def test_victims_only_from_lower_classes() -> None:
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("hi", "h100", 100)
+    fill(st, ["b0n0"], team="r", cls="research", prefix="res")
+    fill(st, ["b0n1"], team="b", cls="prod-batch", prefix="batch")
+    p = cycle(st, queue_of(spec("x", team="hi", cls="prod-batch", gpr=8)), NOW)
+    assert victims(p) == ["res-b0n0"]
+    assert p.preemptions[0].reason is PreemptReason.PRIORITY
+    assert p.reason("x") is PendingReason.PREEMPTING
+
+
+def test_same_class_victims_only_if_borrowed() -> None:
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("me", "h100", 100)
+    st.set_quota("lender", "h100", 0, 100)
+    fill(st, ["b0n0"], team="g", cls="research", prefix="guar")
+    fill(st, ["b0n1"], team="lender", cls="research", prefix="borr", borrowed=True)
+    p = cycle(st, queue_of(spec("x", team="me", cls="research", gpr=8)), NOW)
+    assert victims(p) == ["borr-b0n1"]
+    assert p.preemptions[0].reason is PreemptReason.RECLAIM
+
+
+def test_higher_class_borrowed_capacity_is_not_a_victim() -> None:
+    st = cluster(blocks=1, nodes=1)
+    st.set_quota("me", "h100", 100)
+    st.set_quota("b", "h100", 0, 100)
+    fill(st, ["b0n0"], team="b", cls="prod-batch", borrowed=True)
+    p = cycle(st, queue_of(spec("x", team="me", cls="research", gpr=8)), NOW)
+    assert p.preemptions == ()
+    assert p.reason("x") is PendingReason.CAPACITY
+
+
+def test_same_class_guaranteed_is_not_a_victim() -> None:
+    st = cluster(blocks=1, nodes=1)
+    st.set_quota("me", "h100", 100)
+    fill(st, ["b0n0"], team="g", cls="research")
+    p = cycle(st, queue_of(spec("x", team="me", cls="research", gpr=8)), NOW)
+    assert p.preemptions == ()
+
+
+def test_prod_serving_never_a_victim() -> None:
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("me", "h100", 100)
+    st.set_quota("svc", "h100", 0, 100)
+    fill(st, ["b0n0", "b0n1"], team="svc", cls="prod-serving", borrowed=True)
+    for cls in ("prod-serving", "prod-batch"):
+        p = cycle(st, queue_of(spec("x", team="me", cls=cls, gpr=8)), NOW)
+        assert p.preemptions == ()
+
+
+def test_prod_serving_beyond_guarantee_takes_only_borrowed_allocations() -> None:
+    st = cluster(blocks=1, nodes=3)
+    st.set_quota("svc", "h100", 0, 100)
+    st.set_quota("lender", "h100", 0, 100)
+    fill(st, ["b0n0"], team="low", cls="preemptible", prefix="low")  # guaranteed, lower class
+    fill(st, ["b0n1"], team="lender", cls="research", prefix="borr", borrowed=True)
+    q = queue_of(spec("s", team="svc", cls="prod-serving", gpr=8))
+    # b0n2 is idle, yet prod-serving beyond its guarantee does not take idle capacity
+    p = cycle(st, q, NOW)
+    assert victims(p) == ["borr-b0n1"]
+    assert all(pr.victim_borrowed for pr in p.preemptions)
+    assert p.placements == ()
+    # the victim stops: the reclaimed node goes to the serving job, not the idle one
+    st.release("borr-b0n1", NOW + 30)
+    p = cycle(st, q, NOW + 31)
+    pl = p.placement("s")
+    assert pl is not None and pl.borrowed
+    assert [n.node_id for n in pl.nodes] == ["b0n1"]
+
+
+def test_prod_serving_beyond_guarantee_without_borrowed_victims_waits_for_quota() -> None:
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("svc", "h100", 0, 100)
+    fill(st, ["b0n0"], team="low", cls="preemptible")
+    p = cycle(st, queue_of(spec("s", team="svc", cls="prod-serving", gpr=8)), NOW)
+    assert p.preemptions == () and p.placements == ()
+    assert p.reason("s") is PendingReason.QUOTA
+
+
+def test_no_victim_within_30_minutes_of_its_start() -> None:
+    st = cluster(blocks=1, nodes=1)
+    st.set_quota("me", "h100", 100)
+    fill(st, ["b0n0"], team="low", cls="preemptible", started_at=NOW - 1700)
+    p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW)
+    assert p.preemptions == ()
+    p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW + 101)
+    assert victims(p) == ["f-b0n0"]
+
+
+def test_after_3_preemptions_in_a_day_only_borrowed_capacity_is_lost() -> None:
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("me", "h100", 100)
+    st.set_quota("lender", "h100", 0, 100)
+    hist = (NOW - 3 * HOUR, NOW - 2 * HOUR, NOW - HOUR)
+    fill(st, ["b0n0"], team="low", cls="preemptible", prefix="tired", preemption_times=hist)
+    p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW, do_apply=False)
+    assert p.preemptions == ()
+    fill(st, ["b0n1"], team="lender", cls="preemptible", prefix="tiredborrowed", borrowed=True, preemption_times=hist)
+    p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW, do_apply=False)
+    assert victims(p) == ["tiredborrowed-b0n1"]
+    # preemptions older than a day do not count
+    st2 = cluster(blocks=1, nodes=1)
+    st2.set_quota("me", "h100", 100)
+    fill(st2, ["b0n0"], team="low", cls="preemptible", preemption_times=(NOW - 30 * HOUR,) * 3)
+    p = cycle(st2, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW)
+    assert victims(p) == ["f-b0n0"]
+
+
+def test_fewest_victims() -> None:
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("me", "h100", 100)
+    st.set_quota("low", "h100", 100)
+    # node 0: two 2-GPU jobs (recent checkpoints: little lost work); node 1: one 4-GPU job
+    occupy(st, spec("a", team="low", cls="preemptible", gpr=2, last_checkpoint_at=NOW - 10), {"b0n0": (0, 1)})
+    occupy(st, spec("b", team="low", cls="preemptible", gpr=2, last_checkpoint_at=NOW - 10), {"b0n0": (2, 3)})
+    occupy(st, spec("c", team="low", cls="preemptible", gpr=4), {"b0n1": (0, 1, 2, 3)})
+    occupy(st, spec("keep0", team="low", cls="prod-batch", gpr=4), {"b0n0": (4, 5, 6, 7)})
+    occupy(st, spec("keep1", team="low", cls="prod-batch", gpr=4), {"b0n1": (4, 5, 6, 7)})
+    p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=4)), NOW)
+    assert victims(p) == ["c"]
+
+
+def test_fewest_victims_for_a_gang() -> None:
+    st = cluster(blocks=2, nodes=2)
+    st.set_quota("me", "h100", 100)
+    fill(st, ["b0n0", "b0n1"], team="low", cls="preemptible", prefix="one-node")  # two victims needed in b0
+    occupy(st, spec("two-node", team="low", cls="preemptible", replicas=2, gpr=8), ["b1n0", "b1n1"])
+    p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", replicas=2, gpr=8, pack="block", max_blocks=1)), NOW)
+    assert victims(p) == ["two-node"]
+
+
+def test_least_lost_work_most_recent_checkpoint() -> None:
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("me", "h100", 100)
+    fill(st, ["b0n0"], team="low", cls="preemptible", prefix="old-ckpt", last_checkpoint_at=NOW - 2 * HOUR)
+    fill(st, ["b0n1"], team="low", cls="preemptible", prefix="new-ckpt", last_checkpoint_at=NOW - 60)
+    p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW)
+    assert victims(p) == ["new-ckpt-b0n1"]
+
+
+def test_job_that_cannot_checkpoint_loses_everything_since_start() -> None:
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("me", "h100", 100)
+    fill(st, ["b0n0"], team="low", cls="preemptible", prefix="nockpt", preemptible=False, last_checkpoint_at=NOW - 60, started_at=NOW - 5 * HOUR)
+    fill(st, ["b0n1"], team="low", cls="preemptible", prefix="ckpt", last_checkpoint_at=NOW - HOUR, started_at=NOW - 5 * HOUR)
+    p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW)
+    assert victims(p) == ["ckpt-b0n1"]
+
+
+def test_team_furthest_over_its_share_breaks_ties() -> None:
+    st = cluster(blocks=1, nodes=3)
+    st.set_quota("me", "h100", 100)
+    st.set_quota("fair", "h100", 16, 0)
+    st.set_quota("greedy", "h100", 4, 100)
+    fill(st, ["b0n0"], team="fair", cls="preemptible", prefix="fair")
+    fill(st, ["b0n1"], team="greedy", cls="preemptible", prefix="greedy", borrowed=True)
+    fill(st, ["b0n2"], team="x", cls="prod-batch", prefix="x")
+    p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW)
+    assert victims(p) == ["greedy-b0n1"]
+
+
+def test_prefer_victims_in_the_target_blocks() -> None:
+    st = cluster(blocks=2, nodes=2)
+    st.set_quota("me", "h100", 100)
+    # b0: one free node + one victim; b1: a cheaper victim, but next to a node nobody may take
+    fill(st, ["b0n0"], team="low", cls="preemptible", prefix="in-target")
+    fill(st, ["b1n0"], team="low", cls="preemptible", prefix="cheap", last_checkpoint_at=NOW - 1)
+    fill(st, ["b1n1"], team="svc", cls="prod-serving", prefix="svc")
+    p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", replicas=2, gpr=8, pack="block", max_blocks=1)), NOW)
+    assert victims(p) == ["in-target-b0n0"]
+    assert [r.nodes for r in p.reservations if r.job_id == "x"] == [("b0n0", "b0n1")]
+
+
+def test_reclaim_of_borrowed_gpus_is_planned_in_the_first_cycle() -> None:
+    st = cluster(blocks=2, nodes=4)
+    st.set_quota("owner", "h100", 16)  # below its guarantee (uses nothing)
+    st.set_quota("borrower", "h100", 0, 1000)
+    fill(st, [f"b{b}n{n}" for b in range(2) for n in range(4)], team="borrower", cls="research", borrowed=True)
+    # many jobs of other teams ahead in submit order, and a small lookahead
+    others = [spec(f"o{i}", team=f"other{i}", cls="research", gpr=8, submit=i) for i in range(20)]
+    for i in range(20):
+        st.set_quota(f"other{i}", "h100", 0, 8)
+    q = queue_of(*others, spec("mine", team="owner", cls="research", replicas=2, gpr=8, submit=1000))
+    p = cycle(st, q, NOW, Policy(lookahead=5))
+    mine = [pr for pr in p.preemptions if pr.beneficiary == "mine"]
+    assert len(mine) >= 1 and all(pr.reason is PreemptReason.RECLAIM for pr in mine)
+
+
+def test_borrowing_job_does_not_preempt() -> None:
+    st = cluster(blocks=1, nodes=1)
+    st.set_quota("me", "h100", 0, 100)
+    fill(st, ["b0n0"], team="low", cls="preemptible")
+    p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW)
+    assert p.preemptions == ()
+
+
+def test_reclaimed_nodes_are_held_for_the_beneficiary() -> None:
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("me", "h100", 100)
+    st.set_quota("low", "h100", 100)
+    fill(st, ["b0n0", "b0n1"], team="low", cls="preemptible")
+    q = queue_of(spec("x", team="me", cls="prod-batch", gpr=8))
+    p = cycle(st, q, NOW)
+    (v,) = victims(p)
+    assert st.awaiting("x") == (v,)
+    # while the victim stops: no new preemption for x, and a lower class job cannot take the node
+    q.push(spec("later", team="low", cls="preemptible", gpr=8, submit=NOW))
+    p = cycle(st, q, NOW + 1)
+    assert p.preemptions == () and p.reason("x") is PendingReason.PREEMPTING
+    st.release(v, NOW + 20)
+    p = cycle(st, q, NOW + 21)
+    assert p.placement("x") is not None
+    assert p.reason("later") is not None and p.placement("later") is None
+    assert st.reservation("x") is None
+
+
+def test_preemption_disabled() -> None:
+    st = cluster(blocks=1, nodes=1)
+    st.set_quota("me", "h100", 100)
+    fill(st, ["b0n0"], team="low", cls="preemptible")
+    p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW, Policy(preemption=False))
+    assert p.preemptions == ()
+
+
+def test_victim_of_another_gpu_type_is_never_chosen() -> None:
+    from .helpers import add_blocks
+
+    st = cluster(blocks=1, nodes=1, gpu_type="a100", prefix="a")
+    add_blocks(st, 1, 1, gpu_type="h100", prefix="h")
+    st.set_quota("me", "h100", 100)
+    fill(st, ["ab0n0"], team="low", cls="preemptible", prefix="a100job", gpu_type="a100")
+    fill(st, ["hb0n0"], team="low", cls="preemptible", prefix="h100job")
+    p = plan(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), Policy(), NOW)
+    assert victims(p) == ["h100job-hb0n0"]

@@ -1,0 +1,115 @@
+"""Reservation and backfill rules, one test per rule."""
+
+from __future__ import annotations
+
+from placement import PendingReason, Policy, ReservationKind
+
+from .helpers import HOUR, cluster, cycle, fill, queue_of, spec
+
+POL = Policy(reserve_min_gpus=32)
+
+
+def setup():
+    """b0: 2 free nodes, jobs ending at 1000 and 3000; b1: full, jobs ending 5000..8000."""
+    st = cluster(blocks=2, nodes=4)
+    st.set_quota("t", "h100", 1000)
+    fill(st, ["b0n0"], team="run", runtime=1000, prefix="e1000")
+    fill(st, ["b0n1"], team="run", runtime=3000, prefix="e3000")
+    for i, n in enumerate(["b1n0", "b1n1", "b1n2", "b1n3"]):
+        fill(st, [n], team="run", runtime=5000 + 1000 * i, prefix=f"e{5000 + 1000 * i}")
+    return st
+
+
+def gang(**kw):
+    return spec("gang", team="t", replicas=4, gpr=8, pack="block", max_blocks=1, **kw)
+
+
+def test_head_of_line_large_gang_reserves_the_blocks_it_will_use() -> None:
+    st = setup()
+    p = cycle(st, queue_of(gang()), 100, POL)
+    assert p.reason("gang") is PendingReason.RESERVED
+    (res,) = p.reservations
+    assert res.job_id == "gang" and res.kind is ReservationKind.HEAD_OF_LINE
+    assert res.blocks == ("b0",)
+    assert res.expected_start == 3000  # from running jobs' max_runtime
+
+
+def test_only_jobs_ending_before_the_expected_start_backfill() -> None:
+    st = setup()
+    q = queue_of(gang(), spec("short", team="t", gpr=8, runtime=1000, submit=1), spec("long", team="t", gpr=8, runtime=10 * HOUR, submit=2))
+    p = cycle(st, q, 100, POL)
+    assert p.placement("short") is not None and p.placement("short").backfill
+    assert p.placement("short").blocks == ("b0",)
+    assert p.reason("long") is PendingReason.RESERVATION
+
+
+def test_no_backfill_keeps_reserved_blocks_closed() -> None:
+    st = setup()
+    q = queue_of(gang(), spec("short", team="t", gpr=8, runtime=1000, submit=1))
+    p = cycle(st, q, 100, Policy(reserve_min_gpus=32, backfill=False))
+    assert p.reason("short") is PendingReason.RESERVATION
+
+
+def test_reservation_survives_cycles_and_is_released_when_the_job_places() -> None:
+    st = setup()
+    q = queue_of(gang())
+    p1 = cycle(st, q, 100, POL)
+    p2 = cycle(st, q, 200, POL)
+    assert [r.blocks for r in p2.reservations] == [r.blocks for r in p1.reservations] == [("b0",)]
+    assert st.reservation("gang") is not None
+    st.release("e1000-b0n0", 1000)
+    st.release("e3000-b0n1", 3000)
+    p3 = cycle(st, q, 3000, POL)
+    assert p3.placement("gang") is not None and p3.placement("gang").blocks == ("b0",)
+    assert p3.reservations == () and st.reservation("gang") is None
+
+
+def test_reservation_released_when_the_job_leaves() -> None:
+    st = setup()
+    q = queue_of(gang())
+    cycle(st, q, 100, POL)
+    q.remove("gang")
+    p = cycle(st, q, 200, POL)
+    assert p.reservations == () and st.reservation("gang") is None
+
+
+def test_expected_start_follows_running_jobs() -> None:
+    st = setup()
+    q = queue_of(gang())
+    cycle(st, q, 100, POL)
+    st.release("e3000-b0n1", 500)  # ended early: only the 1000 s job is left in the way
+    p = cycle(st, q, 600, POL)
+    assert p.reservations[0].expected_start == 1000
+
+
+def test_only_the_head_of_line_gang_reserves() -> None:
+    st = setup()
+    q = queue_of(gang(), spec("gang2", team="t", replicas=4, gpr=8, pack="block", max_blocks=1, submit=5))
+    p = cycle(st, q, 100, POL)
+    assert [r.job_id for r in p.reservations] == ["gang"]
+    assert p.reason("gang2") in (PendingReason.RESERVATION, PendingReason.CAPACITY)
+
+
+def test_small_jobs_do_not_reserve() -> None:
+    st = setup()
+    p = cycle(st, queue_of(spec("mid", team="t", replicas=3, gpr=8, pack="block", max_blocks=1)), 100, Policy(reserve_min_gpus=64))
+    assert p.reservations == ()
+
+
+def test_higher_class_may_use_reserved_blocks_and_displace_the_reservation() -> None:
+    st = setup()
+    st.set_quota("hi", "h100", 1000)
+    q = queue_of(gang())
+    cycle(st, q, 100, POL)
+    q.push(spec("hi1", team="hi", cls="prod-batch", gpr=8, runtime=10 * HOUR, submit=200))
+    p = cycle(st, q, 200, POL)
+    assert p.placement("hi1") is not None and p.placement("hi1").blocks == ("b0",)
+    q.push(spec("higang", team="hi", cls="prod-batch", replicas=4, gpr=8, pack="block", max_blocks=1, runtime=10 * HOUR, submit=300))
+    p = cycle(st, q, 300, Policy(reserve_min_gpus=32, preemption=False))
+    assert [r.job_id for r in p.reservations] == ["higang"]
+
+
+def test_reservations_disabled() -> None:
+    st = setup()
+    p = cycle(st, queue_of(gang()), 100, Policy(reserve_min_gpus=32, reservations=False))
+    assert p.reservations == () and p.reason("gang") is PendingReason.CAPACITY
