@@ -1,0 +1,526 @@
+"""The user commands of `gpufleet`: submit, status, list, events, logs, cancel, extend,
+explain, queue, quota get|set, nodes, drain.
+
+They talk HTTP to the API (never to Temporal or Postgres). The URL and token come
+from ``--url`` / ``--token`` or the settings (``GPUFLEET_API_URL``, ``GPUFLEET_TOKEN``).
+Every write sends an Idempotency-Key generated once per invocation and reused on
+each retry, so a retry after a timeout never submits (or cancels) twice.
+``--json`` prints the API's JSON for scripts; otherwise rich tables.
+
+Exit codes: 0 ok, 1 the API refused (its error code and sentence on stderr),
+3 the API could not be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+RETRY_STATUSES = {502, 503, 504}
+RETRY_DELAYS = (0.25, 0.5, 1.0, 2.0, 4.0)
+
+Url = Annotated[str | None, typer.Option("--url", help="API base URL (default: GPUFLEET_API_URL)", show_default=False)]
+Token = Annotated[str | None, typer.Option("--token", help="bearer token (default: GPUFLEET_TOKEN)", show_default=False)]
+AsJson = Annotated[bool, typer.Option("--json", help="print the API's JSON")]
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: str = "", exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.exit_code = exit_code
+
+
+def _out() -> Console:
+    return Console(soft_wrap=False, width=max(Console().width, 120))
+
+
+def _err(message: str) -> None:
+    sys.stderr.write(message.rstrip("\n") + "\n")
+    sys.stderr.flush()
+
+
+def resolve(url: str | None, token: str | None) -> tuple[str, str | None]:
+    if url and token:
+        return url.rstrip("/"), token
+    from common.settings import Settings
+
+    try:
+        s = Settings()
+    except Exception as e:  # an invalid GPUFLEET_* variable: say which, briefly
+        raise CliError(f"invalid settings: {str(e).splitlines()[0]}", exit_code=2) from e
+    base = url or s.api_url or f"http://{s.api_host}:{s.api_port}"
+    return base.rstrip("/"), token or s.token
+
+
+class ApiClient:
+    """A small synchronous client: retries with backoff, one idempotency key per call."""
+
+    def __init__(self, url: str, token: str | None, timeout: float = 30.0) -> None:
+        self.url = url
+        self.token = token
+        self.timeout = timeout
+
+    def _headers(self, key: str | None = None) -> dict[str, str]:
+        h = {"Accept": "application/json", "User-Agent": "gpufleet-cli"}
+        if self.token:
+            h["Authorization"] = f"Bearer {self.token}"
+        if key:
+            h["Idempotency-Key"] = key
+        return h
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: dict[str, Any] | None = None,
+        write: bool = False,
+        key: str | None = None,
+    ) -> Any:
+        key = (key or f"cli-{uuid.uuid4()}") if write else None  # one key per invocation, reused on retry
+        params = {k: v for k, v in (params or {}).items() if v is not None}
+        last: Exception | None = None
+        for attempt, delay in enumerate((0.0, *RETRY_DELAYS)):
+            if delay:
+                time.sleep(delay)
+            try:
+                with httpx.Client(timeout=self.timeout) as client:
+                    r = client.request(method, self.url + path, json=json_body, params=params, headers=self._headers(key))
+            except httpx.TransportError as e:
+                last = e
+                continue
+            if r.status_code in RETRY_STATUSES or (r.status_code == 409 and _code(r) == "idempotency_key_in_flight"):
+                last = _api_error(r)
+                continue
+            if r.status_code >= 400:
+                raise _api_error(r)
+            return r.json() if r.content else None
+        if isinstance(last, CliError):
+            raise last
+        raise CliError(f"cannot reach the API at {self.url}: {last}", code="unreachable", exit_code=3)
+
+    def stream(self, path: str, params: dict[str, Any]) -> Iterator[bytes]:
+        """Yield a streamed body; after a dropped connection, resume from the bytes received."""
+        received = 0
+        failures = 0
+        while True:
+            q = {k: v for k, v in params.items() if v is not None} | {"offset": params.get("offset", 0) + received}
+            try:
+                with httpx.Client(timeout=httpx.Timeout(self.timeout, read=None)) as client:
+                    with client.stream("GET", self.url + path, params=q, headers=self._headers()) as r:
+                        if r.status_code >= 400:
+                            r.read()
+                            raise _api_error(r)
+                        for chunk in r.iter_raw():
+                            received += len(chunk)
+                            yield chunk
+                return
+            except httpx.TransportError as e:
+                failures += 1
+                if failures > len(RETRY_DELAYS):
+                    raise CliError(f"lost the log stream from {self.url}: {e}", code="unreachable", exit_code=3) from e
+                time.sleep(RETRY_DELAYS[failures - 1])
+
+
+def _code(r: httpx.Response) -> str:
+    try:
+        return r.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+
+
+def _api_error(r: httpx.Response) -> CliError:
+    try:
+        err = r.json()["error"]
+        return CliError(f"{err['message']} [{err['code']}, HTTP {r.status_code}]", code=err["code"])
+    except (ValueError, KeyError, TypeError):
+        return CliError(f"HTTP {r.status_code} from the API: {r.text[:200]}", code=f"http_{r.status_code}")
+
+
+def _run(fn, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except CliError as e:
+        _err(f"error: {e.message}")
+        raise typer.Exit(e.exit_code) from None
+
+
+def _client(url: str | None, token: str | None) -> ApiClient:
+    base, tok = _run(resolve, url, token)
+    return ApiClient(base, tok)
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(str(x) for x in v) or "-"
+    return str(v)
+
+
+def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
+    t = Table(title=title, show_header=False, title_justify="left")
+    t.add_column("field", style="bold")
+    t.add_column("value")
+    for k, v in rows:
+        t.add_row(k, _fmt(v))
+    return t
+
+
+# --- commands ---------------------------------------------------------------------------
+
+
+def submit(
+    file: Annotated[Path, typer.Option("-f", "--file", help="job spec (YAML or JSON); - reads stdin")],
+    idempotency_key: Annotated[
+        str | None, typer.Option("--idempotency-key", help="reuse a key to retry an earlier submit safely")
+    ] = None,
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Submit a job from a YAML file."""
+    try:
+        text = sys.stdin.read() if str(file) == "-" else file.read_text()
+        spec = yaml.safe_load(text)
+    except (OSError, yaml.YAMLError) as e:
+        _err(f"error: cannot read {file}: {e}")
+        raise typer.Exit(2) from None
+    if isinstance(spec, dict) and set(spec) == {"job"} and isinstance(spec["job"], dict):
+        spec = spec["job"]
+    if not isinstance(spec, dict):
+        _err(f"error: {file} must hold a mapping of job fields")
+        raise typer.Exit(2)
+    api = _client(url, token)
+    r = _run(api.request, "POST", "/v1/jobs", json_body=spec, write=True, key=idempotency_key)
+    if as_json:
+        return _print_json(r)
+    pos = r.get("queue_position")
+    where = f", position {pos}" + (" (estimate)" if r.get("queue_position_estimated") else "") if pos else ""
+    _out().print(f"submitted [bold]{r['job_id']}[/bold] ({r['state']}{where})")
+
+
+def status(job_id: str, url: Url = None, token: Token = None, as_json: AsJson = False) -> None:
+    """A job's state, attempt, allocation and queue position."""
+    j = _run(_client(url, token).request, "GET", f"/v1/jobs/{job_id}")
+    if as_json:
+        return _print_json(j)
+    rows = [
+        ("job", j["job_id"]),
+        ("name", j.get("name")),
+        ("team", j["team"]),
+        ("class", j["priority_class"]),
+        ("state", j["state"]),
+        ("attempt", j["attempt"]),
+        ("gpus", f"{j['replicas']} x {j['gpus_per_replica']} {j['gpu_type']}"),
+        ("submitted", j["submitted_at"]),
+        ("started", j.get("started_at")),
+        ("nodes", j["allocation"]["nodes"]),
+        ("blocks", j["allocation"]["blocks"]),
+        ("last checkpoint", j.get("last_checkpoint")),
+        ("preemptions", j["preemptions"]),
+    ]
+    if j["state"] == "QUEUED":
+        rows += [("queue position", j.get("queue_position")), ("pending", j.get("pending_reason"))]
+    _out().print(_kv_table(f"job {j['job_id']}", rows))
+
+
+def list_jobs(
+    team: Annotated[str | None, typer.Option(help="team (admins: any; default: all you may see)")] = None,
+    state: Annotated[str | None, typer.Option(help="only jobs in this state (QUEUED, RUNNING, ...)")] = None,
+    limit: Annotated[int, typer.Option(help="jobs per page")] = 50,
+    all_pages: Annotated[bool, typer.Option("--all", help="follow every page")] = False,
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """List jobs, newest first."""
+    api = _client(url, token)
+    jobs: list[dict] = []
+    cursor = None
+    while True:
+        page = _run(api.request, "GET", "/v1/jobs", params={"team": team, "state": state, "limit": limit, "cursor": cursor})
+        jobs += page["jobs"]
+        cursor = page.get("next_cursor")
+        if not (all_pages and cursor):
+            break
+    if as_json:
+        return _print_json({"jobs": jobs, "next_cursor": cursor})
+    t = Table("job", "name", "team", "class", "gpus", "state", "attempt", "position", "submitted")
+    for j in jobs:
+        t.add_row(
+            j["job_id"], _fmt(j.get("name")), j["team"], j["priority_class"], str(j["gpus"]), j["state"],
+            str(j["attempt"]), _fmt(j.get("queue_position")), str(j["submitted_at"])[:19],
+        )
+    _out().print(t)
+    if cursor:
+        _out().print(f"more: --all, or the API's cursor {cursor}")
+
+
+def events(job_id: str, url: Url = None, token: Token = None, as_json: AsJson = False) -> None:
+    """A job's timeline (submitted, scheduled, preempted, node_failed, restarted, ...)."""
+    api = _client(url, token)
+    out: list[dict] = []
+    cursor = None
+    while True:
+        page = _run(api.request, "GET", f"/v1/jobs/{job_id}/events", params={"cursor": cursor})
+        out += page["events"]
+        cursor = page.get("next_cursor")
+        if not cursor:
+            break
+    if as_json:
+        return _print_json({"job_id": job_id, "events": out})
+    t = Table("at", "attempt", "event", "from", "to", "actor", "reason")
+    for e in out:
+        t.add_row(str(e["at"])[:19], str(e["attempt"]), e["event"], _fmt(e.get("from_state")), _fmt(e.get("to_state")),
+                  e["actor"], _fmt(e.get("reason")))
+    _out().print(t)
+
+
+def logs(
+    job_id: str,
+    follow: Annotated[bool, typer.Option("-f", "--follow", help="keep streaming new output")] = False,
+    rank: Annotated[int, typer.Option(help="which rank")] = 0,
+    attempt: Annotated[int | None, typer.Option(help="which attempt (default: the newest)")] = None,
+    url: Url = None,
+    token: Token = None,
+) -> None:
+    """A rank's output (proxied from the agent on its node)."""
+    api = _client(url, token)
+    params = {"rank": rank, "attempt": attempt, "follow": "true" if follow else "false", "offset": 0}
+    out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
+    try:
+        for chunk in api.stream(f"/v1/jobs/{job_id}/logs", params):
+            if out is not None:
+                out.write(chunk)
+                out.flush()
+            else:
+                sys.stdout.write(chunk.decode("utf-8", "replace"))
+                sys.stdout.flush()
+    except CliError as e:
+        _err(f"error: {e.message}")
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
+def cancel(
+    job_id: str,
+    reason: Annotated[str, typer.Option(help="recorded in the audit trail")] = "cancelled by user",
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Cancel a job (its ranks are stopped; the job ends CANCELLED)."""
+    r = _run(_client(url, token).request, "DELETE", f"/v1/jobs/{job_id}", params={"reason": reason}, write=True)
+    if as_json:
+        return _print_json(r)
+    _out().print(f"{r['job_id']}: {r['state']}")
+
+
+def extend(
+    job_id: str,
+    by: Annotated[str, typer.Option(help='how much longer, e.g. "2h"')],
+    reason: Annotated[str, typer.Option(help="why (audited)")] = "",
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Ask for more runtime (extensions are capped in number and size)."""
+    r = _run(
+        _client(url, token).request, "POST", f"/v1/jobs/{job_id}:extend", json_body={"by": by, "reason": reason}, write=True
+    )
+    if as_json:
+        return _print_json(r)
+    _out().print(f"{job_id}: extended, new deadline {r.get('new_deadline')} ({r['extensions_used']} used)")
+
+
+def explain(job_id: str, url: Url = None, token: Token = None, as_json: AsJson = False) -> None:
+    """Why a job is pending, what it waits for, and its expected start."""
+    e = _run(_client(url, token).request, "GET", f"/v1/jobs/{job_id}/explain")
+    if as_json:
+        return _print_json(e)
+    rows: list[tuple[str, Any]] = [("state", e["state"]), ("why", e["message"])]
+    if e.get("pending"):
+        w = e.get("waiting_for") or {}
+        rows += [
+            ("reason code", e.get("pending_reason")),
+            ("queue position", e.get("queue_position")),
+            ("expected start", e.get("expected_start")),
+            ("GPUs requested", w.get("gpus_requested")),
+            ("GPUs free of its type", w.get("gpus_free_of_type")),
+            ("team quota headroom", w.get("team_quota_headroom")),
+        ]
+    _out().print(_kv_table(f"job {job_id}", rows))
+
+
+def _my_team(api: ApiClient) -> str:
+    me = _run(api.request, "GET", "/v1/me")
+    if not me.get("team"):
+        _err("error: give a team (this token is not a team member)")
+        raise typer.Exit(2)
+    return me["team"]
+
+
+def _quota_table(team: str, quota: dict[str, dict]) -> Table:
+    t = Table("gpu type", "guaranteed", "borrow limit", "in use", "borrowed", title=f"team {team}", title_justify="left")
+    for gpu_type, q in quota.items():
+        t.add_row(gpu_type, str(q["guaranteed"]), str(q.get("borrow_limit", "-")), str(q["in_use"]), str(q["borrowed"]))
+    return t
+
+
+def queue(
+    team: Annotated[str | None, typer.Argument(help="default: your team")] = None,
+    limit: Annotated[int, typer.Option(help="jobs to show")] = 50,
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """A team's queued jobs in order, with its usage."""
+    api = _client(url, token)
+    team = team or _my_team(api)
+    q = _run(api.request, "GET", f"/v1/teams/{team}/queue", params={"limit": limit})
+    if as_json:
+        return _print_json(q)
+    con = _out()
+    con.print(_quota_table(team, q["usage"]))
+    con.print("  ".join(f"{k}: {v}" for k, v in q["counts"].items()))
+    t = Table("position", "job", "name", "class", "gpus", "pending", "expected start")
+    for j in q["jobs"]:
+        t.add_row(_fmt(j.get("queue_position")), j["job_id"], _fmt(j.get("name")), j["priority_class"], str(j["gpus"]),
+                  _fmt(j.get("pending_reason")), _fmt(j.get("expected_start")))
+    con.print(t)
+
+
+quota_app = typer.Typer(help="team quotas: get, set (admin)", no_args_is_help=True)
+
+
+@quota_app.command("get")
+def quota_get(
+    team: Annotated[str | None, typer.Argument(help="default: your team")] = None,
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """A team's quota and usage per GPU type."""
+    api = _client(url, token)
+    team = team or _my_team(api)
+    q = _run(api.request, "GET", f"/v1/teams/{team}/quota")
+    if as_json:
+        return _print_json(q)
+    _out().print(_quota_table(team, q))
+
+
+@quota_app.command("set")
+def quota_set(
+    team: str,
+    gpu_type: Annotated[str, typer.Option("--gpu-type", help="e.g. h100")],
+    guaranteed: Annotated[int, typer.Option(help="guaranteed GPUs")],
+    reason: Annotated[str, typer.Option(help="recorded in the audit row")],
+    borrow_limit: Annotated[int | None, typer.Option("--borrow-limit", help="default: keep the current one")] = None,
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Set a team's quota for one GPU type (admin)."""
+    body = {"gpu_type": gpu_type, "guaranteed": guaranteed, "reason": reason}
+    if borrow_limit is not None:
+        body["borrow_limit"] = borrow_limit
+    q = _run(_client(url, token).request, "PUT", f"/v1/teams/{team}/quota", json_body=body, write=True)
+    if as_json:
+        return _print_json(q)
+    _out().print(_quota_table(team, q))
+
+
+def nodes(
+    node_id: Annotated[str | None, typer.Argument(help="one node in detail")] = None,
+    state: Annotated[str | None, typer.Option(help="only nodes in this state")] = None,
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Nodes: state, GPUs in use; or one node with its leases."""
+    api = _client(url, token)
+    if node_id:
+        n = _run(api.request, "GET", f"/v1/nodes/{node_id}")
+        if as_json:
+            return _print_json(n)
+        con = _out()
+        con.print(_kv_table(f"node {node_id}", [
+            ("block", n["block_id"]), ("type", n["gpu_type"]), ("state", n["state"]), ("reason", n.get("reason")),
+            ("gpus", f"{n['gpus_allocated']}/{n['gpus']} allocated"),
+        ]))
+        t = Table("lease", "job", "team", "rank", "gpus")
+        for lease in n["leases"]:
+            t.add_row(_fmt(lease.get("lease_id")), _fmt(lease.get("job_id")), _fmt(lease.get("team")),
+                      _fmt(lease.get("rank")), _fmt(lease["gpu_indices"]))
+        con.print(t)
+        return
+    out: list[dict] = []
+    cursor = None
+    while True:
+        page = _run(api.request, "GET", "/v1/nodes", params={"state": state, "cursor": cursor})
+        out += page["nodes"]
+        cursor = page.get("next_cursor")
+        if not cursor:
+            break
+    if as_json:
+        return _print_json({"nodes": out})
+    t = Table("node", "block", "type", "state", "allocated", "reason")
+    for n in out:
+        t.add_row(n["node_id"], n["block_id"], n["gpu_type"], n["state"], f"{n['gpus_allocated']}/{n['gpus']}",
+                  _fmt(n.get("reason")))
+    _out().print(t)
+
+
+def drain(
+    node_id: str,
+    reason: Annotated[str, typer.Option(help="why (audited)")],
+    evict: Annotated[bool, typer.Option("--evict", help="also stop the node's running jobs")] = False,
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Drain a node: no new placements (admin)."""
+    r = _run(
+        _client(url, token).request, "POST", f"/v1/nodes/{node_id}:drain",
+        json_body={"reason": reason, "evict": evict}, write=True,
+    )
+    if as_json:
+        return _print_json(r)
+    _out().print(f"{r['node_id']}: {r['previous_state']} -> {r['state']}" + (" (evicting)" if r["evict"] else ""))
+
+
+def register(app: typer.Typer) -> None:
+    """Add the user commands to the top-level `gpufleet` app."""
+    app.command("submit")(submit)
+    app.command("status")(status)
+    app.command("list")(list_jobs)
+    app.command("events")(events)
+    app.command("logs")(logs)
+    app.command("cancel")(cancel)
+    app.command("extend")(extend)
+    app.command("explain")(explain)
+    app.command("queue")(queue)
+    app.add_typer(quota_app, name="quota")
+    app.command("nodes")(nodes)
+    app.command("drain")(drain)
