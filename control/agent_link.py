@@ -1,0 +1,134 @@
+"""Control-side pieces of the agent link: the heartbeat table, auth failures, the log client.
+
+* ``HeartbeatTable`` — the leader's in-memory view of every node's latest heartbeat
+  (DESIGN.md, Health: never in Postgres). ``NodeHeartbeat`` keeps the wire message
+  and decodes it lazily (``.report()`` -> ``common.contracts.HeartbeatReport``), so
+  ingesting thousands of heartbeats a second stays cheap.
+* ``AuthFailure`` — what the server hands to its ``on_auth_failure`` callback for the
+  audit row (DESIGN.md, Security).
+* ``read_rank_log`` — the client the API uses to proxy a rank's log from its agent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from common.contracts import HeartbeatReport
+from proto import agent_pb2 as pb
+from proto import agent_pb2_grpc as pbg
+from proto.auth import bearer
+from proto.convert import heartbeat_report_from_pb
+
+
+@dataclass(frozen=True)
+class AuthFailure:
+    """A rejected stream or message: audit it (who claimed to be which node, from where, why)."""
+
+    node_id: str | None  # the node id the peer claimed
+    peer: str
+    reason: str
+    message_node_id: str | None = None  # for a message naming another node than the stream's
+
+
+class NodeHeartbeat:
+    """The latest heartbeat of one node, as received."""
+
+    __slots__ = ("node_id", "boot_id", "seq", "received_at", "received_wall", "message", "peer", "_report")
+
+    def __init__(self, node_id: str, message: pb.Heartbeat, peer: str, now: float, wall: float) -> None:
+        self.node_id = node_id
+        self.boot_id = message.boot_id
+        self.seq = message.seq
+        self.message = message
+        self.peer = peer
+        self.received_at = now  # time.monotonic()
+        self.received_wall = wall  # time.time()
+        self._report: HeartbeatReport | None = None
+
+    def report(self) -> HeartbeatReport:
+        if self._report is None:
+            self._report = heartbeat_report_from_pb(self.message)
+        return self._report
+
+    def age(self, now: float | None = None) -> float:
+        return (time.monotonic() if now is None else now) - self.received_at
+
+    @property
+    def lease_ids(self) -> list[str]:
+        return [r.lease_id for r in self.message.running]
+
+    @property
+    def agent_addr(self) -> str:
+        return self.message.agent_addr
+
+    def failed_gpus(self) -> list[int]:
+        return [g.index for g in self.message.gpus if g.health == pb.GPU_HEALTH_FAILED]
+
+
+class HeartbeatTable:
+    """node_id -> NodeHeartbeat. Stale or duplicate heartbeats (same boot, seq not newer) are dropped."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[str, NodeHeartbeat] = {}
+
+    def offer(self, node_id: str, message: pb.Heartbeat, peer: str = "") -> NodeHeartbeat | None:
+        """Record ``message``; None when it is stale (then nothing changes)."""
+        old = self._nodes.get(node_id)
+        if old is not None and old.boot_id == message.boot_id and message.seq <= old.seq:
+            return None
+        entry = NodeHeartbeat(node_id, message, peer, time.monotonic(), time.time())
+        self._nodes[node_id] = entry
+        return entry
+
+    def get(self, node_id: str) -> NodeHeartbeat | None:
+        return self._nodes.get(node_id)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __iter__(self) -> Iterator[NodeHeartbeat]:
+        return iter(list(self._nodes.values()))
+
+    def silent(self, older_than_s: float, now: float | None = None) -> list[str]:
+        """Nodes whose last heartbeat is older than ``older_than_s`` (suspect/down checks)."""
+        now = time.monotonic() if now is None else now
+        return [n for n, e in self._nodes.items() if now - e.received_at > older_than_s]
+
+    def forget(self, node_id: str) -> None:
+        self._nodes.pop(node_id, None)
+
+
+async def read_rank_log(
+    agent_addr: str,
+    token: str,
+    node_id: str,
+    lease_id: str,
+    *,
+    stream: str = "stdout",
+    offset: int = 0,
+    max_bytes: int = 0,
+    follow: bool = False,
+    follow_timeout_s: float = 0.0,
+    timeout_s: float | None = 30.0,
+) -> AsyncIterator[pb.LogChunk]:
+    """Chunks of a rank's log from the agent at ``agent_addr`` (``nodes.agent_addr`` / heartbeat).
+
+    ``token`` is ``settings.agent_log_token``. Raises ``grpc.aio.AioRpcError``
+    (UNAUTHENTICATED, NOT_FOUND, UNAVAILABLE) for the caller to map to HTTP.
+    """
+    async with grpc.aio.insecure_channel(agent_addr) as channel:
+        stub = pbg.NodeAgentStub(channel)
+        call = stub.ReadLog(
+            pb.ReadLogRequest(
+                node_id=node_id, lease_id=lease_id, stream=stream, offset=offset, max_bytes=max_bytes,
+                follow=follow, follow_timeout_s=follow_timeout_s,
+            ),
+            metadata=bearer(token),
+            timeout=None if follow else timeout_s,
+        )  # fmt: skip
+        async for chunk in call:
+            yield chunk

@@ -1,0 +1,168 @@
+"""An agent process: one or many nodes, their Temporal workers, control links and the log server.
+
+    from worker_agent.agent import run_agent, AgentProcess
+
+    await run_agent(settings, ["node-a"])              # until cancelled (or ``stop`` is set)
+
+    agent = AgentProcess(settings, ["n1", "n2"])       # or drive it yourself
+    await agent.start(); ...; await agent.stop()       # stop() leaves every rank running
+
+Per node: a ``NodeAgent`` (state dir, supervisors, epochs), a ``ControlLink``
+(heartbeats + TaskStatus to the leader) and, by ``settings.agent_task_queue_mode``:
+
+* ``per_node`` (default, production): one Temporal worker per node on
+  ``settings.node_task_queue(node_id)`` with activities ``start_task``/``stop_task``;
+  fine for a 16-node simulated fleet in one process;
+* ``shared``: one worker on ``settings.agent_shared_task_queue`` whose activities
+  route by ``node_id`` (``FleetActivities``) — for large simulated fleets, where
+  thousands of pollers would be wasteful. The job workflow must then schedule on
+  that queue, and one process must host every node of the fleet.
+
+Temporal being unreachable never stops the node: ranks keep running, heartbeats
+and reports keep flowing over gRPC, and the workers are rebuilt when it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from common.temporal import connect, make_worker
+from worker_agent.link import ControlLink
+from worker_agent.logs import start_log_server
+from worker_agent.node import FleetActivities, NodeAgent, build_agent_activities
+from worker_agent.nvml import make_backend
+from worker_agent.runtime import make_runtime
+
+log = logging.getLogger("gpufleet.agent")
+
+
+class AgentProcess:
+    def __init__(
+        self,
+        settings,
+        node_ids: Sequence[str],
+        *,
+        backend: str | None = None,
+        boot_id: str | None = None,
+        temporal: bool = True,
+        temporal_address: str | None = None,
+        control_addresses: list[str] | None = None,
+        listen: str | None = None,
+    ) -> None:
+        if not node_ids:
+            raise ValueError("no nodes to host")
+        if len(set(node_ids)) != len(node_ids):
+            raise ValueError("duplicate node ids")
+        self.settings = settings
+        self.node_ids = list(node_ids)
+        self.backend_kind = backend or settings.agent_nvml_backend
+        self.boot_id = boot_id
+        self.temporal = temporal
+        self.temporal_address = temporal_address
+        self.control_addresses = control_addresses
+        self.listen = listen
+        self.nodes: dict[str, NodeAgent] = {}
+        self.links: dict[str, ControlLink] = {}
+        self.log_addr = ""
+        self.temporal_connected = False
+        self.temporal_error = ""
+        self._log_server = None
+        self._tasks: list[asyncio.Task] = []
+        self._workers: list = []
+
+    async def start(self) -> None:
+        s = self.settings
+        if self.backend_kind == "real" and len(self.node_ids) > 1:
+            raise ValueError("the real NVML backend hosts exactly one node per process")
+        self._log_server, self.log_addr = await start_log_server(s, self.nodes, self.listen)
+        runtime = make_runtime(s)
+        for node_id in self.node_ids:
+            backend = make_backend(s, node_id, self.backend_kind)  # NvmlUnavailable: a clear error
+            node = NodeAgent(s, node_id, backend=backend, runtime=runtime, boot_id=self.boot_id, agent_addr=self.log_addr)
+            await node.start()
+            self.nodes[node_id] = node
+        for node_id, node in self.nodes.items():
+            link = ControlLink(s, node, self.control_addresses)
+            self.links[node_id] = link
+            self._tasks.append(asyncio.create_task(link.run(), name=f"link-{node_id}"))
+        if self.temporal:
+            self._tasks.append(asyncio.create_task(self._temporal_loop(), name="agent-temporal"))
+        log.info(
+            "agent up: %d node(s) %s, NVML backend %s, runtime %s, queue mode %s, logs at %s",
+            len(self.nodes), ",".join(self.node_ids[:4]) + ("..." if len(self.node_ids) > 4 else ""),
+            self.backend_kind, runtime.name, s.agent_task_queue_mode, self.log_addr,
+        )  # fmt: skip
+
+    def _make_workers(self, client) -> list:
+        s = self.settings
+        if s.agent_task_queue_mode == "shared":
+            fleet = FleetActivities(self.nodes)
+            return [make_worker(client, s.agent_shared_task_queue, activities=fleet.activities())]
+        return [
+            make_worker(client, s.node_task_queue(node_id), activities=build_agent_activities(node))
+            for node_id, node in self.nodes.items()
+        ]
+
+    async def _temporal_loop(self) -> None:
+        backoff = 0.5
+        max_backoff = max(5.0, float(self.settings.heartbeat_interval_s))
+        while True:
+            try:
+                client = await connect(self.settings, self.temporal_address)
+                self._workers = self._make_workers(client)
+                self.temporal_connected = True
+                self.temporal_error = ""
+                backoff = 0.5
+                log.info("agent: Temporal workers running (%d)", len(self._workers))
+                await asyncio.gather(*(w.run() for w in self._workers))
+                raise RuntimeError("Temporal workers stopped")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.temporal_connected = False
+                self.temporal_error = f"{type(e).__name__}: {str(e)[:300]}"
+                log.warning("agent: Temporal unavailable (%s); ranks keep running; retrying in %.1fs",
+                            self.temporal_error, backoff)  # fmt: skip
+                await self._shutdown_workers()
+                await asyncio.sleep(backoff)
+                backoff = min(max_backoff, backoff * 2)
+
+    async def _shutdown_workers(self) -> None:
+        workers, self._workers = self._workers, []
+        for w in workers:
+            try:
+                await asyncio.wait_for(w.shutdown(), timeout=5.0)
+            except Exception:
+                pass
+
+    async def stop(self) -> None:
+        """Stop serving; every rank keeps running under its supervisor."""
+        await self._shutdown_workers()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks.clear()
+        for node in self.nodes.values():
+            await node.close()
+        if self._log_server is not None:
+            await self._log_server.stop(0.5)
+            self._log_server = None
+
+
+async def run_agent(settings, node_ids: Sequence[str], *, stop: asyncio.Event | None = None, **kwargs) -> None:
+    """Host ``node_ids`` until cancelled or ``stop`` is set (see ``AgentProcess`` for kwargs)."""
+    agent = AgentProcess(settings, node_ids, **kwargs)
+    await agent.start()
+    try:
+        if stop is None:
+            await asyncio.Future()
+        else:
+            await stop.wait()
+    finally:
+        await agent.stop()

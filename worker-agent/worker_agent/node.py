@@ -1,0 +1,767 @@
+"""NodeAgent: one GPU node's ranks, epochs and reports (DESIGN.md, Job lifecycle and Health).
+
+Activities (Temporal, on ``settings.node_task_queue(node_id)``), bound methods of a
+``NodeAgent``::
+
+    start_task(StartTask) -> StartTaskResult    idempotent on lease id + epoch
+    stop_task(StopTask)   -> StopTaskResult     epoch-checked; SIGTERM, grace, SIGKILL
+
+``build_agent_activities(node)`` returns them for ``common.temporal.make_worker``.
+In the shared-queue mode (``settings.agent_task_queue_mode == "shared"``) a
+``FleetActivities`` routes by ``node_id`` to the nodes one process hosts.
+
+Rules it keeps:
+
+* a command whose epoch is lower than the newest seen for its lease is refused
+  (the newest epoch is kept in the lease's state dir, fsynced); a StopTask for a
+  lease never started leaves a tombstone so a late StartTask of that epoch is refused;
+* a duplicate StartTask (same lease) never starts a second process: it answers
+  ``already_running`` with the pid, or re-reports how the rank ended;
+* ranks run under a per-rank supervisor (``worker_agent.supervisor``) that records
+  exits and enforces the unconfirmed-lease kill even when this agent is dead;
+* a restarted agent re-adopts running ranks from the state dir (same pid), reports
+  the exits it missed, and reports ranks of a previous boot as LOST;
+* TaskStatus reports wait in an outbox until the leader acknowledges them
+  (``worker_agent.link`` retries them across reconnects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from temporalio import activity
+
+from common.contracts import StartTask, StartTaskResult, StopTask, StopTaskResult, TaskState, TaskStatus
+from proto import agent_pb2 as pb
+from proto.convert import HEALTH_TO_PB, task_status_to_pb
+from worker_agent import statefiles as sf
+from worker_agent.nvml import GpuBackend
+from worker_agent.runtime import ContainerRuntime, ProcessRuntime
+
+log = logging.getLogger("gpufleet.agent")
+
+AGENT_VERSION = "0.1.0"
+FINISHED_RETENTION_S = 3 * 24 * 3600.0  # finished, reported lease dirs (and their logs) are kept this long
+IMAGES_REFRESH_S = 60.0
+TERMINAL = {TaskState.EXITED, TaskState.STOPPED, TaskState.FENCED, TaskState.LOST}
+
+
+@dataclass
+class Lease:
+    """What the agent knows about one lease's rank (mirrors its state dir)."""
+
+    task: StartTask
+    dir: Path
+    epoch: int
+    live: bool = True
+    pid: int | None = None
+    rank_start: int | None = None
+    pgid: int | None = None
+    sup_pid: int | None = None
+    sup_start: int | None = None
+    started_clock: float = 0.0
+    confirmed_clock: float = 0.0
+    start_deadline: float | None = None  # recovered before its supervisor recorded the rank
+    adopting_since: float | None = None
+    exit: dict | None = None
+    step: int | None = None
+    step_clock: float = 0.0
+    frozen: tuple[int | None, float] | None = None  # simulated hang: the step we keep reporting
+    checkpoint_uri: str | None = None
+    checkpoint_step: int | None = None
+    progress_mtime: int = 0
+    reported: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def lease_id(self) -> str:
+        return self.task.lease_id
+
+    @property
+    def state(self) -> TaskState:
+        if self.live or self.exit is None:
+            return TaskState.STARTED
+        return TaskState(self.exit.get("state", "LOST"))
+
+
+class NodeAgent:
+    """One node. Construct, ``await start()``, register ``build_agent_activities(node)``
+    on a worker, and connect a ``worker_agent.link.ControlLink``; ``await close()``
+    leaves every rank running (a restarted agent re-adopts them)."""
+
+    def __init__(
+        self,
+        settings,
+        node_id: str,
+        *,
+        backend: GpuBackend,
+        runtime: ProcessRuntime | ContainerRuntime | None = None,
+        boot_id: str | None = None,
+        agent_addr: str = "",
+        host_env: dict[str, str] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.node_id = node_id
+        self.backend = backend
+        self.runtime = runtime or ProcessRuntime()
+        self.boot_id = boot_id or sf.host_boot_id()
+        self.agent_addr = agent_addr
+        self.host_env = host_env
+        self.dir = sf.node_dir(settings.state_dir, node_id)
+        self.leases_dir = self.dir / "leases"
+        self.poll_s = float(settings.agent_poll_s)
+        self.leases: dict[str, Lease] = {}
+        self.outbox: dict[int, pb.TaskStatus] = {}  # seq -> status, until acknowledged
+        self.outbox_sent: dict[int, float] = {}
+        self.wake = asyncio.Event()  # ask the link to send now (new status, new fault)
+        self.on_status: Callable[[TaskStatus], None] | None = None  # observer (tests, logs)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._seq = 0
+        self._watch_task: asyncio.Task | None = None
+        self._images: list[str] = []
+        self._images_at = -1e9
+        self._gc_at = 0.0
+        self._bg: set[asyncio.Task] = set()
+        self._heartbeat_requested = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self.leases_dir.mkdir(parents=True, exist_ok=True)
+        self.recover()
+        self._watch_task = asyncio.create_task(self._watch(), name=f"agent-watch-{self.node_id}")
+
+    async def close(self) -> None:
+        for t in [self._watch_task, *self._bg]:
+            if t is not None:
+                t.cancel()
+        for t in [self._watch_task, *self._bg]:
+            if t is not None:
+                try:
+                    await t
+                except (asyncio.CancelledError, Exception):
+                    pass
+        self._watch_task = None
+        self.backend.close()
+
+    def request_heartbeat(self) -> None:
+        self._heartbeat_requested = True
+        self.wake.set()
+
+    def take_heartbeat_request(self) -> bool:
+        requested, self._heartbeat_requested = self._heartbeat_requested, False
+        return requested
+
+    def next_seq(self) -> int:
+        """Strictly increasing per node and across agent restarts (ms-based)."""
+        self._seq = max(self._seq + 1, int(time.time() * 1000))
+        return self._seq
+
+    # ------------------------------------------------------------------- recovery
+    def recover(self) -> None:
+        """Rebuild from the state dir: re-adopt running ranks, report missed exits, LOST after a reboot."""
+        now = sf.boot_clock()
+        for d in sorted(self.leases_dir.iterdir()) if self.leases_dir.exists() else []:
+            task_d = sf.read_json(d / sf.TASK)
+            if task_d is None or d.name in self.leases:
+                continue
+            try:
+                task = StartTask(**task_d)
+            except TypeError:
+                log.warning("%s: unreadable task in %s", self.node_id, d)
+                continue
+            ep = sf.read_json(d / sf.EPOCH) or {}
+            st = Lease(task=task, dir=d, epoch=max(task.epoch, int(ep.get("epoch", task.epoch))))
+            st.reported = (d / sf.REPORTED).exists()
+            self.leases[task.lease_id] = st
+            self._read_progress(st)
+            rec = sf.read_json(d / sf.EXIT)
+            if rec is not None:
+                self._finish(st, rec, emit=not st.reported)
+                continue
+            sup = sf.read_json(d / sf.SUPERVISOR)
+            spec = sf.read_json(d / sf.SPEC) or {}
+            boot = (sup or {}).get("boot_id") or spec.get("boot_id")
+            if boot and boot != self.boot_id:
+                self._mark_lost(st, "node rebooted: rank of a previous boot")
+                continue
+            conf = sf.read_json(d / sf.CONFIRMED)
+            st.started_clock = float((sup or {}).get("started_clock") or now)
+            st.confirmed_clock = st.started_clock
+            if conf and conf.get("boot_id") == self.boot_id:
+                st.confirmed_clock = max(st.confirmed_clock, float(conf.get("clock", 0.0)))
+            if sup is None or not sup.get("rank_pid"):
+                st.start_deadline = now + self._start_timeout()
+            else:
+                self._adopt_fields(st, sup)
+                log.info("%s: re-adopted lease %s (rank pid %s)", self.node_id, st.lease_id, st.pid)
+            # The leader may have missed our STARTED (it was in the dead agent's outbox).
+            if st.pid:
+                self._emit(st, TaskState.STARTED)
+            self._check(st)
+        self._update_busy()
+
+    def _adopt_fields(self, st: Lease, sup: dict) -> None:
+        st.pid = sup.get("rank_pid")
+        st.rank_start = sup.get("rank_start")
+        st.pgid = sup.get("pgid") or st.pid
+        st.sup_pid = sup.get("supervisor_pid")
+        st.sup_start = sup.get("supervisor_start")
+        if sup.get("started_clock"):
+            st.started_clock = float(sup["started_clock"])
+            st.confirmed_clock = max(st.confirmed_clock, st.started_clock)
+
+    def _start_timeout(self) -> float:
+        return max(10.0, 20 * self.poll_s)
+
+    # ----------------------------------------------------------------- activities
+    @activity.defn(name="start_task")
+    async def start_task(self, req: StartTask) -> StartTaskResult:
+        def refuse(reason: str) -> StartTaskResult:
+            log.warning("%s: StartTask %s epoch %s refused: %s", self.node_id, req.lease_id, req.epoch, reason)
+            return StartTaskResult(lease_id=req.lease_id, epoch=req.epoch, accepted=False, reason=reason)
+
+        if req.node_id != self.node_id:
+            return refuse(f"this agent is node {self.node_id}, not {req.node_id}")
+        if not sf.valid_lease_id(req.lease_id):
+            return refuse("invalid lease id")
+        async with self._lock(req.lease_id):
+            newest, stopped_first = self._newest_epoch(req.lease_id)
+            if newest is not None and req.epoch < newest:
+                return refuse(f"stale epoch {req.epoch} < {newest}")
+            st = self.leases.get(req.lease_id)
+            if st is None and stopped_first and newest is not None and req.epoch <= newest:
+                return refuse(f"lease was stopped at epoch {newest} before it started")
+            self._record_epoch(req.lease_id, req.epoch)
+            if st is not None:
+                st.epoch = max(st.epoch, req.epoch)
+                if st.live:
+                    return StartTaskResult(
+                        lease_id=req.lease_id, epoch=req.epoch, accepted=True, pid=st.pid, already_running=True,
+                        reason="already running",
+                    )  # fmt: skip
+                self._emit_terminal(st)  # the caller may have missed it
+                return StartTaskResult(
+                    lease_id=req.lease_id, epoch=req.epoch, accepted=True, pid=st.pid, already_running=False,
+                    reason=f"already finished: {st.state.value} exit_code={st.exit.get('exit_code') if st.exit else None}",
+                )  # fmt: skip
+            if not req.command:
+                return refuse("empty command")
+            n = self.backend.gpu_count()
+            if len(set(req.gpu_indices)) != len(req.gpu_indices) or any(not 0 <= g < n for g in req.gpu_indices):
+                return refuse(f"bad GPU indices {req.gpu_indices} (node has {n})")
+            busy = {g: o.lease_id for o in self.leases.values() if o.live for g in o.task.gpu_indices}
+            clash = {g: busy[g] for g in req.gpu_indices if g in busy}
+            if clash:
+                return refuse(f"GPUs busy: {clash}")
+            d = self.leases_dir / req.lease_id
+            (d / sf.RANK_DIR).mkdir(parents=True, exist_ok=True)
+            progress_file = str(d / sf.PROGRESS)
+            try:
+                launch = self.runtime.launch(req, progress_file=progress_file, host_env=self.host_env)
+            except ValueError as e:
+                return refuse(str(e))
+            sf.write_json_atomic(d / sf.TASK, dataclasses.asdict(req))
+            sf.write_json_atomic(
+                d / sf.SPEC,
+                {
+                    "argv": launch.argv,
+                    "env": launch.env,
+                    "kill_argv": launch.kill_argv,
+                    "cwd": str(d / sf.RANK_DIR),
+                    "stdout": str(d / sf.STDOUT),
+                    "stderr": str(d / sf.STDERR),
+                    "poll_s": self.poll_s,
+                    "unconfirmed_kill_s": float(self.settings.unconfirmed_kill_s),
+                    "fence_grace_s": float(self.settings.agent_fence_grace_s),
+                    "boot_id": self.boot_id,
+                    "image": req.image,
+                },
+            )
+            now = sf.boot_clock()
+            st = Lease(task=req, dir=d, epoch=req.epoch, started_clock=now, confirmed_clock=now)
+            st.start_deadline = now + self._start_timeout()
+            self.leases[req.lease_id] = st
+            log.info(
+                "%s: starting lease %s (job %s attempt %s rank %s/%s, GPUs %s, image %s)", self.node_id,
+                req.lease_id, req.job_id, req.attempt, req.rank, req.world_size, req.gpu_indices, req.image or "-",
+            )  # fmt: skip
+            await asyncio.to_thread(self._spawn_supervisor, d, False)
+            while True:
+                sup = sf.read_json(d / sf.SUPERVISOR)
+                if sup and sup.get("rank_pid"):
+                    self._adopt_fields(st, sup)
+                    st.start_deadline = None
+                    break
+                if (d / sf.EXIT).exists() or sf.boot_clock() > st.start_deadline:
+                    break
+                await asyncio.sleep(0.01)
+            if st.pid:
+                self._emit(st, TaskState.STARTED)
+            self._check(st)  # an immediate exit (e.g. command not found) is reported now
+            if st.live and not st.pid:
+                self._mark_lost(st, "the rank supervisor did not start (see supervisor.log)")
+                return refuse("rank supervisor did not start")
+            self._update_busy()
+            return StartTaskResult(lease_id=req.lease_id, epoch=req.epoch, accepted=True, pid=st.pid)
+
+    @activity.defn(name="stop_task")
+    async def stop_task(self, req: StopTask) -> StopTaskResult:
+        def refuse(reason: str) -> StopTaskResult:
+            log.warning("%s: StopTask %s epoch %s refused: %s", self.node_id, req.lease_id, req.epoch, reason)
+            return StopTaskResult(lease_id=req.lease_id, epoch=req.epoch, accepted=False, reason=reason)
+
+        if req.node_id != self.node_id:
+            return refuse(f"this agent is node {self.node_id}, not {req.node_id}")
+        if not sf.valid_lease_id(req.lease_id):
+            return refuse("invalid lease id")
+        async with self._lock(req.lease_id):
+            newest, _ = self._newest_epoch(req.lease_id)
+            if newest is not None and req.epoch < newest:
+                return refuse(f"stale epoch {req.epoch} < {newest}")
+            st = self.leases.get(req.lease_id)
+            if st is None:
+                self._record_epoch(req.lease_id, req.epoch, stopped_first=True)
+                return StopTaskResult(
+                    lease_id=req.lease_id, epoch=req.epoch, accepted=True, reason="unknown lease: nothing to stop"
+                )
+            self._record_epoch(req.lease_id, req.epoch)
+            st.epoch = max(st.epoch, req.epoch)
+            if st.live and not (st.dir / sf.STOP).exists():
+                grace = max(0.0, float(req.grace_seconds))
+                sf.write_json_atomic(
+                    st.dir / sf.STOP,
+                    {"epoch": req.epoch, "grace_s": grace, "reason": req.reason, "clock": sf.boot_clock()},
+                )
+                log.info("%s: stopping lease %s (epoch %s, grace %ss): %s", self.node_id, req.lease_id,
+                         req.epoch, grace, req.reason)  # fmt: skip
+                self._poke_supervisor(st)
+        await self._wait_stopped(st, max(0.0, float(req.grace_seconds)))
+        rec = st.exit or {}
+        return StopTaskResult(
+            lease_id=req.lease_id,
+            epoch=req.epoch,
+            accepted=True,
+            exit_code=rec.get("exit_code"),
+            checkpoint_uri=rec.get("checkpoint_uri") or st.checkpoint_uri,
+            reason=f"{st.state.value}" + (f": {rec['reason']}" if rec.get("reason") else ""),
+        )
+
+    async def _wait_stopped(self, st: Lease, grace: float) -> None:
+        margin = 2.0 + 4 * self.poll_s
+        deadline = time.monotonic() + grace + margin
+        forced = False
+        while st.live:
+            if activity.in_activity():
+                activity.heartbeat(st.lease_id)
+            remaining = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(st.done.wait(), timeout=max(0.01, min(1.0, self.poll_s, remaining)))
+            except TimeoutError:
+                pass
+            self._check(st)
+            if st.live and time.monotonic() > deadline and not forced:
+                # The supervisor did not end it in time (dead or stuck): do it ourselves.
+                log.error("%s: lease %s still running after grace + margin: SIGKILL by the agent", self.node_id, st.lease_id)
+                if st.pgid:
+                    try:
+                        os.killpg(st.pgid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                forced = True
+                deadline = time.monotonic() + margin
+            elif st.live and forced and time.monotonic() > deadline:
+                self._finish(st, self._write_exit(st, "STOPPED", "killed by the agent; supervisor unresponsive"))
+
+    # -------------------------------------------------------------- confirmations
+    def confirm(self, lease_ids) -> None:
+        """The leader confirmed these leases: restart their unconfirmed clocks (supervisors read the file)."""
+        now = sf.boot_clock()
+        for lid in lease_ids:
+            st = self.leases.get(lid)
+            if st is None or not st.live:
+                continue
+            st.confirmed_clock = now
+            try:
+                sf.write_json_atomic(st.dir / sf.CONFIRMED, {"clock": now, "boot_id": self.boot_id, "at": time.time()})
+            except OSError as e:
+                log.error("%s: cannot record confirmation of %s: %s", self.node_id, lid, e)
+
+    def on_ack(self, ack: pb.HeartbeatAck) -> None:
+        self.confirm(ack.confirmed_lease_ids)
+        for ref in ack.stop:
+            st = self.leases.get(ref.lease_id)
+            if st is None or not st.live:
+                continue
+            req = StopTask(
+                lease_id=ref.lease_id,
+                epoch=ref.epoch,
+                node_id=self.node_id,
+                grace_seconds=self.settings.default_grace_s,
+                reason=ref.reason or "reconciliation: no live lease",
+            )
+            t = asyncio.create_task(self.stop_task(req))
+            self._bg.add(t)
+            t.add_done_callback(self._bg.discard)
+
+    # ------------------------------------------------------------------- statuses
+    def _emit(self, st: Lease, state: TaskState, *, exit_code: int | None = None) -> None:
+        s = TaskStatus(
+            node_id=self.node_id,
+            lease_id=st.lease_id,
+            job_id=st.task.job_id,
+            attempt=st.task.attempt,
+            epoch=st.epoch,
+            rank=st.task.rank,
+            state=state,
+            at=datetime.now(UTC),
+            exit_code=exit_code,
+            checkpoint_uri=st.checkpoint_uri,
+            step=st.step,
+            boot_id=self.boot_id,
+            seq=self.next_seq(),
+        )
+        self.outbox[s.seq] = task_status_to_pb(s)
+        self.wake.set()
+        if self.on_status is not None:
+            try:
+                self.on_status(s)
+            except Exception:  # an observer never breaks the agent
+                log.exception("on_status observer failed")
+
+    def _emit_terminal(self, st: Lease) -> None:
+        rec = st.exit or {}
+        self._emit(st, st.state, exit_code=rec.get("exit_code"))
+
+    def pending_statuses(self, retry_after_s: float) -> list[pb.TaskStatus]:
+        """Statuses not sent yet, or sent more than ``retry_after_s`` ago and not acknowledged."""
+        now = time.monotonic()
+        out = []
+        for seq, m in self.outbox.items():
+            if now - self.outbox_sent.get(seq, -1e18) >= retry_after_s:
+                self.outbox_sent[seq] = now
+                out.append(m)
+        return out
+
+    def forget_sent(self) -> None:
+        """A new stream: everything unacknowledged goes again."""
+        self.outbox_sent.clear()
+
+    def status_acked(self, seq: int, ok: bool) -> None:
+        m = self.outbox.get(seq)
+        if m is None:
+            return
+        if not ok:  # the leader could not take it now; retry after the retry interval
+            return
+        del self.outbox[seq]
+        self.outbox_sent.pop(seq, None)
+        st = self.leases.get(m.lease_id)
+        if st is not None and not st.live and m.state != pb.STARTED and not st.reported:
+            st.reported = True
+            try:
+                sf.write_json_atomic(st.dir / sf.REPORTED, {"seq": seq, "at": time.time()})
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ heartbeat
+    async def heartbeat(self) -> pb.Heartbeat:
+        if self.backend.name == "real":
+            samples = await asyncio.to_thread(self.backend.sample)
+        else:
+            samples = self.backend.sample()
+        hb = pb.Heartbeat(
+            node_id=self.node_id,
+            boot_id=self.boot_id,
+            seq=self.next_seq(),
+            sent_at=time.time(),
+            agent_addr=self.agent_addr,
+            agent_version=AGENT_VERSION,
+        )
+        for s in samples:
+            g = hb.gpus.add(index=s.index, health=HEALTH_TO_PB.get(s.health, 0), uuid=s.uuid)
+            for name in ("sm_util", "mem_util", "mem_used", "mem_total", "temperature_c", "ecc_sbe", "ecc_dbe"):
+                v = getattr(s, name)
+                if v is not None:
+                    setattr(g, name, v)
+            g.xids.extend(s.xids)
+            g.faults.extend(s.faults)
+        hung = self.backend.hung_gpus()
+        now = sf.boot_clock()
+        for st in self.leases.values():
+            if not st.live:
+                continue
+            step, step_clock = st.step, st.step_clock or st.started_clock
+            if hung.intersection(st.task.gpu_indices):
+                if st.frozen is None:
+                    st.frozen = (step, step_clock)
+                step, step_clock = st.frozen
+            else:
+                st.frozen = None
+            hb.running.add(
+                lease_id=st.lease_id,
+                job_id=st.task.job_id,
+                epoch=st.epoch,
+                step=-1 if step is None else step,
+                attempt=st.task.attempt,
+                rank=st.task.rank,
+                pid=st.pid or 0,
+                checkpoint_uri=st.checkpoint_uri or "",
+                checkpoint_step=st.checkpoint_step or 0,
+                step_age_s=max(0.0, now - step_clock),
+                gpu_indices=st.task.gpu_indices,
+                unconfirmed_s=max(0.0, now - st.confirmed_clock),
+            )
+        try:
+            hb.free_disk_bytes = shutil.disk_usage(self.dir).free
+        except OSError:
+            pass
+        hb.cached_images.extend(await self._cached_images())
+        return hb
+
+    async def _cached_images(self) -> list[str]:
+        if isinstance(self.runtime, ContainerRuntime):
+            if time.monotonic() - self._images_at > IMAGES_REFRESH_S:
+                self._images_at = time.monotonic()
+                self._images = await asyncio.to_thread(self.runtime.cached_images)
+            return self._images
+        # process runtime: the images of the ranks this node ran (kept for locality hints)
+        return sorted({st.task.image for st in self.leases.values() if st.task.image})[:64]
+
+    def running(self) -> list[Lease]:
+        return [st for st in self.leases.values() if st.live]
+
+    def log_path(self, lease_id: str, stream: str) -> Path | None:
+        if not sf.valid_lease_id(lease_id) or stream not in ("stdout", "stderr"):
+            return None
+        st = self.leases.get(lease_id)
+        if st is None:
+            return None
+        return st.dir / (sf.STDOUT if stream == "stdout" else sf.STDERR)
+
+    # -------------------------------------------------------------------- watcher
+    async def _watch(self) -> None:
+        while True:
+            try:
+                for st in list(self.leases.values()):
+                    if st.live:
+                        self._check(st)
+                if self.backend.poll_faults():
+                    self.request_heartbeat()  # a new fault is reported now, not at the next interval
+                if time.monotonic() - self._gc_at > 60.0:
+                    self._gc_at = time.monotonic()
+                    self._gc()
+            except Exception:
+                log.exception("%s: watcher pass failed", self.node_id)
+            await asyncio.sleep(self.poll_s)
+
+    def _check(self, st: Lease) -> None:
+        """Look at one live rank's files: exit, progress, supervisor liveness."""
+        if not st.live:
+            return
+        rec = sf.read_json(st.dir / sf.EXIT)
+        if rec is not None:
+            self._read_progress(st)
+            self._finish(st, rec)
+            return
+        self._read_progress(st, report=True)
+        now = sf.boot_clock()
+        if not st.pid:
+            sup = sf.read_json(st.dir / sf.SUPERVISOR)
+            if sup and sup.get("rank_pid"):
+                self._adopt_fields(st, sup)
+                st.start_deadline = None
+                self._emit(st, TaskState.STARTED)
+            elif st.start_deadline is not None and now > st.start_deadline:
+                self._mark_lost(st, "never started")
+            return
+        if sf.process_alive(st.sup_pid, st.sup_start):
+            st.adopting_since = None
+            return
+        # The supervisor is gone without an exit record.
+        sup = sf.read_json(st.dir / sf.SUPERVISOR) or {}
+        if sup.get("supervisor_pid") and sup.get("supervisor_pid") != st.sup_pid:
+            self._adopt_fields(st, sup)  # a new (adopting) supervisor took over
+            return
+        if (st.dir / sf.EXIT).exists():
+            return  # written just now; next pass
+        if sf.process_alive(st.pid, st.rank_start):
+            if st.adopting_since is None or now - st.adopting_since > self._start_timeout():
+                log.warning("%s: supervisor of lease %s died; adopting rank pid %s", self.node_id, st.lease_id, st.pid)
+                st.adopting_since = now
+                try:
+                    self._spawn_supervisor(st.dir, True)
+                except OSError as e:
+                    log.error("%s: cannot start an adopting supervisor: %s", self.node_id, e)
+            return
+        self._mark_lost(st, "rank and its supervisor vanished")
+
+    def _read_progress(self, st: Lease, report: bool = False) -> None:
+        path = st.dir / sf.PROGRESS
+        try:
+            mtime = path.stat().st_mtime_ns
+        except OSError:
+            return
+        if mtime == st.progress_mtime:
+            return
+        st.progress_mtime = mtime
+        p = sf.read_json(path)
+        if not p:
+            return
+        step = p.get("step")
+        if isinstance(step, int) and step != st.step:
+            st.step = step
+            st.step_clock = sf.boot_clock()
+        uri = p.get("checkpoint_uri")
+        if uri and uri != st.checkpoint_uri:
+            st.checkpoint_uri = uri
+            st.checkpoint_step = p.get("checkpoint_step")
+            if report and st.live:
+                # A completed checkpoint: tell the leader (victim choice counts the lost work).
+                self._emit(st, TaskState.STARTED)
+
+    def _write_exit(self, st: Lease, state: str, reason: str) -> dict:
+        rec = {
+            "state": state,
+            "exit_code": None,
+            "signal": None,
+            "reason": reason,
+            "checkpoint_uri": st.checkpoint_uri,
+            "checkpoint_step": st.checkpoint_step,
+            "step": st.step,
+            "finished_at": time.time(),
+            "boot_id": self.boot_id,
+            "by": "agent",
+        }
+        if not (st.dir / sf.EXIT).exists():
+            sf.write_json_atomic(st.dir / sf.EXIT, rec, fsync=True)
+        return sf.read_json(st.dir / sf.EXIT) or rec
+
+    def _mark_lost(self, st: Lease, reason: str) -> None:
+        log.warning("%s: lease %s LOST: %s", self.node_id, st.lease_id, reason)
+        self._finish(st, self._write_exit(st, "LOST", reason))
+
+    def _finish(self, st: Lease, rec: dict, emit: bool = True) -> None:
+        was_live = st.live
+        st.live = False
+        st.exit = rec
+        if rec.get("checkpoint_uri"):
+            st.checkpoint_uri = rec["checkpoint_uri"]
+            st.checkpoint_step = rec.get("checkpoint_step")
+        if isinstance(rec.get("step"), int):
+            st.step = rec["step"]
+        st.done.set()
+        if emit:
+            log.info("%s: lease %s %s (exit code %s%s)", self.node_id, st.lease_id, rec.get("state"),
+                     rec.get("exit_code"), f", {rec['reason']}" if rec.get("reason") else "")  # fmt: skip
+            self._emit_terminal(st)
+        if was_live:
+            self._update_busy()
+
+    def _update_busy(self) -> None:
+        self.backend.set_busy({g for st in self.leases.values() if st.live for g in st.task.gpu_indices})
+
+    def _gc(self) -> None:
+        cutoff = time.time() - FINISHED_RETENTION_S
+        for lid, st in list(self.leases.items()):
+            if st.live or not st.reported or not st.exit:
+                continue
+            if float(st.exit.get("finished_at") or 0) < cutoff:
+                shutil.rmtree(st.dir, ignore_errors=True)
+                del self.leases[lid]
+
+    # -------------------------------------------------------------------- helpers
+    def _lock(self, lease_id: str) -> asyncio.Lock:
+        lock = self._locks.get(lease_id)
+        if lock is None:
+            lock = self._locks[lease_id] = asyncio.Lock()
+        return lock
+
+    def _newest_epoch(self, lease_id: str) -> tuple[int | None, bool]:
+        rec = sf.read_json(self.leases_dir / lease_id / sf.EPOCH)
+        if rec is None:
+            st = self.leases.get(lease_id)
+            return (st.epoch if st else None), False
+        return int(rec["epoch"]), bool(rec.get("stopped_first"))
+
+    def _record_epoch(self, lease_id: str, epoch: int, stopped_first: bool = False) -> None:
+        d = self.leases_dir / lease_id
+        d.mkdir(parents=True, exist_ok=True)
+        old = sf.read_json(d / sf.EPOCH) or {}
+        if int(old.get("epoch", -(2**62))) > epoch:
+            return
+        rec = {"epoch": epoch}
+        if stopped_first or (old.get("stopped_first") and int(old.get("epoch")) == epoch):
+            rec["stopped_first"] = True
+        if rec != old:
+            sf.write_json_atomic(d / sf.EPOCH, rec, fsync=True)
+
+    def _poke_supervisor(self, st: Lease) -> None:
+        if st.sup_pid and sf.process_alive(st.sup_pid, st.sup_start):
+            try:
+                os.kill(st.sup_pid, signal.SIGUSR1)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _spawn_supervisor(self, d: Path, adopt: bool) -> None:
+        pkg_root = str(Path(__file__).resolve().parent.parent)
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+            "PYTHONPATH": pkg_root,
+            "LANG": os.environ.get("LANG", "C.UTF-8"),
+        }
+        with open(d / sf.SUPERVISOR_LOG, "ab") as logf:
+            p = subprocess.Popen(
+                [sys.executable, "-m", "worker_agent.supervisor", str(d), *(["--adopt"] if adopt else [])],
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=logf,
+                env=env,
+                cwd=str(d),
+                close_fds=True,
+                start_new_session=True,
+            )
+        p.wait()  # the supervisor forks and detaches; this first process exits at once
+
+
+def build_agent_activities(node: NodeAgent) -> list:
+    """The node's activities, named ``start_task`` and ``stop_task``."""
+    return [node.start_task, node.stop_task]
+
+
+class FleetActivities:
+    """Shared-queue mode: one worker for the nodes of this process, routing by ``node_id``.
+
+    Only correct when this one process hosts every node that callers send to the
+    shared queue (a simulated fleet); production uses one queue per node.
+    """
+
+    def __init__(self, nodes: dict[str, NodeAgent]) -> None:
+        self.nodes = nodes
+
+    @activity.defn(name="start_task")
+    async def start_task(self, req: StartTask) -> StartTaskResult:
+        node = self.nodes.get(req.node_id)
+        if node is None:
+            return StartTaskResult(req.lease_id, req.epoch, False, reason=f"node {req.node_id} not hosted here")
+        return await node.start_task(req)
+
+    @activity.defn(name="stop_task")
+    async def stop_task(self, req: StopTask) -> StopTaskResult:
+        node = self.nodes.get(req.node_id)
+        if node is None:
+            return StopTaskResult(req.lease_id, req.epoch, False, reason=f"node {req.node_id} not hosted here")
+        return await node.stop_task(req)
+
+    def activities(self) -> list:
+        return [self.start_task, self.stop_task]

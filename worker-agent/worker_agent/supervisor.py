@@ -1,0 +1,258 @@
+"""The per-rank supervisor: ``python -m worker_agent.supervisor <lease_dir> [--adopt]``.
+
+One small process per rank (DESIGN.md, Health). It detaches from the agent (double
+fork + its own session), so the agent can die or restart without touching it:
+
+* starts the rank as its own process group (``spec.json``: argv, env, cwd, logs);
+* records ``supervisor.json`` (its pid, the rank's pid/pgid and their start times,
+  the boot id) so a restarted agent re-adopts the rank instead of starting it again;
+* on ``stop.json`` (written by the agent, SIGUSR1 wakes us): SIGTERM to the group,
+  SIGKILL when the grace period ends;
+* self-fence: when the lease has gone unconfirmed (``confirmed.json``) for more than
+  ``unconfirmed_kill_s``, SIGTERM then SIGKILL after ``fence_grace_s`` — even if the
+  agent is dead;
+* on SIGTERM to the supervisor itself: stops the rank the same way (node shutdown);
+* when the rank exits: SIGKILL to what is left of its group, then writes
+  ``exit.json`` once (state, exit code, signal, latest checkpoint from the rank's
+  ``progress.json``).
+
+``--adopt``: the previous supervisor died while its rank lives on; watch the rank
+by pid identity instead of waitpid (exit code unknown) and keep enforcing stop
+and self-fence.
+
+Exit codes follow the shell: a rank killed by signal N exits 128 + N.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from worker_agent import statefiles as sf
+
+
+class _Adopted:
+    """A rank we did not start: poll it by pid identity."""
+
+    def __init__(self, pid: int, start_ticks: int | None) -> None:
+        self.pid = pid
+        self.start_ticks = start_ticks
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not sf.process_alive(self.pid, self.start_ticks):
+            self.returncode = -255  # unknown
+        return self.returncode
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _run_quiet(argv: list[str]) -> None:
+    try:
+        subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        pass
+
+
+def _log(msg: str) -> None:
+    sys.stderr.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} supervisor[{os.getpid()}] {msg}\n")
+    sys.stderr.flush()
+
+
+def supervise(lease_dir: Path, adopt: bool = False) -> int:
+    spec = sf.read_json(lease_dir / sf.SPEC)
+    if spec is None:
+        _log(f"no spec in {lease_dir}")
+        return 2
+    poll_s = float(spec.get("poll_s", 0.5))
+    unconfirmed_kill_s = float(spec["unconfirmed_kill_s"])
+    fence_grace_s = float(spec["fence_grace_s"])
+    kill_argv = spec.get("kill_argv") or []
+    boot_id = spec["boot_id"]
+
+    # Wake-ups: a pipe written by the signal machinery; handlers only set flags.
+    rfd, wfd = os.pipe()
+    os.set_blocking(wfd, False)
+    os.set_blocking(rfd, False)
+    signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+    flags = {"term": False}
+
+    def on_term(_signum, _frame):
+        flags["term"] = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, lambda *_: None)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+
+    me = {
+        "supervisor_pid": os.getpid(),
+        "supervisor_start": sf.process_start_ticks(os.getpid()),
+        "boot_id": boot_id,
+        "adopted": adopt,
+    }
+    started_clock = sf.boot_clock()
+    if adopt:
+        prev = sf.read_json(lease_dir / sf.SUPERVISOR) or {}
+        proc = _Adopted(int(prev["rank_pid"]), prev.get("rank_start"))
+        pgid = int(prev.get("pgid") or proc.pid)
+        me.update({k: prev.get(k) for k in ("rank_pid", "rank_start", "pgid", "started_at", "started_clock")})
+        started_clock = float(prev.get("started_clock") or started_clock)
+        sf.write_json_atomic(lease_dir / sf.SUPERVISOR, me)
+        _log(f"adopted rank pid {proc.pid}")
+    else:
+        sf.write_json_atomic(lease_dir / sf.SUPERVISOR, me)
+        (lease_dir / sf.RANK_DIR).mkdir(exist_ok=True)
+        out = open(spec["stdout"], "ab")
+        err = open(spec["stderr"], "ab")
+        try:
+            proc = subprocess.Popen(
+                spec["argv"],
+                env=spec["env"],
+                cwd=spec.get("cwd") or None,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as e:
+            err.write(f"gpufleet: cannot start {spec['argv'][:1]}: {e}\n".encode())
+            err.close()
+            out.close()
+            sf.write_json_atomic(
+                lease_dir / sf.EXIT,
+                {
+                    "state": "EXITED",
+                    "exit_code": 127 if isinstance(e, FileNotFoundError) else 126,
+                    "signal": None,
+                    "error": str(e),
+                    "finished_at": time.time(),
+                    "boot_id": boot_id,
+                },
+                fsync=True,
+            )
+            return 0
+        out.close()
+        err.close()
+        pgid = proc.pid
+        me.update(
+            {
+                "rank_pid": proc.pid,
+                "rank_start": sf.process_start_ticks(proc.pid),
+                "pgid": pgid,
+                "started_at": time.time(),
+                "started_clock": started_clock,
+            }
+        )
+        sf.write_json_atomic(lease_dir / sf.SUPERVISOR, me)
+        _log(f"started rank pid {proc.pid}: {spec['argv'][:4]}")
+
+    state = None  # why we are ending it: STOPPED | FENCED
+    stop_epoch = None
+    reason = ""
+    kill_at: float | None = None
+    killed = False
+    stop_path = lease_dir / sf.STOP
+    confirmed_path = lease_dir / sf.CONFIRMED
+
+    while proc.poll() is None:
+        now = sf.boot_clock()
+        if state is None:
+            stop = sf.read_json(stop_path) if stop_path.exists() else None
+            if stop is not None:
+                state, stop_epoch, reason = "STOPPED", stop.get("epoch"), stop.get("reason", "")
+                kill_at = now + max(0.0, float(stop.get("grace_s", 0.0)))
+                _log(f"stop requested (epoch {stop_epoch}, grace {stop.get('grace_s')}s): SIGTERM")
+                _killpg(pgid, signal.SIGTERM)
+            elif flags["term"]:
+                state, reason = "STOPPED", "supervisor terminated"
+                kill_at = now + fence_grace_s
+                _log("supervisor got SIGTERM: SIGTERM to the rank")
+                _killpg(pgid, signal.SIGTERM)
+            else:
+                conf = sf.read_json(confirmed_path)
+                last = started_clock
+                if conf and conf.get("boot_id") == boot_id:
+                    last = max(last, float(conf.get("clock", 0.0)))
+                if now - last > unconfirmed_kill_s:
+                    state, reason = "FENCED", f"lease unconfirmed for {now - last:.1f}s"
+                    kill_at = now + fence_grace_s
+                    _log(f"{reason}: SIGTERM")
+                    _killpg(pgid, signal.SIGTERM)
+        if kill_at is not None and not killed and now >= kill_at:
+            _log("grace period over: SIGKILL")
+            _killpg(pgid, signal.SIGKILL)
+            if kill_argv:
+                _run_quiet(kill_argv)
+            killed = True
+        timeout = poll_s
+        if kill_at is not None and not killed:
+            timeout = max(0.0, min(timeout, kill_at - now))
+        try:
+            select.select([rfd], [], [], timeout)
+            while os.read(rfd, 512):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    rc = proc.returncode
+    # Whatever the leader left behind in its group goes too (GPUs must be free).
+    _killpg(pgid, signal.SIGKILL)
+    if kill_argv and state is not None:
+        _run_quiet(kill_argv)
+    progress = sf.read_json(lease_dir / sf.PROGRESS) or {}
+    if rc == -255:
+        exit_code, sig = None, None
+    elif rc is not None and rc < 0:
+        exit_code, sig = 128 - rc, -rc
+    else:
+        exit_code, sig = rc, None
+    record = {
+        "state": state or "EXITED",
+        "exit_code": exit_code,
+        "signal": sig,
+        "killed": killed,
+        "reason": reason,
+        "stop_epoch": stop_epoch,
+        "checkpoint_uri": progress.get("checkpoint_uri"),
+        "checkpoint_step": progress.get("checkpoint_step"),
+        "step": progress.get("step"),
+        "finished_at": time.time(),
+        "boot_id": boot_id,
+    }
+    sf.write_json_atomic(lease_dir / sf.EXIT, record, fsync=True)
+    _log(f"rank exited: {record}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    adopt = "--adopt" in args
+    args = [a for a in args if a != "--adopt"]
+    if len(args) != 1:
+        sys.stderr.write("usage: python -m worker_agent.supervisor <lease_dir> [--adopt]\n")
+        return 2
+    lease_dir = Path(args[0])
+    # Detach: the agent waits only for this first process; the supervisor lives on
+    # in its own session, re-parented to init, whatever happens to the agent.
+    if os.fork() > 0:
+        os._exit(0)
+    os.setsid()
+    return supervise(lease_dir, adopt=adopt)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
