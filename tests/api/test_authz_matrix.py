@@ -157,3 +157,11 @@ async def test_unknown_token_is_401_and_malformed_authorization_too(client):
     for headers in ({"Authorization": "Bearer nope"}, {"Authorization": "Basic YTpi"}, {"Authorization": "Bearer"}):
         r = await client.get("/v1/me", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated", (headers, r.text)
+
+
+async def test_admin_routes_refuse_team_tokens_before_looking_at_the_request(client):
+    """Whatever the body or headers, a team token on an admin route is 403 (not 400/422)."""
+    for method, path in (("PUT", "/v1/teams/alpha/quota"), ("POST", "/v1/nodes/b0-n0:drain")):
+        for headers, body in ((auth(ALPHA), None), (auth(ALPHA), {"junk": 1}), (auth(ALPHA, new_key()), {"x": []})):
+            r = await client.request(method, path, json=body, headers=headers)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "admin_required", (method, headers, r.text)

@@ -232,3 +232,41 @@ def test_a_retry_reuses_the_invocations_idempotency_key(cli_app, tmp_path, monke
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_gpufleet_api_serve_runs_uvicorn_and_stops_cleanly(db_dsn, tmp_path):
+    """`gpufleet api` (cli.api_cmd.serve) as its own process: /healthz answers, SIGINT
+    ends it with exit code 0 (hard exit after uvicorn's clean shutdown)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+    env |= {"GPUFLEET_DATABASE_URL": db_dsn, "GPUFLEET_API_PORT": str(port), "GPUFLEET_TEMPORAL_ADDRESS": "127.0.0.1:1",
+            "GPUFLEET_API_TOKENS": json.dumps({"t": {"name": "a", "admin": True}})}
+    code = "import typer; from cli.api_cmd import serve; typer.run(serve)"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", code, "--log-level", "warning"], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+                time.sleep(0.2)
+        assert r.status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/me", headers={"Authorization": "Bearer t"}).json()["admin"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
