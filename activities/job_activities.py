@@ -76,6 +76,7 @@ class JobActivities:
             self.finish_job,
             self.requeue_job,
             self.extend_job,
+            self.restart_replica,
         ]
 
     @activity.defn(name=m.ACT_LOAD_JOB)
@@ -174,3 +175,21 @@ class JobActivities:
             request_id=e.request_id,
         )
         return m.ExtendResult(**r)
+
+    @activity.defn(name=m.ACT_RESTART_REPLICA)
+    async def restart_replica(self, r: m.RestartReplica) -> m.RestartedReplica:
+        row = await job_store.restart_replica(
+            self.pool, r.job_id, r.attempt, r.rank, r.failed_lease_id, actor="workflow", reason=r.reason
+        )
+        if row is None:
+            return m.RestartedReplica(ok=False)
+        return m.RestartedReplica(
+            ok=True,
+            placement=m.RankPlacement(
+                rank=row["rank"],
+                node_id=row["node_id"],
+                gpu_indices=list(row["gpu_indices"]),
+                lease_id=row["lease_id"],
+                task_queue=node_queue(self.settings, row["node_id"], row["task_queue"]),
+            ),
+        )

@@ -375,6 +375,81 @@ async def extend_job(
         }
 
 
+async def restart_replica(
+    db: asyncpg.Pool | asyncpg.Connection,
+    job_id: str,
+    attempt: int,
+    rank: int,
+    failed_lease_id: str,
+    *,
+    actor: str,
+    reason: str,
+) -> asyncpg.Record | None:
+    """prod-serving: hand a failed replica's GPUs to a fresh lease of the same rank, in one
+    transaction (its allocation rows move; no moment where the GPUs are free). Returns the
+    new lease row, or None when the job/attempt/rank no longer holds a live lease.
+    Idempotent: when the rank's live lease is no longer ``failed_lease_id`` it was already
+    replaced (a retried activity), and that lease is returned."""
+    async with _transaction(db) as conn:
+        job = await _lock(conn, job_id)
+        if job["attempt"] != attempt or job["state"] not in ("STARTING", "RUNNING"):
+            return None
+        old = await conn.fetchrow(
+            "SELECT * FROM leases WHERE job_id = $1 AND attempt = $2 AND rank = $3 AND state = 'live' FOR UPDATE",
+            job_id,
+            attempt,
+            rank,
+        )
+        if old is None:
+            return None
+        if old["lease_id"] != failed_lease_id:
+            return await conn.fetchrow(  # already replaced (a retried activity)
+                "SELECT l.*, n.task_queue FROM leases l JOIN nodes n USING (node_id) WHERE l.lease_id = $1",
+                old["lease_id"],
+            )
+        generation = await conn.fetchval(
+            "SELECT count(*) FROM leases WHERE job_id = $1 AND attempt = $2 AND rank = $3", job_id, attempt, rank
+        )
+        new_id = f"{store.lease_id_for(job_id, attempt, rank)}.g{generation}"
+        rows = await conn.fetch(
+            "DELETE FROM allocations WHERE lease_id = $1 RETURNING node_id, gpu_index, team, gpu_type, borrowed",
+            old["lease_id"],
+        )
+        await conn.execute(
+            "UPDATE leases SET state = 'released', released_at = now(), release_reason = 'replica restart'"
+            " WHERE lease_id = $1",
+            old["lease_id"],
+        )
+        await conn.execute(
+            "INSERT INTO leases (lease_id, job_id, attempt, rank, node_id, gpu_indices, epoch)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            new_id,
+            job_id,
+            attempt,
+            rank,
+            old["node_id"],
+            old["gpu_indices"],
+            old["epoch"],
+        )
+        await conn.executemany(
+            "INSERT INTO allocations (node_id, gpu_index, lease_id, job_id, team, gpu_type, borrowed)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            [(r["node_id"], r["gpu_index"], new_id, job_id, r["team"], r["gpu_type"], r["borrowed"]) for r in rows],
+        )
+        await write_audit(
+            conn,
+            actor,
+            "restart_replica",
+            job_id,
+            reason,
+            {"attempt": attempt, "rank": rank, "old_lease": old["lease_id"], "new_lease": new_id,
+             "node": old["node_id"], "gpus": list(old["gpu_indices"])},
+        )
+        return await conn.fetchrow(
+            "SELECT l.*, n.task_queue FROM leases l JOIN nodes n USING (node_id) WHERE l.lease_id = $1", new_id
+        )
+
+
 # --- the leader's writes (fenced by the epoch) --------------------------------
 
 
@@ -409,6 +484,30 @@ async def mark_preempting(
         await write_job_event(conn, job_id, attempt, "preempting", job["state"], "PREEMPTING", actor, reason, detail)
         await write_audit(conn, actor, "preempt", job_id, reason, detail)
         return Outcome(True, "PREEMPTING", attempt)
+
+
+async def relabel_job(
+    db: asyncpg.Pool | asyncpg.Connection,
+    *,
+    scope: str,
+    epoch: int,
+    job_id: str,
+    borrowed: bool,
+    actor: str = "placement",
+) -> int:
+    """Invariant 4: re-mark a running job's allocations borrowed (or guaranteed) under the
+    leader's epoch, audited. Returns the rows changed."""
+    async with _transaction(db) as conn:
+        await store.check_epoch(conn, scope, epoch)
+        status = await conn.execute(
+            "UPDATE allocations SET borrowed = $2 WHERE job_id = $1 AND borrowed <> $2", job_id, borrowed
+        )
+        n = int(status.split()[-1])
+        if n:
+            await write_audit(
+                conn, actor, "relabel", job_id, "quota re-check", {"borrowed": borrowed, "gpus": n, "epoch": epoch}
+            )
+        return n
 
 
 @dataclass(frozen=True)
@@ -506,6 +605,8 @@ __all__ = [
     "parse_spec",
     "publish_positions",
     "publish_reservations",
+    "relabel_job",
     "requeue_job",
+    "restart_replica",
     "unstarted_queued_jobs",
 ]

@@ -18,6 +18,7 @@ reports (older attempt or epoch) are dropped.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -126,6 +127,15 @@ class JobWorkflow:
     def task_status(self, batch: m.TaskStatusBatch) -> None:
         self._inbox.statuses.extend(batch.statuses)
         self._drain_statuses()
+
+    @workflow.signal(name=m.SIGNAL_NODE_FAILED)
+    def node_failed(self, req: m.NodeFailed) -> None:
+        if req.attempt != self._attempt:
+            return
+        for r in self._ranks.values():
+            if r.placement.node_id == req.node_id and not r.exited:
+                r.exited, r.outcome, r.start_error = True, TaskState.LOST, None
+                r.restarting = False
 
     @workflow.query(name=m.QUERY_STATUS)
     def status(self) -> m.JobStatus:
@@ -288,7 +298,7 @@ class JobWorkflow:
                 await workflow.wait_condition(
                     lambda: self._cancel is not None
                     or self._attempt in self._preempts
-                    or self._any_failed(serving)
+                    or self._any_failed()
                     or self._all_exited()
                     or self._deadline != deadline
                     or self._history_long(),
@@ -300,10 +310,10 @@ class JobWorkflow:
                 return await self._cancel_active()
             if self._attempt in self._preempts:
                 return await self._preempt()
-            if self._any_failed(serving):
-                if serving:
-                    self._restart_failed_replicas()
-                    continue
+            if serving and self._crashed_replicas():
+                self._restart_failed_replicas()
+                continue
+            if self._any_failed():
                 reason, fault = self._failure_reason(False)
                 return await self._fail_attempt(reason, job_fault=fault)
             if self._all_exited():
@@ -375,7 +385,9 @@ class JobWorkflow:
         assert self._alloc is not None and self._running_since is not None and self._deadline is not None
         return m.RunCarry(
             attempt=self._attempt,
-            allocation=self._alloc,
+            allocation=dataclasses.replace(
+                self._alloc, ranks=[self._ranks[k].placement for k in sorted(self._ranks)]
+            ),
             running_since=self._running_since,
             deadline=self._deadline,
             ranks=[
@@ -468,7 +480,7 @@ class JobWorkflow:
             return
         if res.exit_code is not None:
             r.exited, r.exit_code, r.outcome = True, res.exit_code, TaskState.STOPPED
-        elif not res.accepted:
+        elif not res.accepted or res.reason.startswith("unknown lease"):
             # the agent holds no such task (never started, or long gone): nothing to wait for
             r.exited, r.outcome = True, TaskState.STOPPED
 
@@ -500,7 +512,7 @@ class JobWorkflow:
     def _restart_failed_replicas(self) -> None:
         """prod-serving: a failed replica restarts alone (the others keep serving)."""
         for r in self._ranks.values():
-            if r.failed and not r.restarting:
+            if r.job_fault and not r.restarting:
                 r.restarts += 1
                 r.restarting = True
                 r.started = False
@@ -514,6 +526,21 @@ class JobWorkflow:
 
     async def _restart_rank(self, r: _Rank) -> None:
         try:
+            res = await self._local(
+                m.ACT_RESTART_REPLICA,
+                m.RestartReplica(
+                    self._job_id, self._attempt, r.placement.rank, r.placement.lease_id,
+                    f"replica {r.placement.rank} failed; restart {r.restarts}",
+                ),
+                m.RestartedReplica,
+            )
+            if not res.ok or res.placement is None:
+                r.start_error = "the replica's lease is gone"
+                return
+            self._by_lease.pop(r.placement.lease_id, None)
+            r.placement = res.placement
+            self._by_lease[r.placement.lease_id] = r
+            self._drain_statuses()
             await self._start_rank(r)
         finally:
             r.restarting = False
@@ -538,8 +565,6 @@ class JobWorkflow:
     def _apply_status(self, r: _Rank, s: TaskStatus) -> None:
         if s.checkpoint_uri:
             self._note_checkpoint(r.placement.rank, s.checkpoint_uri)
-        if r.restarted_at is not None and s.at.tzinfo is not None and s.at < r.restarted_at:
-            return  # from before this replica's restart
         state = TaskState(s.state)
         if state == TaskState.STARTED:
             if not r.exited:
@@ -566,10 +591,12 @@ class JobWorkflow:
     def _all_exited(self) -> bool:
         return bool(self._ranks) and all(r.exited for r in self._ranks.values())
 
-    def _any_failed(self, serving: bool = False) -> bool:
-        if serving:
-            return any(r.failed and not r.restarting for r in self._ranks.values())
-        return any(r.failed for r in self._ranks.values())
+    def _any_failed(self) -> bool:
+        return any(r.failed and not r.restarting for r in self._ranks.values())
+
+    def _crashed_replicas(self) -> bool:
+        """prod-serving: replicas whose process failed by itself (restarted alone)."""
+        return any(r.job_fault and not r.restarting for r in self._ranks.values())
 
     def _failure_reason(self, timed_out: bool) -> tuple[str, bool]:
         for r in sorted(self._ranks.values(), key=lambda r: r.placement.rank):

@@ -24,6 +24,8 @@ QUERY_STATUS = "status"
 
 # signal on PlacementWorkflow: something changed, run a cycle now
 SIGNAL_WAKE = "wake"
+# signal on JobWorkflow from the health monitor: a node under this attempt failed
+SIGNAL_NODE_FAILED = "node_failed"
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ ACT_MARK_CANCELLING = "mark_cancelling"
 ACT_FINISH_JOB = "finish_job"
 ACT_REQUEUE_JOB = "requeue_job"
 ACT_EXTEND_JOB = "extend_job"
+ACT_RESTART_REPLICA = "restart_replica"
 ACT_READ_LEADER = "read_leader"
 # ... the cycle, run on the leader's own task queue ...
 ACT_PLACEMENT_CYCLE = "placement_cycle"
@@ -327,3 +330,29 @@ class RunCarry:
     deadline: datetime
     ranks: list[RankCarry]
     checkpoint: str | None = None
+
+
+@dataclass(frozen=True)
+class NodeFailed:
+    """Signal ``node_failed``: the node is lost (down, fatal Xid, hang). The attempt is
+    ended as a failure that does not count against the job (front of its class)."""
+
+    job_id: str
+    attempt: int
+    node_id: str
+    reason: str = "node failed"
+
+
+@dataclass(frozen=True)
+class RestartReplica:
+    job_id: str
+    attempt: int
+    rank: int
+    failed_lease_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RestartedReplica:
+    ok: bool
+    placement: RankPlacement | None = None

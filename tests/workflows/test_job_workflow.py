@@ -258,6 +258,12 @@ async def test_failed_serving_replica_restarts_alone(stand):
     assert stand.agent.stops == []  # rank 0 kept serving
     row = await stand.job(job)
     assert row["state"] == "RUNNING" and row["attempt"] == 1
+    leases = await stand.pool.fetch("SELECT lease_id, state FROM leases WHERE job_id = $1 ORDER BY lease_id", job)
+    assert [(lz["lease_id"], lz["state"]) for lz in leases] == [
+        (f"{job}.a1.r0", "live"), (f"{job}.a1.r1", "released"), (f"{job}.a1.r1.g1", "live"),
+    ]
+    assert await stand.live_gpus(job) == 2
+    assert "restart_replica" in [a["action"] for a in await stand.audit(job)]
     h = stand.client.get_workflow_handle(job)
     await h.signal("cancel", {"actor": "ops"})
     assert (await stand.result(job)).state == "CANCELLED"

@@ -1,0 +1,368 @@
+"""The control process (DESIGN.md, Processes and Leadership).
+
+    await run_control(settings, holder="c1", stop_event=stop)     # until stop is set
+
+or drive it yourself (tests)::
+
+    proc = ControlProcess(settings, holder="c1")
+    await proc.start(); ...; await proc.stop()
+
+What it runs:
+
+* a Temporal worker on ``settings.control_task_queue``: ``JobWorkflow``,
+  ``PlacementWorkflow`` and their (local) activities;
+* a Temporal worker on its own leader task queue (``<control queue>-leader-<holder>``)
+  for ``placement_cycle``, which runs on this process's in-memory ``LeaderState``
+  only while it holds the leader epoch;
+* the leadership loop: take the Postgres leader row when it is free or expired
+  (epoch + 1), rebuild the in-memory state on takeover, renew every
+  ``leader_renew_s``; a refused renewal (or none for ``leader_ttl_s``) drops the
+  state at once;
+* the ``PlacementWorkflow`` singleton (started by every process, USE_EXISTING);
+* the leader wakes the placement cycle when Postgres notifies ``gpufleet_wake``
+  (new job, job ended, node or quota change), coalesced to one signal per
+  ``placement_wake_min_s``;
+* the agents' gRPC server (``control.heartbeat_server``): TaskStatus reports are
+  forwarded to job workflows as signals batched per job; heartbeat acks confirm
+  the leases live on the node; non-leaders redirect agents to the leader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import asyncpg
+from temporalio.client import Client
+from temporalio.common import WorkflowIDConflictPolicy
+
+from activities import store
+from activities.job_activities import JobActivities
+from activities.placement_activities import CycleActivity, ReadLeaderActivity
+from activities.placement_cycle import LeaderState
+from common.db import pool_from_settings
+from common.settings import Settings
+from common.temporal import connect, make_worker
+from control.status_forwarder import TaskStatusForwarder
+from workflows import messages as m
+from workflows.job import JobWorkflow
+from workflows.placement import PlacementWorkflow
+
+log = logging.getLogger("gpufleet.control")
+
+WAKE_CHANNEL = "gpufleet_wake"
+ENSURE_PLACEMENT_EVERY_S = 30.0
+
+
+def default_holder() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class _Waker:
+    """Coalesced ``wake`` signals to the PlacementWorkflow: at most one in flight and
+    at most one per ``min_interval_s``."""
+
+    def __init__(self, client: Client, min_interval_s: float) -> None:
+        self.client = client
+        self.min_interval_s = min_interval_s
+        self._task: asyncio.Task | None = None
+        self._last = 0.0
+        self._again = False
+        self.sent = 0
+
+    def poke(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._again = True
+            return
+        self._task = asyncio.create_task(self._send())
+
+    async def _send(self) -> None:
+        while True:
+            self._again = False
+            delay = self._last + self.min_interval_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self._last = time.monotonic()
+            try:
+                await self.client.get_workflow_handle(m.PLACEMENT_WORKFLOW_ID).signal(
+                    m.SIGNAL_WAKE, m.WakeRequest("changes")
+                )
+                self.sent += 1
+            except Exception as e:  # the 1 s cycle covers a lost wake
+                log.debug("wake not delivered: %s", e)
+            if not self._again:
+                return
+
+    async def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+
+class ControlProcess:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        holder: str | None = None,
+        pool: asyncpg.Pool | None = None,
+        client: Client | None = None,
+        grpc: bool = True,
+        grpc_port: int | None = None,
+    ) -> None:
+        self.settings = settings
+        self.holder = holder or default_holder()
+        self.leader_queue = f"{settings.control_task_queue}-leader-{self.holder}"
+        self._pool = pool
+        self._own_pool = pool is None
+        self._client = client
+        self.grpc = grpc
+        self.grpc_port = grpc_port
+        self.grpc_addr = ""
+        self.epoch: int | None = None
+        self.takeover_at: float | None = None
+        self.leader_grpc_addr = ""
+        self.leader: LeaderState | None = None
+        self.forwarder: TaskStatusForwarder | None = None
+        self.heartbeats: Any = None
+        self._workers: list[Any] = []
+        self._tasks: list[asyncio.Task] = []
+        self._waker: _Waker | None = None
+        self._listen_conn: asyncpg.Connection | None = None
+        self._stopping = asyncio.Event()
+        self._last_renew = 0.0
+        self._next_ensure = 0.0
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        assert self._pool is not None
+        return self._pool
+
+    @property
+    def client(self) -> Client:
+        assert self._client is not None
+        return self._client
+
+    @property
+    def is_leader(self) -> bool:
+        return self.epoch is not None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        s = self.settings
+        if self._pool is None:
+            self._pool = await pool_from_settings(s)
+        if self._client is None:
+            self._client = await connect(s)
+        self.leader = LeaderState(self.pool, self.client, s, actor=f"placement:{self.holder}")
+        self.forwarder = TaskStatusForwarder(self.client)
+        await self.forwarder.start()
+        self._waker = _Waker(self.client, s.placement_wake_min_s)
+
+        if self.grpc:
+            from control.heartbeat_server import HeartbeatServer
+
+            self.heartbeats = HeartbeatServer(
+                s,
+                port=self.grpc_port,
+                confirmed_leases=self._confirmed_leases,
+                on_task_status=self.forwarder.submit,
+                leader_address=self._leader_address,
+            )
+            self.grpc_addr = await self.heartbeats.start()
+        else:
+            self.grpc_addr = f"{s.control_grpc_host}:{s.control_grpc_port}"
+
+        control = make_worker(
+            self.client,
+            s.control_task_queue,
+            workflows=[JobWorkflow, PlacementWorkflow],
+            activities=[*JobActivities(self.pool, s).all(), *ReadLeaderActivity(self.pool, s).all()],
+            max_concurrent_workflow_tasks=200,
+            max_concurrent_local_activities=200,
+        )
+        leader = make_worker(self.client, self.leader_queue, activities=CycleActivity(self.leader).all())
+        self._workers = [control, leader]
+        for w in self._workers:
+            self._tasks.append(asyncio.create_task(w.run(), name=f"worker-{w.task_queue}"))
+        await self._ensure_placement_workflow()
+        await self._listen()
+        self._tasks.append(asyncio.create_task(self._leadership_loop(), name="leadership"))
+        log.info("control %s up (leader queue %s, gRPC %s)", self.holder, self.leader_queue, self.grpc_addr or "-")
+
+    async def stop(self, *, resign: bool = True) -> None:
+        """Stop cleanly: resign leadership (a successor need not wait for expiry), stop
+        serving agents and workers. Running ranks are untouched."""
+        self._stopping.set()
+        for t in self._tasks:
+            if t.get_name() == "leadership":
+                t.cancel()
+        if resign and self.epoch is not None and self._pool is not None:
+            try:
+                await store.resign_leadership(self.pool, scope=self.settings.leader_scope, holder=self.holder, epoch=self.epoch)
+            except Exception as e:
+                log.warning("resign failed: %s", e)
+        self._lose("stopping")
+        if self._waker is not None:
+            await self._waker.close()
+        if self._listen_conn is not None:
+            try:
+                await self._listen_conn.remove_listener(WAKE_CHANNEL, self._on_notify)
+            except Exception:
+                pass
+            await self.pool.release(self._listen_conn)
+            self._listen_conn = None
+        if self.heartbeats is not None:
+            await self.heartbeats.stop()
+        await asyncio.gather(*(w.shutdown() for w in self._workers), return_exceptions=True)
+        if self.forwarder is not None:
+            await self.forwarder.stop()
+        for t in self._tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._own_pool and self._pool is not None:
+            await self._pool.close()
+
+    async def kill(self) -> None:
+        """Die like a crashed process would (tests): no resignation, nothing flushed."""
+        await self.stop(resign=False)
+
+    # ------------------------------------------------------------------ leadership
+
+    async def _leadership_loop(self) -> None:
+        s = self.settings
+        while not self._stopping.is_set():
+            try:
+                if self.epoch is None:
+                    epoch = await store.acquire_leadership(
+                        self.pool,
+                        scope=s.leader_scope,
+                        holder=self.holder,
+                        task_queue=self.leader_queue,
+                        grpc_addr=self.grpc_addr,
+                        ttl_s=s.leader_ttl_s,
+                    )
+                    if epoch is not None:
+                        await self._take_over(epoch)
+                    else:
+                        row = await self.pool.fetchrow("SELECT grpc_addr FROM leader WHERE scope = $1", s.leader_scope)
+                        self.leader_grpc_addr = row["grpc_addr"] if row else ""
+                else:
+                    ok = await store.renew_leadership(
+                        self.pool, scope=s.leader_scope, holder=self.holder, epoch=self.epoch, ttl_s=s.leader_ttl_s
+                    )
+                    if ok:
+                        self._last_renew = time.monotonic()
+                    else:
+                        self._lose("renewal refused (expired or deposed)")
+                    if self.epoch is not None and time.monotonic() >= self._next_ensure:
+                        self._next_ensure = time.monotonic() + ENSURE_PLACEMENT_EVERY_S
+                        await self._ensure_placement_workflow()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("leadership loop: %s", e)
+                if self.epoch is not None and time.monotonic() - self._last_renew > s.leader_ttl_s:
+                    self._lose(f"no renewal for {s.leader_ttl_s}s")
+            interval = s.leader_renew_s if self.epoch is not None else min(s.leader_renew_s, s.leader_ttl_s / 3)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _take_over(self, epoch: int) -> None:
+        assert self.leader is not None
+        self._last_renew = time.monotonic()
+        log.info("control %s takes leadership with epoch %d", self.holder, epoch)
+        try:
+            await self.leader.take_over(epoch)
+        except Exception:
+            self.leader.drop()
+            await store.resign_leadership(self.pool, scope=self.settings.leader_scope, holder=self.holder, epoch=epoch)
+            raise
+        self.epoch = epoch
+        self.takeover_at = time.time()
+        self._next_ensure = time.monotonic() + ENSURE_PLACEMENT_EVERY_S
+        await self._ensure_placement_workflow()
+        self._wake()
+
+    def _lose(self, why: str) -> None:
+        if self.epoch is not None:
+            log.warning("control %s loses leadership (epoch %d): %s", self.holder, self.epoch, why)
+        self.epoch = None
+        if self.leader is not None:
+            self.leader.drop()
+
+    async def _ensure_placement_workflow(self) -> None:
+        try:
+            await self.client.start_workflow(
+                m.PLACEMENT_WORKFLOW,
+                m.PlacementInput(),
+                id=m.PLACEMENT_WORKFLOW_ID,
+                task_queue=self.settings.control_task_queue,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            )
+        except Exception as e:
+            log.warning("cannot start the placement workflow: %s", e)
+
+    # ------------------------------------------------------------------ wake-ups
+
+    async def _listen(self) -> None:
+        try:
+            self._listen_conn = await self.pool.acquire()
+            await self._listen_conn.add_listener(WAKE_CHANNEL, self._on_notify)
+        except Exception as e:  # the 1 s cycle still runs
+            log.warning("cannot LISTEN for wake-ups: %s", e)
+
+    def _on_notify(self, *_: Any) -> None:
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.epoch is not None and self._waker is not None:
+            self._waker.poke()
+
+    # ------------------------------------------------------------------ agents
+
+    def _confirmed_leases(self, node_id: str) -> list[str]:
+        if self.epoch is None or self.leader is None:
+            return []
+        return sorted(self.leader.node_leases.get(node_id, ()))
+
+    def _leader_address(self) -> str | None:
+        return None if self.epoch is not None else self.leader_grpc_addr
+
+
+async def run_control(
+    settings: Settings,
+    *,
+    holder: str | None = None,
+    stop_event: asyncio.Event | None = None,
+    pool: asyncpg.Pool | None = None,
+    client: Client | None = None,
+    grpc: bool = True,
+    ready: asyncio.Event | None = None,
+) -> None:
+    """Run a control process until ``stop_event`` is set (or the task is cancelled)."""
+    proc = ControlProcess(settings, holder=holder, pool=pool, client=client, grpc=grpc)
+    await proc.start()
+    if ready is not None:
+        ready.set()
+    try:
+        if stop_event is None:
+            await asyncio.Event().wait()
+        else:
+            await stop_event.wait()
+    finally:
+        await proc.stop()

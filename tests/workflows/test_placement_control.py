@@ -1,0 +1,210 @@
+"""The placement singleton, the leader's cycle and the control process, with a fake agent.
+
+Each test runs one or two in-process ``ControlProcess``es against the real Temporal
+dev server and Postgres; jobs are placed by the real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from temporalio.service import RPCError
+
+from activities import job_signals, store
+from common.temporal import connect, make_worker
+from control.process import ControlProcess
+from tests.support import eventually
+from tests.workflows.fake_agent import FakeAgent
+from tests.workflows.harness import PY, TRAIN, Stand, read_json, scaled_settings, seed
+from workflows.messages import PLACEMENT_WORKFLOW_ID
+
+
+class _Fwd:
+    """The fake agent reports to whichever control process leads (as agents follow redirects)."""
+
+    def __init__(self) -> None:
+        self.procs: list[ControlProcess] = []
+
+    def submit(self, status) -> None:
+        for p in self.procs:
+            if p.is_leader and p.forwarder is not None:
+                p.forwarder.submit(status)
+                return
+        self.procs[0].forwarder.submit(status)
+
+
+@pytest.fixture
+async def cluster(pool, temporal_env, tmp_path):
+    settings = scaled_settings(tmp_path, preemption_protect_s=0.0, placement_cycle_s=0.3)
+    client = temporal_env.client
+    nodes, _ = await seed(pool, settings)
+    # the test's seed took the leader row; hand it back so a control process can lead
+    await pool.execute("DELETE FROM leader")
+    fwd = _Fwd()
+    agent = FakeAgent(fwd, tmp_path / "agent")
+    procs: list[ControlProcess] = []
+
+    async def start(holder: str) -> ControlProcess:
+        # a client per process: one client may not run two workers on one task queue
+        own = await connect(settings, address=client.service_client.config.target_host)
+        p = ControlProcess(settings, holder=holder, pool=pool, client=own, grpc=False)
+        await p.start()
+        procs.append(p)
+        fwd.procs.append(p)
+        return p
+
+    node_worker = make_worker(client, settings.agent_shared_task_queue, activities=agent.activities())
+    async with node_worker:
+        stand = Stand(pool=pool, client=client, settings=settings, agent=agent, epoch=0, nodes=nodes)
+        yield stand, start
+        for p in procs:
+            if not p._stopping.is_set():
+                await p.stop()
+        await agent.kill_all()
+    try:
+        await client.get_workflow_handle(PLACEMENT_WORKFLOW_ID).terminate("test over")
+    except RPCError:
+        pass
+
+
+async def leading(proc: ControlProcess, timeout: float = 10.0) -> int:
+    await eventually(lambda: _true(proc.is_leader), timeout=timeout, what=f"{proc.holder} leading")
+    return proc.epoch
+
+
+async def _true(v):
+    return v
+
+
+async def test_placement_places_and_the_job_succeeds(cluster):
+    stand, start = cluster
+    c1 = await start("c1")
+    await leading(c1)
+    job = await stand.submit("p-ok", command=[PY, "-c", "import time; time.sleep(0.2)"])
+    res = await stand.result(job)
+    assert res.state == "SUCCEEDED"
+    assert await stand.transitions(job) == [
+        (1, None, "QUEUED"), (1, "QUEUED", "STARTING"), (1, "STARTING", "RUNNING"), (1, "RUNNING", "SUCCEEDED"),
+    ]
+    allocate = [a for a in await stand.audit(job) if a["action"] == "allocate"][0]
+    assert allocate["actor"] == "placement:c1" and allocate["detail"]["epoch"] == c1.epoch
+
+
+async def test_unplaceable_job_gets_a_position_and_a_reason(cluster):
+    stand, start = cluster
+    c1 = await start("c1")
+    await leading(c1)
+    job = await stand.submit("p-big", replicas=5, gpus_per_replica=8)  # the cluster has 4 nodes
+
+    async def published():
+        row = await stand.job(job)
+        return row if row["pending_reason"] else None
+
+    row = await eventually(published, what="a pending reason")
+    assert row["state"] == "QUEUED" and row["queue_position"] == 1
+    assert row["pending_reason"] in ("capacity", "topology", "invalid", "quota")
+
+
+async def test_a_job_without_a_workflow_is_started_by_its_allocation(cluster):
+    stand, start = cluster
+    c1 = await start("c1")
+    await leading(c1)
+    job = await stand.submit("p-nowf", command=[PY, "-c", "pass"], start=False)
+    await stand.wait_state(job, "SUCCEEDED")
+    assert (await stand.result(job)).state == "SUCCEEDED"
+
+
+async def test_a_lost_allocation_signal_is_resent(cluster, monkeypatch):
+    stand, start = cluster
+    real = job_signals.signal_allocation
+    dropped: list[str] = []
+
+    async def lossy(client, settings, alloc):
+        if alloc.job_id == "p-lost" and not dropped:
+            dropped.append(alloc.job_id)
+            return True  # "sent", but it never arrives
+        return await real(client, settings, alloc)
+
+    monkeypatch.setattr(job_signals, "signal_allocation", lossy)
+    c1 = await start("c1")
+    await leading(c1)
+    job = await stand.submit("p-lost", command=[PY, "-c", "pass"])
+    assert (await stand.result(job, timeout=30)).state == "SUCCEEDED"
+    assert dropped == ["p-lost"]
+
+
+async def test_research_job_is_preempted_by_prod_batch_and_resumes_to_the_same_result(cluster):
+    from tests.e2e.train import expected
+
+    stand, start = cluster
+    c1 = await start("c1")
+    await leading(c1)
+    steps = 60
+    research = await stand.submit(
+        "p-research", command=[PY, TRAIN, str(steps), "0.05", "5"], replicas=4, gpus_per_replica=8,
+        priority_class="research", team="beta", grace_s=5.0,
+    )
+    await stand.wait_state(research, "RUNNING")
+    lease_dir = stand.agent.root / (await stand.pool.fetchval(
+        "SELECT node_id FROM leases WHERE job_id = $1 AND rank = 0", research)) / f"{research}.a1.r0"
+
+    async def progressed():
+        try:
+            return read_json(lease_dir / "progress.json")["step"] >= 10
+        except (OSError, ValueError):
+            return False
+
+    await eventually(progressed, timeout=15, what="training progress")
+    prod = await stand.submit("p-prod", command=[PY, "-c", "import time; time.sleep(0.5)"], replicas=1,
+                              gpus_per_replica=8, priority_class="prod-batch", team="alpha")
+    assert (await stand.result(prod, timeout=40)).state == "SUCCEEDED"
+    res = await stand.result(research, timeout=60)
+    assert res.state == "SUCCEEDED" and res.attempt == 2
+    row = await stand.job(research)
+    assert row["preemptions"] == 1
+    out = read_json(stand.settings.state_dir.resolve() / "checkpoints" / research / "result-0.json")
+    assert out["value"] == expected(steps) and out["resumed_from"] and out["attempt"] == "2"
+    assert all(sigs == ["SIGTERM"] for lid, sigs in stand.agent.signals_seen.items() if lid.startswith(research))
+    preempt = [a for a in await stand.audit(research) if a["action"] == "preempt"][0]
+    assert preempt["detail"]["by_job"] == prod
+
+
+async def test_leader_failover_higher_epoch_fences_the_old_leader(cluster):
+    stand, start = cluster
+    c1 = await start("c1")
+    e1 = await leading(c1)
+    c2 = await start("c2")
+    long = await stand.submit("f-long", command=[PY, "-c", "import time; time.sleep(3)"], replicas=2, gpus_per_replica=8)
+    await stand.wait_state(long, "RUNNING", timeout=15)
+    t0 = asyncio.get_running_loop().time()
+    await c1.kill()  # no resignation: c2 must wait for the lease to expire
+    e2 = await leading(c2, timeout=30)
+    took = asyncio.get_running_loop().time() - t0
+    assert e2 > e1 and took < 30
+    # a write under the old epoch is refused
+    await stand.submit("f-stale", start=False)
+    with pytest.raises(store.StaleEpoch):
+        await store.commit_gang(
+            stand.pool, scope=stand.settings.leader_scope, epoch=e1, job_id="f-stale", attempt=1,
+            placements=[store.GangPlacement(0, stand.nodes[3], (7,), False)],
+        )
+    # the new leader keeps placing, and the running job finishes
+    after = await stand.submit("f-after", command=[PY, "-c", "pass"])
+    assert (await stand.result(after, timeout=30)).state == "SUCCEEDED"
+    assert (await stand.result(long, timeout=30)).state == "SUCCEEDED"
+    allocs = [a for a in await stand.audit(after) if a["action"] == "allocate"]
+    assert allocs[0]["detail"]["epoch"] == e2
+    await assert_no_gpu_had_two_live_leases(stand.pool)
+
+
+async def assert_no_gpu_had_two_live_leases(pool) -> None:
+    """Over the whole lease history: no two leases holding one GPU were live at once."""
+    overlaps = await pool.fetch(
+        "WITH g AS (SELECT lease_id, node_id, unnest(gpu_indices) AS gpu, created_at,"
+        "  coalesce(released_at, 'infinity') AS released_at FROM leases)"
+        " SELECT a.lease_id AS a, b.lease_id AS b, a.node_id, a.gpu FROM g a JOIN g b"
+        "  ON a.node_id = b.node_id AND a.gpu = b.gpu AND a.lease_id < b.lease_id"
+        "  AND a.created_at < b.released_at AND b.created_at < a.released_at"
+    )
+    assert not overlaps, [dict(r) for r in overlaps]
