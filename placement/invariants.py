@@ -23,7 +23,8 @@ from placement.state import ClusterState, indices_of, mask_of
 from placement.topology import job_shape
 
 
-def check_state(state: ClusterState, strict_quota: bool = True) -> list[str]:
+def check_state(state: ClusterState, strict_quota: bool = True, respect_topology: bool = True) -> list[str]:
+    """``respect_topology`` False (``Policy.topology`` off) skips the max_blocks check."""
     errs: list[str] = []
     nodes = state._nodes
     # node masks vs jobs
@@ -66,7 +67,8 @@ def check_state(state: ClusterState, strict_quota: bool = True) -> list[str]:
             if mask_of(gpus) & ~rj.held.get(nid, 0):
                 errs.append(f"{jid}: replica {r} uses GPUs it does not hold")
         if not missing:
-            errs.extend(_shape_errors(state, jid, rj.spec, sorted(rj.held), {n: indices_of(m) for n, m in rj.held.items()}))
+            held = {n: indices_of(m) for n, m in rj.held.items()}
+            errs.extend(_shape_errors(state, jid, rj.spec, sorted(rj.held), held, respect_topology))
     # indexes
     for t, ti in state._types.items():
         buckets = [[] for _ in range(ti.node_gpus + 1)]
@@ -134,7 +136,12 @@ def check_state(state: ClusterState, strict_quota: bool = True) -> list[str]:
 
 
 def _shape_errors(
-    state: ClusterState, jid: str, spec, node_ids: list[str], held: dict[str, tuple[int, ...]]
+    state: ClusterState,
+    jid: str,
+    spec,
+    node_ids: list[str],
+    held: dict[str, tuple[int, ...]],
+    respect_topology: bool = True,
 ) -> list[str]:
     errs = []
     ti = state._types.get(spec.gpu_type)
@@ -155,7 +162,12 @@ def _shape_errors(
             errs.append(f"{jid}: holds {sum(len(g) for g in held.values())} GPUs, needs {shape.total}")
     if spec.topology.pack is Pack.NODE and len(node_ids) > 1:
         errs.append(f"{jid}: pack=node on {len(node_ids)} nodes")
-    if spec.topology.pack is Pack.BLOCK and spec.topology.max_blocks and len(blocks) > spec.topology.max_blocks:
+    if (
+        respect_topology
+        and spec.topology.pack is Pack.BLOCK
+        and spec.topology.max_blocks
+        and len(blocks) > spec.topology.max_blocks
+    ):
         errs.append(f"{jid}: {len(blocks)} blocks > max_blocks {spec.topology.max_blocks}")
     return errs
 
@@ -217,8 +229,7 @@ def check_plan(state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy,
             for s in p.slots:
                 if len(s.gpus) != spec.gpus_per_replica or not set(s.gpus) <= set(held.get(s.node_id, ())):
                     errs.append(f"{p.job_id}: replica {s.replica} slot wrong")
-            if respect_topology:
-                errs.extend(_shape_errors(state, p.job_id, spec, sorted(held), held))
+            errs.extend(_shape_errors(state, p.job_id, spec, sorted(held), held, respect_topology))
             key = (spec.team, spec.gpu_type)
             if p.borrowed:
                 badd[key] = badd.get(key, 0) + p.gpus

@@ -1,0 +1,173 @@
+"""Property tests over random clusters, queues and event sequences.
+
+Invariants (``placement.invariants``): no GPU in two placements; gangs
+all-or-nothing; whole nodes for >= node-size jobs; max_blocks honoured; prod-serving
+never a victim and, beyond its guarantee, only reclaiming borrowed allocations; no
+victim inside its 30-minute protection or past its daily budget (unless borrowed);
+no preemption for borrowing; guaranteed usage never above the guarantee; indexes
+equal to a recomputation. And: the same inputs in any order give the same plan.
+"""
+
+from __future__ import annotations
+
+import random as _random
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from placement import (
+    JobQueue,
+    NodeHealth,
+    Policy,
+    PRESETS,
+    apply,
+    check_plan,
+    check_state,
+    fail_node,
+    plan,
+    requeue_spec,
+)
+
+from .strategies import HOUR, build, job_specs, populate, rebuild, scenarios, snapshot, unique
+
+PROPS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+POLICIES = [
+    Policy(reserve_min_gpus=16, hot_spare_min_gpus=16, hot_spare_fraction=0.2),
+    Policy(),
+    Policy(serving_borrows_idle=True, reserve_min_gpus=8, max_reservations_per_type=2),
+    PRESETS["easy_backfill"],
+    PRESETS["fifo_first_fit"],
+]
+
+
+def checked_cycle(stt, q, policy, now, twice: bool = False):
+    p = plan(stt, q, policy, now)
+    if twice:
+        assert plan(stt, q, policy, now) == p  # plan left the state as it found it
+    errs = check_plan(stt, p, q, policy, respect_topology=policy.topology)
+    assert not errs, errs
+    apply(stt, p, q, now)
+    errs = check_state(stt, respect_topology=policy.topology)
+    assert not errs, errs
+    event(f"placements: {min(len(p.placements), 3)}+")
+    event(f"preemptions: {bool(p.preemptions)}")
+    event(f"reservations: {bool(p.reservations)}")
+    event(f"relabels: {bool(p.relabels)}")
+    event(f"replacement: {any(x.replacement for x in p.placements)}")
+    event(f"backfill: {any(x.backfill for x in p.placements)}")
+    event(f"spares: {any(x.spare_nodes for x in p.placements)}")
+    return p
+
+
+@PROPS
+@given(data=st.data())
+def test_plan_invariants_on_random_clusters_and_queues(data) -> None:
+    sc = data.draw(scenarios())
+    stt = build(sc)
+    running = unique(data.draw(st.lists(job_specs(sc, "r"), max_size=20)))
+    populate(stt, running, [0.0, 1000.0, 3000.0])
+    queued = unique(data.draw(st.lists(job_specs(sc, "q"), max_size=14)))
+    q = JobQueue(queued)
+    policy = data.draw(st.sampled_from(POLICIES))
+    now = data.draw(st.sampled_from([3000.0, 2 * HOUR, 6 * HOUR]))
+    p = checked_cycle(stt, q, policy, now, twice=True)
+    assert p.considered == min(len(queued), policy.lookahead)
+
+
+@PROPS
+@given(data=st.data())
+def test_contended_clusters_preempt_by_the_rules(data) -> None:
+    """Full clusters of lower-class work, higher-class and reclaiming jobs queued."""
+    sc = data.draw(scenarios())
+    stt = build(sc)
+    low = [
+        j
+        for j in unique(data.draw(st.lists(job_specs(sc, "r"), min_size=4, max_size=24)))
+        if j.priority.value in ("research", "preemptible") or data.draw(st.booleans())
+    ]
+    populate(stt, low, [0.0, 1000.0, 2500.0])
+    populate(stt, unique(data.draw(st.lists(job_specs(sc, "fill"), max_size=12))), [2600.0])
+    queued = [
+        j
+        for j in unique(data.draw(st.lists(job_specs(sc, "q"), min_size=1, max_size=12)))
+        if j.priority.value != "preemptible"
+    ]
+    q = JobQueue(queued)
+    policy = data.draw(st.sampled_from(POLICIES[:3]))
+    now = data.draw(st.sampled_from([3000.0, 4400.0, 6 * HOUR]))
+    p = checked_cycle(stt, q, policy, now, twice=True)
+    # victims stop; their beneficiaries then get placed or keep waiting, still by the rules
+    for vid in stt.preempting():
+        rj = stt.release(vid, now + 60)
+        q.push(requeue_spec(rj.spec, now + 60, preempted=True))
+    checked_cycle(stt, q, policy, now + 61)
+
+
+@PROPS
+@given(data=st.data())
+def test_event_sequences_keep_every_invariant(data) -> None:
+    sc = data.draw(scenarios())
+    stt = build(sc)
+    policy = data.draw(st.sampled_from(POLICIES))
+    populate(stt, unique(data.draw(st.lists(job_specs(sc, "r"), max_size=10))), [0.0, 2000.0])
+    q = JobQueue(unique(data.draw(st.lists(job_specs(sc, "q"), max_size=8))))
+    now = 2 * HOUR
+    ids = 0
+    for _ in range(data.draw(st.integers(1, 8))):
+        action = data.draw(st.sampled_from(["submit", "end", "stop", "node", "quota", "ckpt", "tick", "tick"]))
+        running = [rj.job_id for rj in stt.running_jobs()]
+        if action == "submit":
+            for j in data.draw(st.lists(job_specs(sc, f"s{ids}-", submit_max=now), max_size=4)):
+                if j.job_id not in q and not stt.is_running(j.job_id):
+                    q.push(j)
+            ids += 1
+        elif action == "end" and running:
+            stt.release(data.draw(st.sampled_from(running)), now)
+        elif action == "stop":
+            # victims finish their grace period: released and re-queued
+            for vid in stt.preempting():
+                rj = stt.release(vid, now)
+                q.push(requeue_spec(rj.spec, now, preempted=True))
+        elif action == "node":
+            nid = data.draw(st.sampled_from([n[0] for n in sc.nodes]))
+            health = data.draw(st.sampled_from(list(NodeHealth)))
+            if health is NodeHealth.READY:
+                stt.set_node_health(nid, health)
+            else:
+                res = fail_node(stt, nid, now, health)
+                for jid in res.released:
+                    pass  # the driver would re-queue; here they simply leave
+        elif action == "quota":
+            team, t, _, _ = data.draw(st.sampled_from(sc.quotas))
+            stt.set_quota(team, t, data.draw(st.sampled_from([0, 8, 16, 64])), data.draw(st.sampled_from([0, 16, 1000])))
+        elif action == "ckpt" and running:
+            stt.set_checkpoint(data.draw(st.sampled_from(running)), now)
+        now += data.draw(st.sampled_from([1.0, 60.0, 1800.0, 4 * HOUR]))
+        checked_cycle(stt, q, policy, now)
+
+
+@PROPS
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1))
+def test_permuted_input_gives_the_same_plan(data, seed: int) -> None:
+    sc = data.draw(scenarios())
+    base = build(sc)
+    policy = data.draw(st.sampled_from(POLICIES))
+    populate(base, unique(data.draw(st.lists(job_specs(sc, "r"), max_size=12))), [0.0, 2500.0], Policy(reserve_min_gpus=8))
+    queued = unique(data.draw(st.lists(job_specs(sc, "q"), max_size=12)))
+    now = 3 * HOUR
+    # a first cycle leaves reservations, preemptions and spares in the state
+    q0 = JobQueue(queued)
+    apply(base, plan(base, q0, policy, now - 10), q0, now - 10)
+    snap = snapshot(base)
+    usage = [(team, t, base.usage(team, t, now)) for team in sc.teams for t in sc.types]
+    remaining = list(q0)
+    a = rebuild(snap, 0, usage, now)
+    b = rebuild(snap, seed, usage, now)
+    shuffled = list(remaining)
+    _random.Random(seed).shuffle(shuffled)
+    pa = plan(a, JobQueue(remaining), policy, now)
+    pb = plan(b, JobQueue(shuffled), policy, now)
+    assert pa == pb
+    topo = policy.topology
+    assert not check_state(a, strict_quota=False, respect_topology=topo)
+    assert not check_state(b, strict_quota=False, respect_topology=topo)
