@@ -27,6 +27,10 @@ db_app = typer.Typer(help="database schema")
 app.add_typer(bench_app, name="bench")
 app.add_typer(db_app, name="db")
 
+from cli.user_cmd import register as _register_user_commands  # noqa: E402  (the user CLI: submit, status, ...)
+
+_register_user_commands(app)
+
 
 def _call(module: str, func: str, **kwargs: Any) -> Any:
     return getattr(importlib.import_module(module), func)(**kwargs)
