@@ -218,6 +218,17 @@ class LeaderState:
                     req = m.PreemptRequest(job_id, j.attempt, epoch, "preempted (re-signalled by a new leader)")
                     self.resignal[job_id] = _Resignal("preempt", j.attempt, req, now, self.settings.allocation_resignal_s)
 
+    def note_checkpoint(self, job_id: str, attempt: int) -> None:
+        """An agent reported a completed checkpoint: less work is lost if this job is
+        preempted now (victim choice). In memory only; Postgres records the checkpoint
+        when the attempt ends."""
+        job = self.jobs.get(job_id)
+        if self.cluster is None or job is None or job.attempt != attempt or not self.cluster.is_running(job_id):
+            return
+        if self.cluster.tentative:
+            return
+        engine.apply_event(self.cluster, engine.Checkpointed(job_id, time.time()), time.time())
+
     # ------------------------------------------------------------------ rebuild
 
     async def _rebuild(self) -> None:
@@ -402,7 +413,7 @@ class LeaderState:
                         engine.apply_event(self.cluster, engine.JobEnded(jid), now)
                     need_leases.append((spec, attempt))
                 elif spec.last_checkpoint_at is not None and (
-                    known is None or known.checkpoint_at != spec.last_checkpoint_at
+                    (self.cluster.running(jid).last_checkpoint_at or 0.0) < spec.last_checkpoint_at
                 ):
                     engine.apply_event(self.cluster, engine.Checkpointed(jid, spec.last_checkpoint_at), now)
                 r = self.resignal.get(jid)

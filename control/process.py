@@ -177,7 +177,7 @@ class ControlProcess:
                 s,
                 port=self.grpc_port,
                 confirmed_leases=self._confirmed_leases,
-                on_task_status=self.forwarder.submit,
+                on_task_status=self._on_task_status,
                 leader_address=self._leader_address,
             )
             self.grpc_addr = await self.heartbeats.start()
@@ -339,6 +339,12 @@ class ControlProcess:
         if self.epoch is None or self.leader is None:
             return []
         return sorted(self.leader.node_leases.get(node_id, ()))
+
+    def _on_task_status(self, status: Any) -> None:
+        assert self.forwarder is not None
+        self.forwarder.submit(status)
+        if status.checkpoint_uri and self.epoch is not None and self.leader is not None:
+            self.leader.note_checkpoint(status.job_id, status.attempt)
 
     def _leader_address(self) -> str | None:
         return None if self.epoch is not None else self.leader_grpc_addr

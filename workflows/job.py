@@ -450,6 +450,8 @@ class JobWorkflow:
 
     async def _stop_rank(self, r: _Rank, reason: str, grace: float) -> None:
         snap = self._require_snap()
+        # A rank never seen started may sit on a silent node: do not wait long for its agent.
+        pickup = snap.start_task_timeout_s if r.started else min(5.0, snap.start_task_timeout_s)
         async with self._sem:
             try:
                 res: StopTaskResult = await workflow.execute_activity(
@@ -463,6 +465,7 @@ class JobWorkflow:
                     ),
                     result_type=StopTaskResult,
                     task_queue=r.placement.task_queue,
+                    schedule_to_start_timeout=timedelta(seconds=pickup),
                     start_to_close_timeout=timedelta(seconds=grace + snap.start_task_timeout_s),
                     schedule_to_close_timeout=timedelta(seconds=grace + 3 * snap.start_task_timeout_s),
                     retry_policy=RetryPolicy(
