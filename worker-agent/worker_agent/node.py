@@ -83,6 +83,7 @@ class Lease:
     checkpoint_step: int | None = None
     progress_mtime: int = 0
     reported: bool = False
+    starting: bool = False  # start_task is bringing it up: the watcher keeps off
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -290,23 +291,18 @@ class NodeAgent:
                 },
             )
             now = sf.boot_clock()
-            st = Lease(task=req, dir=d, epoch=req.epoch, started_clock=now, confirmed_clock=now)
+            st = Lease(task=req, dir=d, epoch=req.epoch, started_clock=now, confirmed_clock=now, starting=True)
             st.start_deadline = now + self._start_timeout()
             self.leases[req.lease_id] = st
             log.info(
                 "%s: starting lease %s (job %s attempt %s rank %s/%s, GPUs %s, image %s)", self.node_id,
                 req.lease_id, req.job_id, req.attempt, req.rank, req.world_size, req.gpu_indices, req.image or "-",
             )  # fmt: skip
-            await asyncio.to_thread(self._spawn_supervisor, d, False)
-            while True:
-                sup = sf.read_json(d / sf.SUPERVISOR)
-                if sup and sup.get("rank_pid"):
-                    self._adopt_fields(st, sup)
-                    st.start_deadline = None
-                    break
-                if (d / sf.EXIT).exists() or sf.boot_clock() > st.start_deadline:
-                    break
-                await asyncio.sleep(0.01)
+            try:
+                await asyncio.to_thread(self._spawn_supervisor, d, False)
+                await self._await_rank(st)
+            finally:
+                st.starting = False
             if st.pid:
                 self._emit(st, TaskState.STARTED)
             self._check(st)  # an immediate exit (e.g. command not found) is reported now
@@ -315,6 +311,19 @@ class NodeAgent:
                 return refuse("rank supervisor did not start")
             self._update_busy()
             return StartTaskResult(lease_id=req.lease_id, epoch=req.epoch, accepted=True, pid=st.pid)
+
+    async def _await_rank(self, st: Lease) -> None:
+        """Until the supervisor has recorded the rank's pid, or an exit, or the start deadline."""
+        d = st.dir
+        while True:
+            sup = sf.read_json(d / sf.SUPERVISOR)
+            if sup and sup.get("rank_pid"):
+                self._adopt_fields(st, sup)
+                st.start_deadline = None
+                return
+            if (d / sf.EXIT).exists() or sf.boot_clock() > st.start_deadline:
+                return
+            await asyncio.sleep(0.01)
 
     @activity.defn(name="stop_task")
     async def stop_task(self, req: StopTask) -> StopTaskResult:
@@ -445,10 +454,18 @@ class NodeAgent:
         self._emit(st, st.state, exit_code=rec.get("exit_code"))
 
     def pending_statuses(self, retry_after_s: float) -> list[pb.TaskStatus]:
-        """Statuses not sent yet, or sent more than ``retry_after_s`` ago and not acknowledged."""
+        """Statuses not sent yet, or sent more than ``retry_after_s`` ago and not acknowledged.
+
+        In order per lease: a later report of a lease waits until the earlier one is
+        acknowledged, so the leader never sees STOPPED before STARTED.
+        """
         now = time.monotonic()
         out = []
+        blocked: set[str] = set()
         for seq, m in self.outbox.items():
+            if m.lease_id in blocked:
+                continue
+            blocked.add(m.lease_id)
             if now - self.outbox_sent.get(seq, -1e18) >= retry_after_s:
                 self.outbox_sent[seq] = now
                 out.append(m)
@@ -466,6 +483,8 @@ class NodeAgent:
             return
         del self.outbox[seq]
         self.outbox_sent.pop(seq, None)
+        if self.outbox:
+            self.wake.set()  # the lease's next report may go now
         st = self.leases.get(m.lease_id)
         if st is not None and not st.live and m.state != pb.STARTED and not st.reported:
             st.reported = True
@@ -567,7 +586,7 @@ class NodeAgent:
 
     def _check(self, st: Lease) -> None:
         """Look at one live rank's files: exit, progress, supervisor liveness."""
-        if not st.live:
+        if not st.live or st.starting:
             return
         rec = sf.read_json(st.dir / sf.EXIT)
         if rec is not None:

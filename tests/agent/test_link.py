@@ -1,0 +1,250 @@
+"""The gRPC stream between agents and the control leader: heartbeats, acks, reports, auth, redirects, logs.
+
+Heartbeat interval 0.2 s here (5 s in production).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from common.contracts import StopTask
+from control.agent_link import read_rank_log
+from proto import agent_pb2 as pb
+from proto import agent_pb2_grpc as pbg
+from proto.auth import node_credential, node_metadata
+from tests.agent.conftest import Control, kill_group_quietly, make_settings, pid_alive, script, start_task, wait_for
+from worker_agent import statefiles as sf
+from worker_agent.agent import AgentProcess
+from worker_agent.nvml import write_fault
+
+SLEEPER = "import time\nprint('hello from the rank', flush=True)\nwhile True:\n    time.sleep(0.05)\n"
+
+
+@pytest.fixture
+async def agent(settings, control):
+    a = AgentProcess(settings, ["node-a", "node-b"], backend="simulated", temporal=False,
+                     control_addresses=[control.server.address], listen="127.0.0.1:0")  # fmt: skip
+    await a.start()
+    yield a
+    await a.stop()
+    for node in a.nodes.values():
+        for st in node.leases.values():
+            kill_group_quietly(st.pid)
+
+
+async def test_heartbeats_carry_the_design_fields_and_acks_confirm_leases(agent, control, tmp_path):
+    node = agent.nodes["node-a"]
+    res = await node.start_task(start_task("node-a", "lease-hb", script(tmp_path, "s.py", SLEEPER), gpus=(1, 3)))
+
+    def running():
+        e = control.server.table.get("node-a")
+        return e is not None and e.lease_ids == ["lease-hb"] and e
+
+    entry = await wait_for(running, what="lease in a heartbeat")
+    r = entry.report()
+    assert r.boot_id == node.boot_id and r.free_disk_bytes > 0 and r.agent_addr == agent.log_addr
+    assert [g.index for g in r.gpus] == list(range(8)) and all(g.health == "ok" for g in r.gpus)
+    assert r.gpus[1].sm_util > 50 and r.gpus[0].sm_util == 0  # GPUs 1 and 3 run the rank
+    assert r.gpus[3].mem_used and r.gpus[3].mem_total and r.gpus[3].temperature_c
+    lease = r.running[0]
+    assert (lease.lease_id, lease.job_id, lease.epoch, lease.pid, lease.gpu_indices) == (
+        "lease-hb", "job-lease-hb", 1, res.pid, (1, 3))
+    assert r.cached_images == ("registry/test:1",)
+    # the ack confirmed the lease: the supervisor's clock file moved
+    before = sf.read_json(node.leases["lease-hb"].dir / sf.CONFIRMED)
+    await wait_for(lambda: (sf.read_json(node.leases["lease-hb"].dir / sf.CONFIRMED) or {}).get("clock", 0)
+                   > (before or {}).get("clock", 0), what="a new confirmation")  # fmt: skip
+    # seq grows; the STARTED report reached the callback
+    seq = entry.seq
+    await wait_for(lambda: control.server.table.get("node-a").seq > seq, what="next heartbeat")
+    await wait_for(lambda: "STARTED" in control.states("lease-hb"), what="STARTED report")
+    assert control.statuses[0].node_id == "node-a" and control.statuses[0].job_id == "job-lease-hb"
+
+
+async def test_task_status_is_retried_until_the_leader_takes_it(settings, tmp_path):
+    failing = {"left": 3}
+    got = []
+
+    async def flaky(status):
+        if failing["left"] > 0:
+            failing["left"] -= 1
+            raise RuntimeError("job workflow unreachable")
+        got.append(status)
+
+    c = Control(settings, on_task_status=flaky)
+    await c.start()
+    a = AgentProcess(settings, ["node-c"], backend="simulated", temporal=False, control_addresses=[c.server.address])
+    await a.start()
+    try:
+        node = a.nodes["node-c"]
+        await node.start_task(start_task("node-c", "lease-retry", script(tmp_path, "s.py", SLEEPER)))
+        await node.stop_task(StopTask("lease-retry", 1, "node-c", 0.5, "done"))
+        await wait_for(lambda: [s.state.value for s in got] == ["STARTED", "STOPPED"], timeout=15, what="both reports")
+        assert c.server.counters["failed_statuses"] == 3
+        await wait_for(lambda: not node.outbox, what="outbox drained")
+        assert (node.leases["lease-retry"].dir / sf.REPORTED).exists()
+    finally:
+        await a.stop()
+        await c.stop()
+
+
+async def test_reports_made_while_the_control_plane_is_down_arrive_after_it_is_back(settings, tmp_path):
+    port = __import__("tests.agent.conftest", fromlist=["free_port"]).free_port()
+    addr = f"127.0.0.1:{port}"
+    a = AgentProcess(settings, ["node-d"], backend="simulated", temporal=False, control_addresses=[addr])
+    await a.start()
+    c = None
+    try:
+        node = a.nodes["node-d"]
+        res = await node.start_task(start_task("node-d", "lease-out", script(tmp_path, "s.py", SLEEPER)))
+        await node.stop_task(StopTask("lease-out", 1, "node-d", 0.5, "done"))
+        assert not pid_alive(res.pid) and len(node.outbox) == 2
+        await asyncio.sleep(0.5)
+        from control.heartbeat_server import HeartbeatServer
+
+        got = []
+        c = HeartbeatServer(settings, host="127.0.0.1", port=port, on_task_status=got.append)
+        await c.start()
+        await wait_for(lambda: [s.state.value for s in got] == ["STARTED", "STOPPED"], timeout=15, what="late reports")
+    finally:
+        await a.stop()
+        if c is not None:
+            await c.stop(0.2)
+
+
+async def test_bad_credentials_and_foreign_node_messages_are_rejected_and_audited(settings, control):
+    async with grpc.aio.insecure_channel(control.server.address) as ch:
+        stub = pbg.ControlLinkStub(ch)
+        call = stub.Connect(metadata=node_metadata("node-a", "wrong-credential"))
+        await call.write(pb.AgentMessage(heartbeat=pb.Heartbeat(node_id="node-a", seq=1)))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call.read()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # a valid node sending a heartbeat for another node
+        call = stub.Connect(metadata=node_metadata("node-a", node_credential(settings, "node-a")))
+        await call.write(pb.AgentMessage(heartbeat=pb.Heartbeat(node_id="node-b", seq=1)))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call.read()
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert [f.reason for f in control.auth_failures] == ["bad or missing node credential", "heartbeat for another node"]
+    assert control.auth_failures[1].message_node_id == "node-b"
+    assert control.server.table.get("node-b") is None and control.server.table.get("node-a") is None
+
+
+async def test_stale_and_duplicate_heartbeats_are_dropped(settings, control):
+    async with grpc.aio.insecure_channel(control.server.address) as ch:
+        call = pbg.ControlLinkStub(ch).Connect(metadata=node_metadata("node-s", node_credential(settings, "node-s")))
+        for seq in (5, 4, 5, 6):
+            await call.write(pb.AgentMessage(heartbeat=pb.Heartbeat(node_id="node-s", boot_id="b1", seq=seq)))
+            assert (await call.read()).heartbeat_ack.seq == seq
+        await call.write(pb.AgentMessage(heartbeat=pb.Heartbeat(node_id="node-s", boot_id="b2", seq=1)))
+        await call.read()
+        call.cancel()
+    assert control.server.counters["stale_heartbeats"] == 2
+    assert control.server.table.get("node-s").boot_id == "b2"
+
+
+async def test_non_leaders_redirect_agents_to_the_leader(settings, control, tmp_path):
+    follower = Control(settings, leader_address=lambda: control.server.address)
+    await follower.start()
+    a = AgentProcess(settings, ["node-e"], backend="simulated", temporal=False,
+                     control_addresses=[follower.server.address, control.server.address])  # fmt: skip
+    await a.start()
+    try:
+        await wait_for(lambda: control.server.table.get("node-e"), what="heartbeat at the leader")
+        assert a.links["node-e"].connected_to == control.server.address
+        assert follower.server.table.get("node-e") is None and follower.server.counters["redirects"] >= 1
+        # leadership moves: the old leader now redirects to the follower, which leads
+        follower.server.leader_address = None
+        control.server.leader_address = lambda: follower.server.address
+        await wait_for(lambda: follower.server.table.get("node-e"), timeout=10, what="heartbeat at the new leader")
+        await wait_for(lambda: a.links["node-e"].connected_to == follower.server.address, what="link moved")
+    finally:
+        await a.stop()
+        await follower.stop()
+
+
+@pytest.mark.parametrize("fault,expect", [
+    ({"xid": 79}, ("failed", "xid:79")),
+    ({"ecc": "dbe"}, ("failed", "ecc:dbe=1")),
+    ({"slow": 0.5}, ("degraded", "slow:0.5")),
+    ({"link": 3}, ("failed", "nvlink:3:down")),
+    ({"xid": 13}, ("degraded", "xid:13")),  # not a fatal Xid
+])  # fmt: skip
+async def test_simulated_faults_appear_in_the_heartbeat_within_one_interval(agent, control, settings, fault, expect):
+    await wait_for(lambda: control.server.table.get("node-b"), what="first heartbeat")
+    t0 = time.monotonic()
+    write_fault(settings.state_dir, "node-b", gpu=6, **fault)  # what `gpufleet agent inject-fault` does
+
+    def shows():
+        e = control.server.table.get("node-b")
+        g = e.report().gpus[6]
+        return g.health == expect[0] and expect[1] in g.faults
+
+    await wait_for(shows, timeout=5, interval=0.005, what=f"fault {fault}")
+    took = time.monotonic() - t0
+    assert took <= settings.heartbeat_interval_s + 0.1, took
+    e = control.server.table.get("node-b")
+    assert [g.health for i, g in enumerate(e.report().gpus) if i != 6] == ["ok"] * 7
+    if expect[0] == "failed":
+        assert e.failed_gpus() == [6]
+
+
+async def test_a_hung_gpu_freezes_the_ranks_step_and_zeroes_utilization(agent, control, settings, tmp_path):
+    node = agent.nodes["node-a"]
+    body = "import json, os, time\nfor s in range(1, 10**6):\n" \
+           "    json.dump({'step': s}, open(os.environ['GPUFLEET_PROGRESS_FILE'] + '.t', 'w'))\n" \
+           "    os.replace(os.environ['GPUFLEET_PROGRESS_FILE'] + '.t', os.environ['GPUFLEET_PROGRESS_FILE'])\n" \
+           "    time.sleep(0.05)\n"  # fmt: skip
+    await node.start_task(start_task("node-a", "lease-hang", script(tmp_path, "steps.py", body), gpus=(4,)))
+    await wait_for(lambda: (node.leases["lease-hang"].step or 0) > 3, what="steps")
+    write_fault(settings.state_dir, "node-a", gpu=4, hang=True)
+
+    def frozen():
+        e = control.server.table.get("node-a")
+        r = e.report()
+        return r.gpus[4].sm_util == 0 and r.running and r.running[0].step_age_s > 0.5 and r
+    r1 = await wait_for(frozen, timeout=5, what="frozen step")
+    await asyncio.sleep(0.5)
+    r2 = control.server.table.get("node-a").report()
+    assert r2.running[0].step == r1.running[0].step and node.leases["lease-hang"].step > r1.running[0].step
+
+
+async def test_rank_logs_are_served_to_the_api_with_the_log_token(agent, settings, tmp_path):
+    node = agent.nodes["node-a"]
+    await node.start_task(start_task("node-a", "lease-log", script(tmp_path, "s.py", SLEEPER)))
+    await wait_for(lambda: (node.leases["lease-log"].dir / sf.STDOUT).stat().st_size > 0, what="output")
+    chunks = [c async for c in read_rank_log(agent.log_addr, settings.agent_log_token, "node-a", "lease-log")]
+    assert b"".join(c.data for c in chunks) == b"hello from the rank\n" and not chunks[-1].eof
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        _ = [c async for c in read_rank_log(agent.log_addr, "not-the-token", "node-a", "lease-log")]
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        _ = [c async for c in read_rank_log(agent.log_addr, settings.agent_log_token, "node-a", "nope")]
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    await node.stop_task(StopTask("lease-log", 1, "node-a", 0.5, "done"))
+    chunks = [c async for c in read_rank_log(agent.log_addr, settings.agent_log_token, "node-a", "lease-log",
+                                            offset=6, follow=True, follow_timeout_s=5)]  # fmt: skip
+    assert b"".join(c.data for c in chunks) == b"from the rank\n" and chunks[-1].eof
+
+
+async def test_reconciliation_stop_in_an_ack_stops_the_task(tmp_path):
+    settings = make_settings(tmp_path)
+    c = Control(settings, leases_to_stop=lambda e: [(lid, 1, "no live lease") for lid in e.lease_ids])
+    c.confirm = False
+    await c.start()
+    a = AgentProcess(settings, ["node-g"], backend="simulated", temporal=False, control_addresses=[c.server.address])
+    await a.start()
+    try:
+        node = a.nodes["node-g"]
+        res = await node.start_task(start_task("node-g", "lease-orphan", script(tmp_path, "s.py", SLEEPER)))
+        await wait_for(lambda: not pid_alive(res.pid), timeout=10, what="reconciliation stop")
+        await wait_for(lambda: "STOPPED" in c.states("lease-orphan"), what="STOPPED report")
+        assert node.leases["lease-orphan"].exit["reason"] == "no live lease"
+    finally:
+        await a.stop()
+        await c.stop()
