@@ -120,10 +120,24 @@ class NvmlBackend:
             if hasattr(nv, n)
         )
         self._lost = getattr(nv, "NVMLError_GpuIsLost", None)
-        self.handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
-        self.uuids = [self._field(lambda h=h: _s(nv.nvmlDeviceGetUUID(h)), []) or "" for h in self.handles]
+        try:
+            count = nv.nvmlDeviceGetCount()
+        except nv.NVMLError as e:
+            raise NvmlUnavailable(f"NVML cannot count GPUs ({type(e).__name__}: {e})") from e
+        self.handles: list[Any] = []
+        self.handle_errors: dict[int, str] = {}
+        for i in range(count):
+            try:
+                self.handles.append(nv.nvmlDeviceGetHandleByIndex(i))
+            except nv.NVMLError as e:  # e.g. a GPU lost before we started: report it failed
+                self.handles.append(None)
+                self.handle_errors[i] = f"nvml:handle:{e}"
+        self.uuids = [
+            (self._field(lambda h=h: _s(nv.nvmlDeviceGetUUID(h)), []) or "") if h is not None else ""
+            for h in self.handles
+        ]
         self._xids: list[deque[int]] = [deque(maxlen=XID_HISTORY) for _ in self.handles]
-        self._links_up: list[list[int]] = [self._active_links(h) for h in self.handles]
+        self._links_up: list[list[int]] = [self._active_links(h) if h is not None else [] for h in self.handles]
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -137,6 +151,8 @@ class NvmlBackend:
         try:
             return fn()
         except self._quiet:
+            return None
+        except AttributeError:  # this nvidia-ml-py has no such function: not supported
             return None
         except self.nv.NVMLError as e:
             if self._lost is not None and isinstance(e, self._lost):
@@ -167,6 +183,8 @@ class NvmlBackend:
             return
         registered = 0
         for i, h in enumerate(self.handles):
+            if h is None:
+                continue
             try:
                 supported = nv.nvmlDeviceGetSupportedEventTypes(h)
             except nv.NVMLError:
@@ -221,6 +239,8 @@ class NvmlBackend:
     def _sample_one(self, i: int, h) -> GpuSample:
         nv = self.nv
         s = GpuSample(index=i, uuid=self.uuids[i])
+        if h is None:
+            return classify(s, self.fatal_xids, failed=[self.handle_errors.get(i, "nvml:no handle")])
         errors: list[str] = []
         failed: list[str] = []
         degraded: list[str] = []
@@ -231,7 +251,9 @@ class NvmlBackend:
             mem = self._field(lambda: nv.nvmlDeviceGetMemoryInfo(h), errors, "memory")
             if mem is not None:
                 s.mem_used, s.mem_total = int(mem.used), int(mem.total)
-            t = self._field(lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU), errors, "temperature")
+            temp_fn = getattr(nv, "nvmlDeviceGetTemperature", None) or getattr(nv, "nvmlDeviceGetTemperatureV")
+            t = self._field(lambda: temp_fn(h, nv.NVML_TEMPERATURE_GPU), errors, "temperature")
+            t = getattr(t, "temperature", t)  # nvmlDeviceGetTemperatureV returns a struct
             s.temperature_c = None if t is None else float(t)
             s.ecc_dbe = self._field(
                 lambda: int(nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)),
@@ -465,3 +487,26 @@ def make_backend(settings, node_id: str, kind: str | None = None) -> GpuBackend:
             settings.demo_gpus_per_node, fatal_xids=settings.fatal_xids, fault_file=fault_file, node_id=node_id
         )
     raise ValueError(f"unknown NVML backend {kind!r} (expected 'real' or 'simulated')")
+
+
+def _main() -> int:
+    """`python -m worker_agent.nvml [real|simulated]`: one sample of every GPU as JSON (a check on a GPU host)."""
+    import dataclasses
+    import sys
+
+    kind = sys.argv[1] if len(sys.argv) > 1 else "real"
+    try:
+        backend: GpuBackend = NvmlBackend([48, 63, 64, 74, 79, 94, 95]) if kind == "real" else SimulatedBackend(8)
+    except NvmlUnavailable as e:
+        print(f"nvml: {e}", file=sys.stderr)
+        return 2
+    try:
+        time.sleep(0.5)  # let the event thread register
+        print(json.dumps({"backend": backend.name, "gpus": [dataclasses.asdict(s) for s in backend.sample()]}, indent=2))
+    finally:
+        backend.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
