@@ -159,6 +159,18 @@ def bench_placement(
     _print_json(result)
 
 
+@bench_app.command("heartbeat")
+def bench_heartbeat(
+    nodes: int = typer.Option(3000, help="simulated nodes, each one authenticated gRPC stream"),
+    seconds: float = typer.Option(10.0, help="measurement time per offered rate"),
+    rates: str = typer.Option("", help="comma-separated heartbeats/s to offer (default: 600 then faster)"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="print one JSON object"),
+) -> None:
+    """Heartbeat ingestion by the control side: sustained rate, p99 handling time, CPU."""
+    parsed = [int(r) for r in rates.split(",") if r.strip()] or None
+    _print_json(_call("cli.bench_heartbeat", "run", nodes=nodes, seconds=seconds, rates=parsed))
+
+
 def main() -> None:
     try:
         app()
