@@ -28,6 +28,7 @@ from placement.model import (
     SERVING_RANK,
     JobSpec,
     NodeHealth,
+    Pack,
     Pending,
     PendingReason,
     Placement,
@@ -70,10 +71,17 @@ class _Cycle:
         self.dropped_spares: list[str] = []
         self.memo: dict[tuple, PendingReason] = {}
         self.victim_memo: set[tuple] = set()
+        self.reserve_memo: set[tuple] = set()
         self.clearable: dict[tuple[str, Mode], ClearableIndex] = {}
         self.victims_left = policy.max_preemptions_per_cycle
         self.searches_left = policy.max_victim_searches_per_cycle
         self.considered = 0
+        self.quota_only = False
+        self.try_memo: dict[tuple, PendingReason] = {}
+        self.blocked: set[tuple[str, str, int]] = set()
+        self.lane_cache: dict[tuple[str, str], int] = {}
+        self.excl_cache: dict[tuple, frozenset[str]] = {}
+        self.excl_version = -1
 
     # ------------------------------------------------------------------ cycle
 
@@ -85,12 +93,25 @@ class _Cycle:
         self._housekeeping()
         self._replacements()
         limit = self.policy.lookahead
+        seen: set[str] = set()
         if limit > 0:
-            for job in iter_order(self.queue, state, self.policy, now):
+            counted = drawn = 0
+            scan_limit = limit * max(1, self.policy.scan_factor)
+            for job in iter_order(self.queue, state, self.policy, now, self._lane_ok, self.blocked):
+                seen.add(job.job_id)
                 self.considered += 1
-                self._consider(job)
-                if self.considered >= limit:
+                drawn += 1
+                if self._consider(job):
+                    counted += 1
+                if counted >= limit or drawn >= scan_limit:
                     break
+            # owners of reservations (capacity held for them) are looked at even beyond the lookahead
+            for res in sorted(state.reservations(), key=lambda r: (r.priority_rank, r.created_at, r.job_id)):
+                job = self.queue.get(res.job_id)
+                if job is not None and res.job_id not in seen and state.reservation(res.job_id) is not None:
+                    seen.add(job.job_id)
+                    self.considered += 1
+                    self._consider(job)
         return Plan(
             now=now,
             placements=tuple(self.placements),
@@ -100,6 +121,7 @@ class _Cycle:
             relabels=tuple(self.relabels),
             dropped_spares=tuple(self.dropped_spares),
             quota_checked=checked,
+            quota_blocked=tuple(sorted(self.blocked)),
             considered=self.considered,
         )
 
@@ -117,34 +139,102 @@ class _Cycle:
                 es = expected_start(state, res, now)
                 if es == _INF:
                     state.remove_reservation(res.job_id)  # its blocks can no longer hold it: re-planned
-                elif es != res.expected_start:
+                    continue
+                if es > res.expected_start + 1.0:
+                    # it slipped (a node failed, a higher class took a reserved node): other blocks may be earlier
+                    owner = self.queue.get(res.job_id)
+                    ti = state.type_index(res.gpu_type)
+                    got = plan_head_of_line(state, ti, owner, res.nodes_needed, now) if owner and ti else None
+                    if got is not None and got[1] + self.policy.reservation_replan_s < es:
+                        state.add_reservation(replace(res, blocks=got[0], expected_start=got[1]))
+                        continue
+                if es != res.expected_start:
                     state.add_reservation(replace(res, expected_start=es))
         for owner in state.spare_owners():
             if not state.is_running(owner) and owner not in self.queue:
                 state.release_spares(owner)
                 self.dropped_spares.append(owner)
 
+    def _lane_ok(self, team: str, gpu_type: str, floor: int) -> bool:
+        """Has the team quota room for the lane's smallest job (else the lane is skipped)?"""
+        key = (team, gpu_type)
+        room = self.lane_cache.get(key)
+        if room is None:
+            room = self.lane_cache[key] = self._room(team, gpu_type) if gpu_type in self.state._types else 1 << 60
+        return room >= floor
+
+    def _room(self, team: str, gpu_type: str) -> int:
+        state = self.state
+        q = state.quota(team, gpu_type)
+        a = state._acct.get((team, gpu_type))
+        used, gused = (a.used, a.gused) if a is not None else (0, 0)
+        room = q.guaranteed - gused
+        if self.policy.borrowing:
+            room = max(room, q.borrow_limit - (used - gused))
+        return room
+
+    def _excl(self, job: JobSpec, class_rule: bool = True) -> frozenset[str]:
+        """Reservation owners whose nodes ``job`` may not use (cached per cycle)."""
+        state = self.state
+        if not state._reservations:
+            return frozenset()
+        if state.res_version != self.excl_version:
+            self.excl_cache.clear()
+            self.excl_version = state.res_version
+        own = job.job_id if job.job_id in state._reservations else None
+        key = (job.gpu_type, job.rank, job.max_runtime_s, class_rule, own)
+        ex = self.excl_cache.get(key)
+        if ex is None:
+            ex = self.excl_cache[key] = excluded_owners(
+                state._reservations.values(), job, self.now, self.policy, class_rule
+            )
+        return ex
+
+    def _classify(self, job: JobSpec, charge: int) -> bool | None:
+        """``quota.classify``, inlined for the hot loop: False guaranteed, True borrowed, None quota."""
+        state = self.state
+        key = (job.team, job.gpu_type)
+        q = state._quota.get(key)
+        a = state._acct.get(key)
+        g, b = (q.guaranteed, q.borrow_limit) if q is not None else (0, 0)
+        used, gused = (a.used, a.gused) if a is not None else (0, 0)
+        if gused + charge <= g:
+            return False
+        if self.policy.borrowing and used - gused + charge <= b:
+            return True
+        return None
+
     def _pend(self, job: JobSpec, reason: PendingReason, detail: str = "") -> None:
         self.pending.append(Pending(job.job_id, reason, detail))
 
     # ------------------------------------------------------------------ one job
 
-    def _consider(self, job: JobSpec) -> None:
-        state, policy, now = self.state, self.policy, self.now
-        ti = state.type_index(job.gpu_type)
+    def _consider(self, job: JobSpec) -> bool:
+        """Decide for one job; False when only its quota stopped it (it does not count
+        against the lookahead)."""
+        self.quota_only = False
+        self._decide(job)
+        return not self.quota_only
+
+    def _decide(self, job: JobSpec) -> None:
+        state, policy = self.state, self.policy
+        ti = state._types.get(job.gpu_type)
         if ti is None:
             self._pend(job, PendingReason.GPU_TYPE)
             return
-        if state.is_running(job.job_id):
+        if job.job_id in state._running:
             self._pend(job, PendingReason.INVALID, "already running")
             return
         shape = job_shape(job, ti.node_gpus)
         if isinstance(shape, str):
             self._pend(job, PendingReason.INVALID, shape)
             return
-        borrowed = quota_mod.classify(state, job, shape.charge, policy)
+        borrowed = self._classify(job, shape.charge)
         if borrowed is None:
+            if state.reservation(job.job_id) is not None:
+                state.remove_reservation(job.job_id)  # it cannot run now: hold nothing for it
             self._pend(job, PendingReason.QUOTA)
+            self.quota_only = True
             return
         serving = job.rank == SERVING_RANK
         own_res = state.reservation(job.job_id)
@@ -211,7 +301,42 @@ class _Cycle:
                 return PendingReason.CAPACITY, None
         elif ti.free_gpus < shape.total:
             return PendingReason.CAPACITY, None
-        excl = excluded_owners(state._reservations.values(), job, now, policy) if state._reservations else frozenset()
+        if not state._reservations:
+            return self._search(job, ti, shape, borrowed, restrict, own_spares, frozenset())
+        t = job.topology
+        own = job.job_id in state._reservations
+        tkey = (
+            job.gpu_type, job.gpus_per_replica, job.replicas, t.pack, t.max_blocks, job.rank,
+            job.max_runtime_s, restrict, state.res_version,
+        )
+        if not own and not own_spares:
+            hit = self.try_memo.get(tkey)
+            if hit is not None:
+                return hit, None
+        strict = self._excl(job, class_rule=False)
+        fail, placed = self._search(job, ti, shape, borrowed, restrict, own_spares, strict)
+        if placed is None:
+            # last resort: blocks reserved for lower classes (which would rather be preempted)
+            loose = self._excl(job)
+            if loose != strict:
+                fail2, placed = self._search(job, ti, shape, borrowed, restrict, own_spares, loose)
+                if placed is None and fail is PendingReason.RESERVATION:
+                    fail = fail2
+        if placed is None and not own and not own_spares:
+            self.try_memo[tkey] = fail  # type: ignore[assignment]
+        return fail, placed
+
+    def _search(
+        self,
+        job: JobSpec,
+        ti: _TypeIndex,
+        shape: Shape,
+        borrowed: bool,
+        restrict: frozenset[str] | None,
+        own_spares: bool,
+        excl: frozenset[str],
+    ) -> tuple[PendingReason | None, Placement | None]:
+        state, policy = self.state, self.policy
         t = job.topology
         key = (
             job.gpu_type,
@@ -249,6 +374,7 @@ class _Cycle:
     def _commit(self, job: JobSpec, ti: _TypeIndex, shape: Shape, placed: Placement, own_res: Reservation | None) -> None:
         state = self.state
         state.allocate(job, placed, self.now)
+        self.lane_cache.pop((job.team, job.gpu_type), None)
         if own_res is not None:
             state.remove_reservation(job.job_id)
         self.placements.append(placed)
@@ -266,7 +392,7 @@ class _Cycle:
             return False
         if ti.free_gpus + eligible_upper_bound(ti, mode) < shape.charge:
             return False
-        excl = excluded_owners(state._reservations.values(), job, now, policy) if state._reservations else frozenset()
+        excl = self._excl(job)
         t = job.topology
         mkey = (job.gpu_type, mode, shape.whole, shape.nodes, shape.total, t.pack, t.max_blocks, excl)
         if mkey in self.victim_memo:
@@ -322,8 +448,13 @@ class _Cycle:
                 return False
             weakest = max(lower, key=lambda r: (r.priority_rank, r.created_at, r.job_id))
             state.remove_reservation(weakest.job_id)
+        t = job.topology
+        mkey = (job.gpu_type, shape.nodes, t.pack, t.max_blocks)
+        if mkey in self.reserve_memo:
+            return False
         got = plan_head_of_line(state, ti, job, shape.nodes, now)
         if got is None:
+            self.reserve_memo.add(mkey)  # no blocks can ever hold it (unhealthy, reserved): same for its shape
             return False
         blocks, start = got
         state.add_reservation(make_head_of_line(job, blocks, shape.nodes, shape.charge, start, now))
@@ -339,8 +470,7 @@ class _Cycle:
             if ti is None:
                 continue
             missing = sorted(state._missing.get(jid, ()))
-            excl = excluded_owners(state._reservations.values(), rj.spec, now, policy) if state._reservations else frozenset()
-            search = Search(state, ti, excl)
+            search = Search(state, ti, self._excl(rj.spec))
             p = _replace_replicas(state, search, rj, missing, policy)
             if p is not None:
                 state.place_replicas(p, now)
@@ -350,20 +480,39 @@ class _Cycle:
 def _replace_replicas(
     state: ClusterState, search: Search, rj: RunningJob, missing: list[int], policy: Policy
 ) -> Placement | None:
+    """New homes for the lost replicas of a running job, within its topology (best effort,
+    partial is fine: each replica is replaced alone)."""
     job = rj.spec
     ti = search.ti
     gpr = job.gpus_per_replica
+    topo = job.topology
     held: list[tuple[str, tuple[int, ...]]] = []
     slots: list[ReplicaSlot] = []
+    blocks_now = set(rj.blocks)
+    max_b = topo.max_blocks if topo.pack is Pack.BLOCK and topo.max_blocks and policy.topology else None
+    if topo.pack is Pack.NODE and rj.held:
+        search = Search(state, ti, search.excl, frozenset(rj.held))  # back onto its node
+    elif max_b is not None and len(blocks_now) >= max_b:
+        search = Search(
+            state, ti, search.excl, frozenset(n for b in blocks_now for n in state._blocks[b].nodes)
+        )
     if rj.whole:
         per = ti.node_gpus // gpr
         want = math.ceil(len(missing) / per)
         nodes: list[str] = []
-        order = list(rj.blocks) + [b for _, b in sorted((c, b) for b, c in ti.blocks_free.items()) if b not in rj.blocks]
+        order = sorted(blocks_now) + [
+            b for _, b in sorted((c, b) for b, c in ti.blocks_free.items()) if b not in blocks_now
+        ]
+        used_blocks = set(blocks_now)
         for bid in order:
             if bid not in ti.blocks_free:
                 continue
-            nodes.extend(search.block_nodes(bid, want - len(nodes)))
+            if bid not in used_blocks and max_b is not None and len(used_blocks) >= max_b:
+                continue
+            got = search.block_nodes(bid, want - len(nodes))
+            if got:
+                used_blocks.add(bid)
+                nodes.extend(got)
             if len(nodes) >= want:
                 break
         if not nodes:
@@ -375,15 +524,22 @@ def _replace_replicas(
                 slots.append(ReplicaSlot(r, nid, all_gpus[j * gpr : (j + 1) * gpr]))
     else:
         taken: dict[str, int] = {}
+        used_blocks = set(blocks_now)
         for r in missing:
             nid = find_small_node(search, gpr, policy)
             if nid is None:
                 break
             node = state._nodes[nid]
+            if node.block not in used_blocks:
+                if max_b is not None and len(used_blocks) >= max_b:
+                    break
+                used_blocks.add(node.block)
+                if max_b is not None and len(used_blocks) >= max_b:
+                    search = Search(
+                        state, ti, search.excl, frozenset(n for b in used_blocks for n in state._blocks[b].nodes)
+                    )
             # pick GPUs, then take them so the next replica sees the node's new free set
-            gpus = indices_of(node.free_mask & ~taken.get(nid, 0))[:gpr]
-            if len(gpus) < gpr:
-                break
+            gpus = indices_of(node.free_mask)[:gpr]
             taken[nid] = taken.get(nid, 0) | mask_of(gpus)
             state._take(node, mask_of(gpus), "\0replacement")
             slots.append(ReplicaSlot(r, nid, gpus))

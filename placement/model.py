@@ -215,6 +215,11 @@ class Policy:
       guarantee on idle capacity (up to the borrow limit).
     * ``preemption_hold_s``: nodes cleared by preemption stay held for the beneficiary
       this long after its victims' grace ended (then released if it still cannot use them).
+    * ``lookahead`` counts jobs evaluated for placement; jobs stopped by quota alone do
+      not count (a lane whose team has no room is skipped whole), but at most
+      ``scan_factor x lookahead`` jobs are drawn from the queue per cycle.
+    * ``reservation_replan_s``: a head-of-line reservation whose expected start slipped
+      by more than this is re-planned on other blocks if they are earlier.
     * ``serving_borrows_idle``: False (DESIGN.md) means prod-serving beyond its
       guarantee gets capacity only by reclaiming borrowed allocations.
     """
@@ -238,6 +243,8 @@ class Policy:
     preemption_hold_s: float = 300.0
     max_preemptions_per_cycle: int = 256
     max_victim_searches_per_cycle: int = 32
+    scan_factor: int = 4
+    reservation_replan_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -351,7 +358,9 @@ class Pending:
 
 @dataclass(frozen=True)
 class Plan:
-    """The output of one cycle. Jobs neither placed nor in ``pending`` were beyond the lookahead.
+    """The output of one cycle. Jobs neither placed nor in ``pending`` were beyond the lookahead,
+    or covered by ``quota_blocked``: (team, GPU type, floor) means that team's jobs of that
+    type with at least ``floor`` GPUs were skipped, the team having less quota room left.
 
     ``reservations`` is the complete set after this plan (apply replaces the state's
     set with it). ``quota_checked`` lists the (team, gpu_type) pairs whose borrowed
@@ -366,6 +375,7 @@ class Plan:
     relabels: tuple[Relabel, ...] = ()
     dropped_spares: tuple[str, ...] = ()
     quota_checked: tuple[tuple[str, str], ...] = ()
+    quota_blocked: tuple[tuple[str, str, int], ...] = ()
     considered: int = 0
     _index: dict[str, Pending] = field(default_factory=dict, compare=False, repr=False, hash=False)
 
@@ -373,7 +383,11 @@ class Plan:
         self._index.update((p.job_id, p) for p in self.pending)
 
     def reason(self, job_id: str) -> PendingReason | None:
-        """Why a queued job was not placed: None if placed, ``lookahead`` if not considered."""
+        """Why a queued job was not placed: None if placed, ``lookahead`` if not considered.
+
+        Prefer ``reason_for(job)``: it also knows the (team, GPU type) pairs whose queue
+        lanes were skipped because the team had no quota room (``quota``).
+        """
         p = self._index.get(job_id)
         if p is not None:
             return p.reason
@@ -381,6 +395,14 @@ class Plan:
             if pl.job_id == job_id:
                 return None
         return PendingReason.LOOKAHEAD
+
+    def reason_for(self, job: JobSpec) -> PendingReason | None:
+        r = self.reason(job.job_id)
+        if r is PendingReason.LOOKAHEAD:
+            for team, gpu_type, floor in self.quota_blocked:
+                if team == job.team and gpu_type == job.gpu_type and job.total_gpus >= floor:
+                    return PendingReason.QUOTA
+        return r
 
     def placement(self, job_id: str) -> Placement | None:
         for pl in self.placements:

@@ -1,8 +1,10 @@
 """Queue order (DESIGN.md, Placement), without sorting the whole queue.
 
-``JobQueue`` keeps one lane per (class, team, GPU type), each sorted by
+``JobQueue`` keeps one lane per (class, team, GPU type, size bucket), each sorted by
 (submit_time, job_id), plus a front lane per class for jobs re-queued ahead of their
-class (failed attempts, node failures). Within a lane the fair-share key only moves
+class (failed attempts, node failures). Size buckets (by total GPUs, floors in
+``SIZE_FLOORS``) let a cycle skip, in one step, every job of a team too large for
+the quota room it has left. Within a lane the fair-share key only moves
 with the submit time (the team's position is common to the lane, and aging is
 linear in waiting time), so the top N of a class is a lazy heap merge of the lane
 heads: O(N log lanes) per cycle, whatever the queue length.
@@ -23,12 +25,24 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, insort
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from placement.model import JobSpec, Ordering, Policy
 from placement.state import ClusterState
 
 _INF = float("inf")
+SIZE_FLOORS = (1, 2, 3, 5, 9, 65, 513)
+
+
+def size_floor(total_gpus: int) -> int:
+    """The smallest total of the job's size bucket (a job's charge is >= its total)."""
+    f = 1
+    for x in SIZE_FLOORS:
+        if total_gpus >= x:
+            f = x
+        else:
+            break
+    return f
 
 
 class JobQueue:
@@ -36,7 +50,7 @@ class JobQueue:
 
     def __init__(self, jobs: list[JobSpec] | None = None) -> None:
         self._jobs: dict[str, JobSpec] = {}
-        self._lanes: dict[tuple[int, str, str], list[tuple[float, str]]] = {}
+        self._lanes: dict[tuple[int, str, str, int], list[tuple[float, str]]] = {}
         self._front: dict[int, list[tuple[float, str]]] = {}
         for j in jobs or ():
             self.push(j)
@@ -50,7 +64,7 @@ class JobQueue:
         if job.front:
             insort(self._front.setdefault(job.rank, []), key)
         else:
-            insort(self._lanes.setdefault((job.rank, job.team, job.gpu_type), []), key)
+            insort(self._lanes.setdefault((job.rank, job.team, job.gpu_type, size_floor(job.total_gpus)), []), key)
 
     def remove(self, job_id: str) -> JobSpec | None:
         job = self._jobs.pop(job_id, None)
@@ -62,7 +76,7 @@ class JobQueue:
             lk: object = job.rank
             store: dict = self._front
         else:
-            lk = (job.rank, job.team, job.gpu_type)
+            lk = (job.rank, job.team, job.gpu_type, size_floor(job.total_gpus))
             lane = self._lanes[lk]  # type: ignore[index]
             store = self._lanes
         i = bisect_left(lane, key)
@@ -90,7 +104,7 @@ class JobQueue:
         teams.update(self._jobs[jid].team for lane in self._front.values() for _, jid in lane)
         return tuple(sorted(teams))
 
-    def lanes(self) -> dict[tuple[int, str, str], list[tuple[float, str]]]:
+    def lanes(self) -> dict[tuple[int, str, str, int], list[tuple[float, str]]]:
         return self._lanes
 
     def front(self) -> dict[int, list[tuple[float, str]]]:
@@ -120,8 +134,20 @@ def fair_share_positions(state: ClusterState, teams: tuple[str, ...], now: float
     return {t: i for i, t in enumerate(ranked)}
 
 
-def iter_order(queue: JobQueue, state: ClusterState, policy: Policy, now: float) -> Iterator[JobSpec]:
-    """Queued jobs in placement order, lazily (take as many as the lookahead allows)."""
+def iter_order(
+    queue: JobQueue,
+    state: ClusterState,
+    policy: Policy,
+    now: float,
+    lane_ok: Callable[[str, str, int], bool] | None = None,
+    blocked: set[tuple[str, str, int]] | None = None,
+) -> Iterator[JobSpec]:
+    """Queued jobs in placement order, lazily (take as many as the lookahead allows).
+
+    ``lane_ok(team, gpu_type, size_floor)`` is asked when a lane's next job comes up;
+    if it says no (the team has less quota room left than the lane's smallest job)
+    the rest of the lane is skipped and the triple is added to ``blocked``.
+    """
     jobs = queue._jobs
     front = queue.front()
     lanes = queue.lanes()
@@ -129,9 +155,11 @@ def iter_order(queue: JobQueue, state: ClusterState, policy: Policy, now: float)
         for rank in sorted(front):
             for _, jid in front[rank]:
                 yield jobs[jid]
-        yield from _merge([(lane, 0.0, 0) for lane in lanes.values()], jobs, 0.0, now)
+        yield from _merge(
+            [(lane, 0.0, 0, k[1], k[2], k[3]) for k, lane in sorted(lanes.items())], jobs, 0.0, now, lane_ok, blocked
+        )
         return
-    by_rank: dict[int, list[tuple[tuple[int, str, str], list[tuple[float, str]]]]] = {}
+    by_rank: dict[int, list[tuple[tuple[int, str, str, int], list[tuple[float, str]]]]] = {}
     for key, lane in lanes.items():
         by_rank.setdefault(key[0], []).append((key, lane))
     fair = policy.ordering is Ordering.FAIR_SHARE
@@ -143,23 +171,25 @@ def iter_order(queue: JobQueue, state: ClusterState, policy: Policy, now: float)
         for _, jid in front.get(rank, ()):
             yield jobs[jid]
         entries = []
-        for (_, team, gpu_type), lane in sorted(by_rank.get(rank, ()), key=lambda kv: kv[0]):
+        for (_, team, gpu_type, floor), lane in sorted(by_rank.get(rank, ()), key=lambda kv: kv[0]):
             if fair:
                 below = 0 if state.used(team, gpu_type) < state.quota(team, gpu_type).guaranteed else 1
-                entries.append((lane, float(pos[team]), below))
+                entries.append((lane, float(pos[team]), below, team, gpu_type, floor))
             else:
-                entries.append((lane, 0.0, 0))
-        yield from _merge(entries, jobs, step, now)
+                entries.append((lane, 0.0, 0, team, gpu_type, floor))
+        yield from _merge(entries, jobs, step, now, lane_ok, blocked)
 
 
 def _merge(
-    entries: list[tuple[list[tuple[float, str]], float, int]],
+    entries: list[tuple[list[tuple[float, str]], float, int, str, str, int]],
     jobs: dict[str, JobSpec],
     step: float,
     now: float,
+    lane_ok: Callable[[str, str, int], bool] | None = None,
+    blocked: set[tuple[str, str, int]] | None = None,
 ) -> Iterator[JobSpec]:
     heap: list[tuple[int, float, float, str, int, int]] = []
-    for li, (lane, base, below) in enumerate(entries):
+    for li, (lane, base, below, _, _, _) in enumerate(entries):
         if lane:
             submit, jid = lane[0]
             heap.append((below, base - step * (now - submit), submit, jid, li, 0))
@@ -167,8 +197,12 @@ def _merge(
     pop, push = heapq.heappop, heapq.heappush
     while heap:
         below, _, _, jid, li, i = pop(heap)
+        lane, base, _, team, gpu_type, floor = entries[li]
+        if lane_ok is not None and not lane_ok(team, gpu_type, floor):
+            if blocked is not None:
+                blocked.add((team, gpu_type, floor))
+            continue  # the rest of this lane cannot run this cycle
         yield jobs[jid]
-        lane, base, _ = entries[li]
         i += 1
         if i < len(lane):
             submit, jid2 = lane[i]

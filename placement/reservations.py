@@ -25,18 +25,25 @@ _INF = float("inf")
 _NEG = float("-inf")
 
 
-def may_use(res: Reservation, job: JobSpec, now: float, policy: Policy) -> bool:
+def may_use(res: Reservation, job: JobSpec, now: float, policy: Policy, class_rule: bool = True) -> bool:
+    """May ``job`` use nodes held by ``res``? ``class_rule`` False leaves out the higher-class
+    exception (the engine tries without it first, so a higher class takes reserved nodes
+    only as a last resort)."""
     if res.job_id == job.job_id:
         return True
-    if job.rank < res.priority_rank:
+    if class_rule and job.rank < res.priority_rank:
         return True
     return policy.backfill and now + job.max_runtime_s <= res.expected_start
 
 
 def excluded_owners(
-    reservations: Iterable[Reservation], job: JobSpec, now: float, policy: Policy
+    reservations: Iterable[Reservation], job: JobSpec, now: float, policy: Policy, class_rule: bool = True
 ) -> frozenset[str]:
-    return frozenset(r.job_id for r in reservations if r.gpu_type == job.gpu_type and not may_use(r, job, now, policy))
+    return frozenset(
+        r.job_id
+        for r in reservations
+        if r.gpu_type == job.gpu_type and not may_use(r, job, now, policy, class_rule)
+    )
 
 
 def node_free_time(state: ClusterState, node: _Node) -> float:
@@ -92,12 +99,13 @@ def expected_start(state: ClusterState, res: Reservation, now: float) -> float:
 def plan_head_of_line(
     state: ClusterState, ti: _TypeIndex, job: JobSpec, nodes_needed: int, now: float
 ) -> tuple[tuple[str, ...], float] | None:
-    """Blocks (not reserved by anyone) where ``nodes_needed`` nodes are free earliest, and when."""
+    """Blocks (reserved by nobody else) where ``nodes_needed`` nodes are free earliest, and when."""
     per_block: list[tuple[str, list[float]]] = []
     for bid in sorted(ti.blocks):
-        if bid in state._block_res:
+        owners = state._block_res.get(bid)
+        if owners and any(o != job.job_id for o in owners):
             continue
-        per_block.append((bid, _block_times(state, bid, None)))
+        per_block.append((bid, _block_times(state, bid, job.job_id)))
     if not per_block:
         return None
     pack = job.topology.pack

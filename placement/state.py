@@ -233,6 +233,7 @@ class ClusterState:
         self._quota_dirty: set[tuple[str, str]] = set()
         self._journal: list[tuple[Callable[..., Any], tuple[Any, ...]]] | None = None
         self.res_cache: dict[str, tuple[tuple[int, ...], float]] = {}
+        self.res_version = 0  # bumped on every reservation change (cache invalidation only)
 
     # ------------------------------------------------------------------ journal
 
@@ -829,6 +830,7 @@ class ClusterState:
         self._log(self._del_res, res.job_id)
 
     def _add_res(self, res: Reservation, nodes: list[str]) -> None:
+        self.res_version += 1
         self._reservations[res.job_id] = res
         for n in nodes:
             self._node_res[n] = res.job_id
@@ -844,6 +846,7 @@ class ClusterState:
         self._log(self._add_res, res, self.reservation_nodes(res))
 
     def _del_res(self, job_id: str) -> None:
+        self.res_version += 1
         res = self._reservations.pop(job_id)
         self.res_cache.pop(job_id, None)
         for n in self.reservation_nodes(res):

@@ -37,8 +37,21 @@ class Shape:
     total: int  # GPUs the replicas use
 
 
+_SHAPES: dict[tuple[int, int, Pack, int], Shape | str] = {}
+
+
 def job_shape(job: JobSpec, node_gpus: int) -> Shape | str:
     """The job's shape on nodes of ``node_gpus`` GPUs, or a string saying why it is invalid."""
+    key = (job.gpus_per_replica, job.replicas, job.topology.pack, node_gpus)
+    got = _SHAPES.get(key)
+    if got is None:
+        if len(_SHAPES) > 65536:
+            _SHAPES.clear()
+        got = _SHAPES[key] = _shape(job, node_gpus)
+    return got
+
+
+def _shape(job: JobSpec, node_gpus: int) -> Shape | str:
     gpr, reps = job.gpus_per_replica, job.replicas
     if gpr < 1 or reps < 1:
         return "replicas and gpus_per_replica must be >= 1"

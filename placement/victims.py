@@ -36,7 +36,19 @@ class Mode:
     borrowed_only: bool  # prod-serving beyond its guarantee
 
 
+_SCAN_LIMIT = 4096  # candidates looked at per small-job victim search
+_AFTER_BEST = 64  # and at most this many more once one fits (least GPU-seconds among them)
+_CATS: dict[Mode, list[tuple[int, bool]]] = {}
+
+
 def categories(mode: Mode) -> list[tuple[int, bool]]:
+    got = _CATS.get(mode)
+    if got is None:
+        got = _CATS[mode] = _categories(mode)
+    return got
+
+
+def _categories(mode: Mode) -> list[tuple[int, bool]]:
     if mode.borrowed_only:
         return [(r, True) for r in range(SERVING_RANK + 1, 4)]
     cats = [(mode.rank, True)] if mode.rank != SERVING_RANK else []
@@ -114,11 +126,18 @@ def find_small(
     """
     ti = search.ti
     best: tuple | None = None
-    scanned = 0
+    scanned = seen = 0
+    protect_until = now - policy.preemption_protect_s
+    after_best = 0
     for rj in _iter_candidates(state, ti, mode):
-        if best is not None and now - rj.lost_since >= best[1]:
-            break  # from here every victim loses at least this much work (>= 1 GPU x time)
-        if not eligible(rj, mode, now, policy):
+        if best is not None:
+            after_best += 1
+            if now - rj.lost_since > best[1] or after_best > _AFTER_BEST:
+                break  # from here every victim loses more work (>= 1 GPU x time since checkpoint)
+        seen += 1
+        if seen > _SCAN_LIMIT:
+            break
+        if rj.started_at > protect_until or not eligible(rj, mode, now, policy):
             continue
         scanned += 1
         for nid in sorted(rj.held):

@@ -22,7 +22,7 @@ def test_borrowing_up_to_the_borrow_limit() -> None:
     st.set_quota("t", "h100", guaranteed=8, borrow_limit=8)
     p = cycle(st, queue_of(spec("a", gpr=8), spec("b", gpr=8, submit=1), spec("c", gpr=8, submit=2)), 100)
     assert {pl.job_id for pl in p.placements} == {"a", "b"}
-    assert p.reason("c") is PendingReason.QUOTA
+    assert p.reason_for(spec("c", gpr=8)) is PendingReason.QUOTA  # its lane was skipped: no room left
 
 
 def test_no_borrowing_when_disabled() -> None:
@@ -30,7 +30,7 @@ def test_no_borrowing_when_disabled() -> None:
     st.set_quota("t", "h100", guaranteed=8, borrow_limit=100)
     p = cycle(st, queue_of(spec("a", gpr=8), spec("b", gpr=8, submit=1)), 100, Policy(borrowing=False))
     assert {pl.job_id for pl in p.placements} == {"a"}
-    assert p.reason("b") is PendingReason.QUOTA
+    assert p.reason_for(spec("b", gpr=8)) is PendingReason.QUOTA
 
 
 def test_borrowing_only_from_idle_capacity_never_preempts() -> None:
@@ -75,7 +75,7 @@ def test_quotas_are_per_gpu_type() -> None:
     st.set_quota("t", "h100", guaranteed=8)
     p = cycle(st, queue_of(spec("h", gpr=8, gpu_type="h100"), spec("a", gpr=8, gpu_type="a100", submit=1)), 100)
     assert p.placement("h") is not None
-    assert p.reason("a") is PendingReason.QUOTA
+    assert p.reason_for(spec("a", gpr=8, gpu_type="a100")) is PendingReason.QUOTA
 
 
 def test_stale_guaranteed_flag_from_the_store_is_rechecked() -> None:
