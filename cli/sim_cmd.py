@@ -1,0 +1,198 @@
+"""`gpufleet sim`: the cluster simulator (sim/) over the seed workload or a trace.
+
+Mounted by cli/main.py as ``app.command("sim")(sim)``; also ``python -m cli.sim_cmd``.
+
+    gpufleet sim --workload seed --days 1 --seed 1 --json out.json --plots out/
+    gpufleet sim --workload seed --days 1 --policies ours
+    gpufleet sim --workload trace.csv --format generic --days 2
+    gpufleet sim --workload openb_pod_list_default.csv --format alibaba \\
+        --trace-start 10000000 --arrival-scale 20 --size-scale 8 --teams 8 --days 1
+
+All four policies by default (ours, fifo, kueue-like, slurm-like: presets of
+placement.PRESETS), on the same workload and the same fault schedule. The JSON holds one
+object per policy (wall-clock figures under each policy's ``timing``); ``--plots`` writes
+allocation.png and wait_cdf.png; ``--table`` writes the side-by-side markdown table.
+This module parses arguments, shows progress and prints; the simulation is in sim/.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def sim(
+    workload: str = typer.Option("seed", "--workload", help="'seed' or a trace CSV file"),
+    fmt: str = typer.Option("generic", "--format", help="trace format: generic | philly | alibaba"),
+    days: Optional[float] = typer.Option(
+        None, "--days", help="simulated days measured (seed: default 1; trace: default the whole trace)"
+    ),
+    seed: int = typer.Option(1, "--seed", help="seed for the workload, faults and trace draws"),
+    policies: str = typer.Option(
+        "ours,fifo,kueue-like,slurm-like", "--policies", help="comma-separated: ours, fifo, kueue-like, slurm-like"
+    ),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the report JSON here"),
+    plots: Optional[Path] = typer.Option(None, "--plots", help="write allocation.png and wait_cdf.png here"),
+    table: Optional[Path] = typer.Option(None, "--table", help="write the side-by-side markdown table here"),
+    warmup_h: Optional[float] = typer.Option(
+        None, "--warmup-h", help="simulated hours before the measured window (seed default 6, trace 0)"
+    ),
+    failure_rate: float = typer.Option(2e-5, "--failure-rate", help="GPU/node faults per GPU-hour (0: none)"),
+    load_scale: float = typer.Option(1.0, "--load-scale", help="seed: multiply every job's run time"),
+    nodes: Optional[int] = typer.Option(None, "--nodes", help="cluster nodes (default 3,000)"),
+    block_nodes: int = typer.Option(32, "--block-nodes", help="nodes per network block"),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node"),
+    topology: Optional[Path] = typer.Option(
+        None, "--topology", help="cluster from a host-to-switch CSV (ip, DSW, PSW, ASW): one block per ToR"
+    ),
+    arrival_scale: float = typer.Option(1.0, "--arrival-scale", help="trace: x submissions per hour"),
+    size_scale: float = typer.Option(1.0, "--size-scale", help="trace: x GPUs per job"),
+    duration_scale: float = typer.Option(1.0, "--duration-scale", help="trace: x run time per job"),
+    trace_start: Optional[float] = typer.Option(
+        None, "--trace-start", help="trace: window start in trace seconds (default: first submission)"
+    ),
+    teams: int = typer.Option(8, "--teams", help="trace: number of teams (equal guarantees summing to the cluster)"),
+    team_assign: str = typer.Option(
+        "column", "--team-assign", help="trace: column (the trace's team/vc column, else hash) | hash | round-robin"
+    ),
+    default_class: str = typer.Option("research", "--default-class", help="trace: class of jobs without one"),
+    check_invariants: int = typer.Option(
+        0, "--check-invariants", help="check plan and state invariants every N cycles (0: off; slow)"
+    ),
+    cycle_interval: float = typer.Option(1.0, "--cycle-interval", help="at most one cycle per this many simulated s"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress bar or table"),
+) -> None:
+    """Simulate policies side by side on the seed workload or a trace (same workload, same faults)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from sim.core import SimOptions
+    from sim.failures import FailureModel
+    from sim.report import markdown_table, write_plots
+    from sim.run import DEFAULT_POLICIES, POLICIES, run_policies, to_json
+    from sim.seed import SeedConfig, seed_workload
+    from sim.traces import TraceError, TraceOptions, load_topology_csv, load_trace
+    from sim.workload import ClusterSpec
+
+    console = Console(stderr=True)
+    names = [p.strip() for p in policies.split(",") if p.strip()] or list(DEFAULT_POLICIES)
+    from placement import PRESETS
+
+    for n in names:
+        if n not in POLICIES and n not in PRESETS:
+            raise typer.BadParameter(f"unknown policy {n!r}: one of {', '.join(POLICIES)}", param_hint="--policies")
+    if topology is not None:
+        cluster = load_topology_csv(topology, gpus_per_node)
+    else:
+        cluster = ClusterSpec.uniform(nodes or 3000, block_nodes, gpus_per_node)
+    try:
+        if workload == "seed":
+            if topology is not None:
+                raise typer.BadParameter("the seed workload builds its own uniform cluster", param_hint="--topology")
+            wl = seed_workload(
+                SeedConfig(
+                    days=days if days is not None else 1.0,
+                    seed=seed,
+                    warmup_h=warmup_h if warmup_h is not None else 6.0,
+                    nodes=nodes or 3000,
+                    block_nodes=block_nodes,
+                    gpus_per_node=gpus_per_node,
+                    load_scale=load_scale,
+                )
+            )
+        else:
+            path = Path(workload)
+            if not path.is_file():
+                raise typer.BadParameter(f"no such file: {workload} (or use 'seed')", param_hint="--workload")
+            wl = load_trace(
+                path,
+                cluster,
+                TraceOptions(
+                    format=fmt,
+                    arrival_scale=arrival_scale,
+                    size_scale=size_scale,
+                    duration_scale=duration_scale,
+                    start=trace_start,
+                    days=days,
+                    warmup_h=warmup_h or 0.0,
+                    teams=teams,
+                    team_assign=team_assign,
+                    default_class=default_class,
+                    seed=seed,
+                    gpu_type=cluster.gpu_types()[0],
+                ),
+            )
+    except TraceError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+
+    summary = wl.summary()
+    if not quiet:
+        console.print(
+            f"[bold]{summary['name']}[/bold]: {summary['jobs_measured']:,} jobs in {summary['days']} day(s)"
+            f" (+{summary['warmup_h']} h warm-up), {summary['gpus']:,} GPUs in {summary['blocks']} blocks,"
+            f" offered load {summary['offered_load']}"
+        )
+    failures = FailureModel(rate_per_gpu_hour=failure_rate) if failure_rate > 0 else None
+    options = SimOptions(cycle_interval_s=cycle_interval, check_every=check_invariants)
+
+    progress = Progress(
+        TextColumn("{task.description:<12}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>5.1f}%"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=quiet,
+    )
+    tasks = {n: progress.add_task(n, total=1.0) for n in names}
+    done: dict[str, dict] = {}
+
+    def on_progress(name: str, frac: float) -> None:
+        progress.update(tasks[name], completed=frac)
+
+    def on_done(name: str, res: dict) -> None:
+        done[name] = res
+        progress.update(
+            tasks[name],
+            completed=1.0,
+            description=f"{name} ✓",
+        )
+
+    with progress:
+        report = run_policies(
+            wl, names, seed=seed, failures=failures, options=options, on_progress=on_progress, on_done=on_done
+        )
+    text = to_json(report)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(text)
+    md = markdown_table(report)
+    if table is not None:
+        table.parent.mkdir(parents=True, exist_ok=True)
+        table.write_text(md)
+    if plots is not None:
+        for p in write_plots(report, plots):
+            if not quiet:
+                console.print(f"plot: {p}")
+    if not quiet:
+        console.print(md, markup=False, highlight=False, soft_wrap=True)
+        chk = report.get("checks") or {}
+        if chk:
+            console.print({k: v for k, v in chk.items() if not isinstance(v, dict)})
+    if json_out is None:
+        sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def main() -> None:
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(sim)
+    app(prog_name="gpufleet sim")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,516 @@
+"""What a run measures, over the window ``[0, Workload.end)`` (warm-up excluded).
+
+* allocation: GPUs held by jobs (running or stopping in their grace period; hot spares
+  count as idle) as a share of healthy GPUs (nodes ``ready``), time-weighted, overall
+  and while demand exceeds capacity (held + queued GPUs > healthy GPUs);
+* idle GPU-hours (healthy, not held) and their cost at ``GPU_HOUR_USD``;
+* queue wait (first start - submit; a job still queued at the end counts with its wait
+  so far and is reported as ``censored``) p50/p95/p99 by class and by size bucket;
+* per team: max wait, and starvation: the team uses less than its guarantee, has queued
+  work that fits in what is left of it, and another team borrows capacity that work may
+  take back (DESIGN.md victims: borrowed work of the same or a lower class); more than
+  ``STARVED_AFTER_S`` of that in a row is starvation. The looser figure (any team
+  borrows anything, whatever its class) is reported too;
+* GPU-hours lost to preemption (GPUs x time since the last checkpoint, or since start
+  for a job that cannot checkpoint, up to the end of the grace period) and to failures;
+* borrowed-GPU reclaim time: from the cycle that preempts borrowed work for a job to
+  that job's start; the bound is the victims' grace + 2 cycles;
+* large gangs (>= 1,024 GPUs): blocks spanned vs the fewest blocks that could hold
+  them, and max_blocks;
+* preemptions per job; cycles.
+
+Percentiles are nearest-rank; every float is rounded so equal runs give equal JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from placement import ClusterState, NodeHealth, Policy
+from sim.workload import CLASSES, SIZE_BUCKETS, Workload, size_bucket
+
+if TYPE_CHECKING:
+    from sim.core import _Rec
+
+GPU_HOUR_USD = 2.0
+STARVED_AFTER_S = 600.0
+LARGE_GANG_GPUS = 1024
+
+
+def pct(sorted_xs: list[float], p: float) -> float | None:
+    if not sorted_xs:
+        return None
+    n = len(sorted_xs)
+    return sorted_xs[min(n - 1, max(0, math.ceil(p * n) - 1))]
+
+
+def r(x: float | None, nd: int = 3) -> float | None:
+    if x is None:
+        return None
+    if x == math.inf:
+        return None
+    return round(float(x), nd)
+
+
+def dist(xs: list[float], censored: int = 0) -> dict:
+    s = sorted(xs)
+    return {
+        "n": len(s),
+        "p50": r(pct(s, 0.50), 1),
+        "p95": r(pct(s, 0.95), 1),
+        "p99": r(pct(s, 0.99), 1),
+        "max": r(s[-1], 1) if s else None,
+        "mean": r(sum(s) / len(s), 1) if s else None,
+        "censored": censored,
+    }
+
+
+class Metrics:
+    def __init__(self, workload: Workload, state: ClusterState, sample_s: float) -> None:
+        self.wl = workload
+        self.state = state
+        self.end = workload.end
+        self.sample_s = sample_s
+        self.t = -workload.warmup
+        self.stale = True
+        self.next_snap = 0.0
+        self.snaps: list[tuple[int, int, int, bool]] = []
+        self.alloc = 0
+        self.healthy = 0
+        self.queued_charge = 0
+        self.q_by_team: dict[tuple[str, str, int], Counter] = {}
+        # integrals over the window
+        self.i_time = 0.0
+        self.i_alloc = 0.0
+        self.i_healthy = 0.0
+        self.i_over_time = 0.0
+        self.i_over_alloc = 0.0
+        self.i_over_healthy = 0.0
+        nb = max(1, math.ceil(self.end / sample_s)) if self.end > 0 else 1
+        self.b_alloc = [0.0] * nb
+        self.b_healthy = [0.0] * nb
+        self.b_demand = [0.0] * nb
+        # events
+        self.waits_first: dict[str, float] = {}
+        self.preempt_by_reason: Counter = Counter()
+        self.preempt_borrowed = 0
+        self.preempt_per_job: Counter = Counter()
+        self.reclaims: list[tuple[float, float]] = []  # (time to start, bound)
+        self.lost_pre_h = 0.0
+        self.lost_fail_h = 0.0
+        self.outcomes: Counter = Counter()
+        self.useful_h = 0.0
+        self.large: list[dict] = []
+        self.faults_in_window = 0
+        self.faults_dropped = 0
+        self.gangs_failed = 0
+        self.serving_degraded = 0
+        self.replacements = 0
+        self.restarts = 0
+        self.backfills = 0
+        self.starving_since: dict[tuple[str, str], float] = {}
+        self.below_since: dict[tuple[str, str], float] = {}
+        self.below_max: dict[str, float] = {}
+        self.starved_max: dict[str, float] = {}
+        self.starved_episodes: Counter = Counter()
+        self.cycle_interval = 1.0
+        self._teams = [(t.name, gt, g) for t in workload.teams for gt, g, _ in t.quotas]
+
+    # ------------------------------------------------------------------ step functions
+
+    def _refresh(self) -> None:
+        st = self.state
+        self.alloc = st.allocated_gpus()
+        h = 0
+        for gt in st.gpu_types():
+            ti = st.type_index(gt)
+            h += ti.total_gpus - ti.unready_idle_gpus
+        self.healthy = h
+        self.stale = False
+
+    def advance(self, t: float) -> None:
+        if self.next_snap <= t and self.next_snap < self.end:
+            self._snapshot()
+            self.next_snap = (math.floor(t / self.sample_s) + 1) * self.sample_s
+        a, b = max(self.t, 0.0), min(t, self.end)
+        self.t = t
+        if b <= a:
+            if self.stale and t >= 0:
+                self._refresh()
+            return
+        if self.stale:
+            self._refresh()
+        dt = b - a
+        alloc, healthy = self.alloc, self.healthy
+        demand = alloc + self.queued_charge
+        self.i_time += dt
+        self.i_alloc += alloc * dt
+        self.i_healthy += healthy * dt
+        if demand > healthy:
+            self.i_over_time += dt
+            self.i_over_alloc += alloc * dt
+            self.i_over_healthy += healthy * dt
+        w = self.sample_s
+        k = int(a // w)
+        x = a
+        nb = len(self.b_alloc)
+        while x < b and k < nb:
+            y = min(b, (k + 1) * w)
+            d = y - x
+            self.b_alloc[k] += alloc * d
+            self.b_healthy[k] += healthy * d
+            self.b_demand[k] += demand * d
+            x = y
+            k += 1
+
+    def _snapshot(self) -> None:
+        """Where the idle healthy GPUs are right now: hot spares, free nodes held by
+        reservations, anything else free (fragments, quota, nothing to run)."""
+        if self.stale:
+            self._refresh()
+        st = self.state
+        spare = 0
+        for owner in st.spare_owners():
+            for nid in st.spares(owner):
+                spare += len(st.node_free(nid))
+        reserved = 0
+        seen: set[str] = set()
+        for res in st.reservations():
+            for nid in st.reservation_nodes(res):
+                if nid in seen:
+                    continue
+                seen.add(nid)
+                if st.node_health(nid) is NodeHealth.READY and st.node_spare_of(nid) is None:
+                    reserved += len(st.node_free(nid))
+        idle = max(0, self.healthy - self.alloc)
+        over = self.alloc + self.queued_charge > self.healthy
+        self.snaps.append((idle, spare, reserved, over))
+
+    # ------------------------------------------------------------------ hooks
+
+    def queued(self, rec: _Rec, sign: int) -> None:
+        self.queued_charge += sign * rec.charge
+        key = (rec.job.team, rec.job.gpu_type, rec.spec.rank)
+        c = self.q_by_team.get(key)
+        if c is None:
+            c = self.q_by_team[key] = Counter()
+        c[rec.charge] += sign
+        if c[rec.charge] <= 0:
+            del c[rec.charge]
+
+    def first_start(self, rec: _Rec, now: float) -> None:
+        self.stale = True
+
+    def restart(self, rec: _Rec, now: float) -> None:
+        self.stale = True
+        if now >= 0:
+            self.restarts += 1
+
+    def placed(self, rec: _Rec, pl, now: float) -> None:
+        self.stale = True
+        if now < 0:
+            return
+        if pl.backfill:
+            self.backfills += 1
+        job = rec.job
+        if job.gpus >= LARGE_GANG_GPUS:
+            nodes = len(pl.nodes)
+            mn = self.wl.cluster.min_blocks(job.gpu_type, nodes)
+            nb = len(pl.blocks)
+            ok = nb <= mn or (job.max_blocks is not None and nb <= job.max_blocks)
+            self.large.append(
+                {
+                    "job": job.job_id,
+                    "gpus": job.gpus,
+                    "class": job.priority,
+                    "blocks": nb,
+                    "min_blocks": mn,
+                    "max_blocks": job.max_blocks,
+                    "ok": ok,
+                    "attempt": rec.spec.attempt,
+                }
+            )
+
+    def preempted(self, rec: _Rec, pr, now: float) -> None:
+        if now < 0:
+            return
+        self.preempt_by_reason[pr.reason.value] += 1
+        if pr.victim_borrowed:
+            self.preempt_borrowed += 1
+        self.preempt_per_job[rec.job.job_id] += 1
+
+    def reclaimed(self, rec: _Rec, dt: float, grace: float) -> None:
+        if rec.attempt_start >= 0:
+            self.reclaims.append((dt, grace + 2 * self.cycle_interval))
+
+    def ended(self, rec: _Rec, outcome: str, now: float) -> None:
+        self.stale = True
+        if now >= 0:
+            self.outcomes[outcome] += 1
+
+    def lost_preemption(self, rec: _Rec, h: float) -> None:
+        self.stale = True
+        if self.t >= 0:
+            self.lost_pre_h += h
+
+    def lost_failure(self, rec: _Rec, h: float) -> None:
+        self.stale = True
+        if self.t >= 0:
+            self.lost_fail_h += h
+
+    def fault(self, nid: str, f, res) -> None:
+        self.stale = True
+        if self.t >= 0:
+            self.faults_in_window += 1
+            self.gangs_failed += len(res.released)
+            self.serving_degraded += len(res.degraded)
+
+    def health_changed(self) -> None:
+        self.stale = True
+
+    def after_cycle(self, now: float, queue) -> None:
+        self.stale = True
+        if now < 0:
+            return
+        st = self.state
+        # reclaimable borrowed GPUs per (type, class rank): the engine's victim lists (borrowed,
+        # not prod-serving, not already stopping), whatever their age
+        reclaimable: dict[str, list[int]] = {}
+        for gt in st.gpu_types():
+            ti = st.type_index(gt)
+            cats = ti.cat_gpus
+            reclaimable[gt] = [cats.get((rank, True), 0) for rank in range(4)]
+        any_borrow: dict[str, int] = {}
+        for team, gt, _ in self._teams:
+            any_borrow[gt] = any_borrow.get(gt, 0) + st.borrowed_used(team, gt)
+        for team, gt, g in self._teams:
+            key = (team, gt)
+            strict = loose = False
+            if g > 0:
+                used = st.used(team, gt)
+                if used < g:
+                    own_b = st.borrowed_used(team, gt)
+                    for rank in range(4):
+                        c = self.q_by_team.get((team, gt, rank))
+                        if not c or used + min(c) > g:
+                            continue
+                        if any_borrow.get(gt, 0) - own_b > 0:
+                            loose = True
+                        # capacity this class may take back: borrowed work of the same or a lower class
+                        others = sum(reclaimable[gt][max(rank, 1):]) - own_b
+                        if others > 0:
+                            strict = True
+                            break
+            for cond, store, closer in (
+                (strict, self.starving_since, self._close_starving),
+                (loose, self.below_since, self._close_below),
+            ):
+                since = store.get(key)
+                if cond:
+                    if since is None:
+                        store[key] = now
+                elif since is not None:
+                    closer(key, since, now)
+
+    def _close_below(self, key: tuple[str, str], since: float, now: float) -> None:
+        del self.below_since[key]
+        d = now - since
+        if d > self.below_max.get(key[0], 0.0):
+            self.below_max[key[0]] = d
+
+    def _close_starving(self, key: tuple[str, str], since: float, now: float) -> None:
+        del self.starving_since[key]
+        d = now - since
+        team = key[0]
+        if d > self.starved_max.get(team, 0.0):
+            self.starved_max[team] = d
+        if d > STARVED_AFTER_S:
+            self.starved_episodes[team] += 1
+
+    # ------------------------------------------------------------------ summary
+
+    def _breakdown(self) -> dict:
+        """Mean share of healthy GPUs idle, by where they sit (snapshots every sample_s)."""
+        out = {}
+        for label, keep in (("overall", lambda o: True), ("while_demand_exceeds_capacity", lambda o: o)):
+            rows = [x for x in self.snaps if keep(x[3])]
+            if not rows or not self.healthy:
+                out[label] = None
+                continue
+            n = len(rows)
+            h = self.i_healthy / self.i_time if self.i_time else self.healthy
+            idle = sum(x[0] for x in rows) / n
+            spare = sum(x[1] for x in rows) / n
+            res = sum(x[2] for x in rows) / n
+            out[label] = {
+                "snapshots": n,
+                "hot_spares": r(100.0 * spare / h, 2),
+                "reserved_for_large_gangs": r(100.0 * res / h, 2),
+                "other_free": r(100.0 * max(0.0, idle - spare - res) / h, 2),
+            }
+        return out
+
+    def summary(self, recs: dict[str, _Rec], policy: Policy, cycles: int) -> dict:
+        end = self.end
+        for key, since in list(self.starving_since.items()):
+            self._close_starving(key, since, end)
+        for key, since in list(self.below_since.items()):
+            self._close_below(key, since, end)
+        waits_class: dict[str, list[float]] = {c: [] for c in CLASSES}
+        cens_class: Counter = Counter()
+        waits_size: dict[str, list[float]] = {b: [] for b in SIZE_BUCKETS}
+        cens_size: Counter = Counter()
+        waits_cs: dict[tuple[str, str], list[float]] = {}
+        team_max: dict[str, float] = {}
+        team_jobs: Counter = Counter()
+        large_waits: list[float] = []
+        large_cens = 0
+        submitted = started = still_queued = running_end = 0
+        per_job_pre: list[int] = []
+        all_waits: dict[str, list[float]] = {c: [] for c in CLASSES}
+        for rec in recs.values():
+            job = rec.job
+            if not (0.0 <= job.submit < end):
+                continue
+            submitted += 1
+            if rec.first_start is not None:
+                w = rec.first_start - job.submit
+                started += 1
+                cens = False
+                per_job_pre.append(self.preempt_per_job.get(job.job_id, 0))
+            else:
+                w = end - job.submit
+                cens = True
+                still_queued += 1
+            if rec.phase in ("running", "stopping"):
+                running_end += 1
+            cls, sb = job.priority, size_bucket(job.gpus)
+            waits_class.setdefault(cls, []).append(w)
+            all_waits.setdefault(cls, []).append(w)
+            waits_size[sb].append(w)
+            waits_cs.setdefault((cls, sb), []).append(w)
+            if cens:
+                cens_class[cls] += 1
+                cens_size[sb] += 1
+            if job.gpus >= LARGE_GANG_GPUS:
+                large_waits.append(w)
+                large_cens += cens
+            team_jobs[job.team] += 1
+            if w > team_max.get(job.team, -1.0):
+                team_max[job.team] = w
+        self.wait_samples = all_waits  # for plots (not in the JSON)
+        healthy_h = self.i_healthy / 3600.0
+        alloc_h = self.i_alloc / 3600.0
+        idle_h = healthy_h - alloc_h
+        over_idle_h = (self.i_over_healthy - self.i_over_alloc) / 3600.0
+        teams = {}
+        for t in self.wl.teams:
+            name = t.name
+            teams[name] = {
+                "guaranteed": {gt: g for gt, g, _ in t.quotas},
+                "jobs": team_jobs.get(name, 0),
+                "max_wait_s": r(team_max.get(name), 1),
+                "longest_starving_s": r(self.starved_max.get(name, 0.0), 1),
+                "longest_below_guarantee_while_any_team_borrows_s": r(self.below_max.get(name, 0.0), 1),
+                "starved": self.starved_episodes.get(name, 0) > 0,
+            }
+        rec_s = sorted(d for d, _ in self.reclaims)
+        over_bound = sum(1 for d, b in self.reclaims if d > b + 1e-9)
+        unresolved = sum(1 for rec in recs.values() if rec.reclaim_at is not None and rec.phase == "queued")
+        large_ok = sum(1 for x in self.large if x["ok"])
+        large_min = sum(1 for x in self.large if x["blocks"] <= x["min_blocks"])
+        pj = sorted(per_job_pre)
+        series_t = []
+        series_alloc = []
+        series_demand = []
+        for k in range(len(self.b_alloc)):
+            hh = self.b_healthy[k]
+            series_t.append(r(k * self.sample_s / 3600.0, 4))
+            series_alloc.append(r(100.0 * self.b_alloc[k] / hh, 2) if hh > 0 else None)
+            series_demand.append(r(100.0 * self.b_demand[k] / hh, 2) if hh > 0 else None)
+        return {
+            "allocation": {
+                "healthy_gpu_pct": r(100.0 * self.i_alloc / self.i_healthy, 2) if self.i_healthy else None,
+                "healthy_gpu_pct_while_demand_exceeds_capacity": r(
+                    100.0 * self.i_over_alloc / self.i_over_healthy, 2
+                )
+                if self.i_over_healthy
+                else None,
+                "hours_demand_exceeds_capacity": r(self.i_over_time / 3600.0, 3),
+                "healthy_gpu_hours": r(healthy_h, 1),
+                "allocated_gpu_hours": r(alloc_h, 1),
+            },
+            "idle": {
+                "gpu_hours": r(idle_h, 1),
+                "breakdown_pct_of_healthy": self._breakdown(),
+                "cost_usd": r(idle_h * GPU_HOUR_USD, 0),
+                "gpu_hours_while_demand_exceeds_capacity": r(over_idle_h, 1),
+                "cost_usd_while_demand_exceeds_capacity": r(over_idle_h * GPU_HOUR_USD, 0),
+            },
+            "wait_s": {
+                "by_class": {c: dist(waits_class.get(c, []), cens_class.get(c, 0)) for c in CLASSES},
+                "by_size": {b: dist(waits_size[b], cens_size.get(b, 0)) for b in SIZE_BUCKETS},
+                "by_class_and_size": {
+                    c: {b: dist(waits_cs.get((c, b), [])) for b in SIZE_BUCKETS} for c in CLASSES
+                },
+                "large_gangs": dist(large_waits, large_cens),
+            },
+            "teams": teams,
+            "starved_teams": sorted(n for n, v in teams.items() if v["starved"]),
+            "lost_gpu_hours": {
+                "preemption": r(self.lost_pre_h, 3),
+                "failures": r(self.lost_fail_h, 3),
+            },
+            "reclaim": {
+                "count": len(self.reclaims),
+                "p50_s": r(pct(rec_s, 0.5), 2),
+                "p99_s": r(pct(rec_s, 0.99), 2),
+                "max_s": r(rec_s[-1], 2) if rec_s else None,
+                "over_grace_plus_2_cycles": over_bound,
+                "unresolved_at_end": unresolved,
+            },
+            "large_gangs": {
+                "placements": len(self.large),
+                "in_min_blocks": large_min,
+                "in_min_blocks_or_within_max_blocks": large_ok,
+                "violations": [x for x in self.large if not x["ok"]][:20],
+                "mean_blocks": r(sum(x["blocks"] for x in self.large) / len(self.large), 3) if self.large else None,
+                "mean_min_blocks": r(sum(x["min_blocks"] for x in self.large) / len(self.large), 3)
+                if self.large
+                else None,
+            },
+            "preemptions": {
+                "total": sum(self.preempt_by_reason.values()),
+                "by_reason": dict(sorted(self.preempt_by_reason.items())),
+                "of_borrowed": self.preempt_borrowed,
+                "per_job_mean": r(sum(pj) / len(pj), 4) if pj else None,
+                "per_job_p99": pct(pj, 0.99),
+                "per_job_max": pj[-1] if pj else None,
+                "jobs_preempted": sum(1 for x in pj if x),
+            },
+            "jobs": {
+                "submitted": submitted,
+                "started": started,
+                "still_queued_at_end": still_queued,
+                "running_at_end": running_end,
+                "outcomes": dict(sorted(self.outcomes.items())),
+                "restarts": self.restarts,
+                "backfill_placements": self.backfills,
+                "serving_replicas_replaced": self.replacements,
+            },
+            "failures": {
+                "faults": self.faults_in_window,
+                "faults_on_unready_nodes_dropped": self.faults_dropped,
+                "gangs_failed": self.gangs_failed,
+                "serving_jobs_degraded": self.serving_degraded,
+            },
+            "cycles": cycles,
+            "series": {
+                "sample_s": self.sample_s,
+                "t_h": series_t,
+                "alloc_pct": series_alloc,
+                "demand_pct": series_demand,
+            },
+        }

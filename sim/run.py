@@ -1,0 +1,166 @@
+"""Run several policies over the same workload and fault schedule; build the JSON.
+
+Policy names on the command line map to ``placement.PRESETS``:
+
+=============  ==============================  ===========================================
+name           preset                          what it is
+=============  ==============================  ===========================================
+ours           ``gpufleet``                    the policy DESIGN.md describes
+fifo           ``fifo_first_fit``              FIFO over all classes + first fit
+kueue-like     ``no_topology_no_reservation``  no topology, no reservation, no backfill
+                                               (a Kubernetes queue in best-effort FIFO)
+slurm-like     ``easy_backfill``               EASY backfill, no borrowing, no preemption
+=============  ==============================  ===========================================
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import asdict
+
+from placement import PRESETS, Policy
+from sim.core import SimOptions, Simulation
+from sim.failures import FailureModel, fault_schedule
+from sim.workload import CLASSES, Workload
+
+POLICIES: dict[str, tuple[str, str]] = {
+    "ours": ("gpufleet", "gpufleet: fair-share order, topology, reservations + backfill, borrowing, preemption"),
+    "fifo": ("fifo_first_fit", "FIFO over all classes + first fit; no reservation/backfill/preemption"),
+    "kueue-like": (
+        "no_topology_no_reservation",
+        "no topology, no reservation, no backfill (like a Kubernetes queue in best-effort FIFO mode)",
+    ),
+    "slurm-like": ("easy_backfill", "EASY backfill, class FIFO, no borrowing, no preemption (like Slurm)"),
+}
+DEFAULT_POLICIES = ("ours", "fifo", "kueue-like", "slurm-like")
+BASELINES = ("fifo", "kueue-like", "slurm-like")
+
+
+def resolve_policy(name: str) -> tuple[str, Policy]:
+    """A command-line policy name (or a preset name) -> (preset name, Policy)."""
+    if name in POLICIES:
+        preset = POLICIES[name][0]
+    elif name in PRESETS:
+        preset = name
+    else:
+        raise ValueError(f"unknown policy {name!r}: one of {', '.join(list(POLICIES) + list(PRESETS))}")
+    return preset, PRESETS[preset]
+
+
+def faults_for(workload: Workload, model: FailureModel | None, seed: int):
+    if model is None:
+        return ()
+    rng = random.Random(f"gpufleet-faults:{seed}")
+    return fault_schedule(workload.cluster, model, -workload.warmup, workload.end, rng)
+
+
+def run_policies(
+    workload: Workload,
+    policies: tuple[str, ...] | list[str] = DEFAULT_POLICIES,
+    *,
+    seed: int = 1,
+    failures: FailureModel | None = FailureModel(),
+    options: SimOptions | None = None,
+    on_start: Callable[[str], None] | None = None,
+    on_progress: Callable[[str, float], None] | None = None,
+    on_done: Callable[[str, dict], None] | None = None,
+    keep_sims: bool = False,
+) -> dict:
+    """Simulate each policy on the same workload and faults; returns the report dict."""
+    options = options or SimOptions()
+    faults = faults_for(workload, failures, seed)
+    out: dict = {
+        "workload": workload.summary(),
+        "seed": seed,
+        "failure_model": asdict(failures) if failures else None,
+        "faults_scheduled": len(faults),
+        "options": asdict(options),
+        "policies": {},
+    }
+    sims = {}
+    for name in policies:
+        preset, policy = resolve_policy(name)
+        if on_start:
+            on_start(name)
+        sim = Simulation(workload, policy, name, faults, options)
+        cb = (lambda f, n=name: on_progress(n, f)) if on_progress else None
+        res = sim.run(cb)
+        res = {"name": name, "preset": preset, "description": POLICIES.get(name, (preset, preset))[1], **res}
+        out["policies"][name] = res
+        res["_wait_samples"] = sim.metrics.wait_samples
+        if keep_sims:
+            sims[name] = sim
+        if on_done:
+            on_done(name, res)
+    out["checks"] = checks(out)
+    if keep_sims:
+        out["_sims"] = sims
+    return out
+
+
+def checks(report: dict) -> dict:
+    """The issue's acceptance criteria, evaluated on the report (for ``ours`` when present)."""
+    pol = report["policies"]
+    if "ours" not in pol:
+        return {}
+    o = pol["ours"]
+    a = o["allocation"]["healthy_gpu_pct_while_demand_exceeds_capacity"]
+    small = {
+        c: o["wait_s"]["by_class_and_size"][c]["<=8"]["p95"] for c in CLASSES
+    }
+    prod_small = [small[c] for c in ("prod-serving", "prod-batch") if small[c] is not None]
+    lg = o["large_gangs"]
+    rc = o["reclaim"]
+    res: dict = {
+        "alloc_while_demand_exceeds_capacity_pct": a,
+        "alloc_floor_90": a is not None and a >= 90.0,
+        "alloc_target_95": a is not None and a >= 95.0,
+        "p95_wait_le8_by_class_s": small,
+        "prod_p95_wait_le8_floor_600s": all(x <= 600 for x in prod_small),
+        "prod_p95_wait_le8_target_120s": all(x <= 120 for x in prod_small),
+        "reclaim_within_grace_plus_2_cycles": rc["over_grace_plus_2_cycles"] == 0,
+        "no_team_starved": not o["starved_teams"],
+        "large_gangs_in_min_blocks_or_max_blocks": lg["in_min_blocks_or_within_max_blocks"] == lg["placements"],
+    }
+    better_alloc = {}
+    better_large = {}
+    ours_alloc = o["allocation"]["healthy_gpu_pct"]
+    ours_large = o["wait_s"]["large_gangs"]
+    for name, p in pol.items():
+        if name == "ours":
+            continue
+        better_alloc[name] = ours_alloc is not None and ours_alloc > (p["allocation"]["healthy_gpu_pct"] or 0)
+        theirs = p["wait_s"]["large_gangs"]
+        better_large[name] = _better_wait(ours_large, theirs)
+    res["better_allocation_than"] = better_alloc
+    res["better_large_gang_wait_than"] = better_large
+    return res
+
+
+def _better_wait(ours: dict, theirs: dict) -> bool:
+    """Lower mean wait (censored waits count as waited so far) and no more jobs left waiting."""
+    if not ours["n"]:
+        return False
+    if not theirs["n"]:
+        return True
+    return ours["censored"] <= theirs["censored"] and (ours["mean"] or 0) < (theirs["mean"] or 0)
+
+
+def to_json(report: dict, *, timings: bool = True) -> str:
+    """The report as JSON text (keys starting with ``_`` dropped; ``timings`` False drops
+    wall-clock figures, for determinism comparisons)."""
+    return json.dumps(_clean(report, timings), indent=2, sort_keys=False) + "\n"
+
+
+def _clean(x, timings: bool):
+    if isinstance(x, dict):
+        return {
+            k: _clean(v, timings)
+            for k, v in x.items()
+            if not (isinstance(k, str) and k.startswith("_")) and (timings or k != "timing")
+        }
+    if isinstance(x, list | tuple):
+        return [_clean(v, timings) for v in x]
+    return x

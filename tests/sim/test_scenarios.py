@@ -1,0 +1,178 @@
+"""Hand-checked scenarios: reservations with backfill, failures, reclaims, accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from placement import NodeHealth, PreemptReason
+from sim.failures import Fault
+
+from .helpers import HOUR, job, placement_of, preemptions, simulate, workload
+
+
+def test_gang_waits_for_its_reservation_while_backfill_runs() -> None:
+    # 2 blocks x 4 nodes. A holds 6 nodes for 2 h; gang B needs all 8 nodes (64 GPUs: it
+    # reserves both blocks, expected start = A's max_runtime end). C (30 min) fits before
+    # that start and backfills; D (10 h max_runtime) may not use the reserved nodes.
+    # Everything is within its team's guarantee and of one class: nothing may be preempted.
+    wl = workload(
+        [
+            job("a", "x", 0.0, 2 * HOUR, gpus=48),
+            job("b", "y", 10.0, 1 * HOUR, gpus=64, pack="block"),
+            job("c", "z", 20.0, 20 * 60, gpus=8, max_runtime_s=30 * 60),
+            job("d", "z", 30.0, 20 * 60, gpus=8, max_runtime_s=10 * HOUR),
+        ],
+        {"x": (48, 0), "y": (64, 0), "z": (16, 0)},
+    )
+    sim, res = simulate(wl)
+    recs = sim.recs
+    assert recs["a"].first_start == 0.0
+    # B is not placed but holds a head-of-line reservation on both blocks from its first cycle
+    first_b = next(p for p in sim.plans if p.now >= 10.0)
+    (resv,) = [r for r in first_b.reservations if r.job_id == "b"]
+    assert resv.kind.value == "head_of_line"
+    assert set(resv.blocks) == {"b000", "b001"}
+    assert resv.expected_start == pytest.approx(2 * HOUR)
+    assert first_b.reason("b").value == "reserved"
+    # C backfills onto a reserved node right away
+    t_c, pl_c = placement_of(sim, "c")
+    assert t_c == 20.0 and pl_c.backfill
+    # D would end after B's expected start: it waits (reason reservation) and runs after B
+    d_reasons = {p.reason("d").value for p in sim.plans if 30.0 <= p.now < 2 * HOUR}
+    assert d_reasons == {"reservation"}
+    assert recs["b"].first_start == pytest.approx(2 * HOUR)  # at A's end, on every node
+    _, pl_b = placement_of(sim, "b")
+    assert len(pl_b.nodes) == 8
+    assert recs["d"].first_start == pytest.approx(3 * HOUR)  # once B ends
+    assert res["jobs"]["backfill_placements"] >= 1
+    assert res["preemptions"]["total"] == 0
+
+
+def test_failure_requeues_the_whole_gang_from_its_last_checkpoint() -> None:
+    # gang G (4 nodes) checkpoints every 10 min; a GPU on one of its nodes fails at 25 min.
+    wl = workload(
+        [job("g", "x", 0.0, 1 * HOUR, gpus=32, pack="block", checkpoint_s=600.0, max_runtime_s=2 * HOUR)],
+        {"x": (64, 0)},
+    )
+    _, first = None, None
+    sim0, _ = simulate(wl, faults=())
+    _, pl0 = placement_of(sim0, "g")
+    failed_node = pl0.nodes[0].node_id
+    index = sim0.node_ids.index(failed_node)
+    fault = Fault(time=1500.0, node_index=index, kind="gpu", repair_s=2 * HOUR, burn_in_s=HOUR)
+    sim, res = simulate(wl, faults=(fault,))
+    t0, first = placement_of(sim, "g", 0)
+    t1, second = placement_of(sim, "g", 1)
+    assert t0 == 0.0 and t1 == 1500.0  # re-placed in the same instant, whole gang
+    assert len(second.nodes) == 4 and failed_node not in {n.node_id for n in second.nodes}
+    rec = sim.recs["g"]
+    assert rec.spec.attempt == 1 and rec.spec.front  # attempt + 1, ahead of its class
+    assert rec.failures == 1
+    # saved 20 min (checkpoints at 10 and 20 min): 40 min left -> ends at 1500 + 2400
+    assert rec.end_kind == "succeeded"
+    ends = [line for line in sim.log if "end g succeeded" in line]
+    assert ends and float(ends[0].split()[0]) == pytest.approx(3900.0)
+    # lost: 32 GPUs x 5 min since the 20-min checkpoint
+    assert res["lost_gpu_hours"]["failures"] == pytest.approx(32 * 300 / 3600, abs=0.01)
+    assert res["failures"] == {
+        "faults": 1,
+        "faults_on_unready_nodes_dropped": 0,
+        "gangs_failed": 1,
+        "serving_jobs_degraded": 0,
+    }
+    # the node was cordoned, then burn-in after repair, then ready again
+    health = [line.split()[-1] for line in sim.log if f"node {failed_node}" in line]
+    assert health == ["burn_in", "ready"]
+    assert sim.state.node_health(failed_node) is NodeHealth.READY
+
+
+def test_reclaim_preempts_only_borrowed_work() -> None:
+    # one block of 4 nodes (32 GPUs). Team A (guarantee 16) runs 4 x 8 GPUs: 2 guaranteed,
+    # 2 borrowed. An hour later team B (guarantee 16) asks for its 16 GPUs.
+    a_jobs = [
+        job(f"a{i}", "A", float(i), 10 * HOUR, checkpoint_s=600.0, grace_s=30.0) for i in range(4)
+    ]
+    b_jobs = [job(f"b{i}", "B", HOUR + i, 1 * HOUR, grace_s=30.0) for i in range(2)]
+    wl = workload(a_jobs + b_jobs, {"A": (16, 32), "B": (16, 32)}, blocks=1, end=3 * HOUR)
+    sim, res = simulate(wl)
+    borrowed = {pl.job_id for p in sim.plans for pl in p.placements if pl.borrowed}
+    assert borrowed == {"a2", "a3"}
+    pre = preemptions(sim)
+    assert len(pre) == 2
+    assert {pr.victim for _, pr in pre} == {"a2", "a3"}
+    assert all(pr.victim_borrowed and pr.reason is PreemptReason.RECLAIM for _, pr in pre)
+    assert {pr.beneficiary for _, pr in pre} == {"b0", "b1"}
+    # guaranteed work untouched
+    assert sim.recs["a0"].preemptions == 0 and sim.recs["a1"].preemptions == 0
+    # B starts after the victims' grace, within grace + 2 cycles of the reclaim
+    for b in ("b0", "b1"):
+        assert HOUR + 30.0 <= sim.recs[b].first_start <= HOUR + 1 + 30.0 + 2.0
+    assert res["reclaim"]["count"] == 2
+    assert res["reclaim"]["over_grace_plus_2_cycles"] == 0
+    assert res["reclaim"]["max_s"] <= 32.0
+    # lost work: each victim loses the time since its last checkpoint (10-min cadence) + grace
+    assert res["lost_gpu_hours"]["preemption"] > 0
+    assert res["lost_gpu_hours"]["preemption"] <= 2 * 8 * (600 + 30) / 3600 + 1e-6
+    # the victims are re-queued (attempt 1) and wait for B's jobs to end (the cluster is full)
+    for a in ("a2", "a3"):
+        assert sim.recs[a].spec.attempt == 1
+        t, _ = placement_of(sim, a, 1)
+        assert 2 * HOUR + 30.0 <= t <= 2 * HOUR + 33.0
+    assert res["starved_teams"] == []
+
+
+def test_preempted_job_without_checkpoints_restarts_from_scratch() -> None:
+    # a preemptible-class job that cannot checkpoint is preempted by a prod-batch job
+    wl = workload(
+        [
+            job("p", "A", 0.0, 2 * HOUR, cls="preemptible", max_runtime_s=3 * HOUR),
+            job("q", "B", HOUR, 10 * 60, cls="prod-batch"),
+        ],
+        {"A": (0, 8), "B": (8, 0)},
+        blocks=1,
+        nodes_per_block=1,
+        end=6 * HOUR,
+    )
+    sim, res = simulate(wl)
+    (_, pr), = preemptions(sim)
+    assert pr.victim == "p" and pr.reason is PreemptReason.PRIORITY
+    rec = sim.recs["p"]
+    # stopped at 1 h + 30 s grace; q runs 10 min; p restarts from zero and needs its full 2 h
+    assert sim.recs["q"].first_start == pytest.approx(HOUR + 30.0)
+    t1, _ = placement_of(sim, "p", 1)
+    assert t1 == pytest.approx(HOUR + 30.0 + 600.0)
+    assert rec.end_kind == "succeeded"
+    assert res["lost_gpu_hours"]["preemption"] == pytest.approx(8 * (HOUR + 30.0) / 3600, abs=1e-3)
+
+
+def test_allocation_and_idle_accounting() -> None:
+    # one 8-GPU job on a 64-GPU cluster for the first half of a 2-hour window
+    wl = workload([job("a", "x", 0.0, HOUR)], {"x": (64, 0)}, end=2 * HOUR)
+    _, res = simulate(wl)
+    assert res["allocation"]["healthy_gpu_pct"] == pytest.approx(100 * 8 * 1 / (64 * 2))
+    assert res["allocation"]["healthy_gpu_pct_while_demand_exceeds_capacity"] is None
+    assert res["idle"]["gpu_hours"] == pytest.approx(64 * 2 - 8)
+    assert res["idle"]["cost_usd"] == pytest.approx((64 * 2 - 8) * 2.0)
+    assert res["jobs"]["outcomes"] == {"succeeded": 1}
+
+
+def test_timeout_at_max_runtime() -> None:
+    wl = workload([job("a", "x", 0.0, 2 * HOUR, max_runtime_s=HOUR)], {"x": (64, 0)}, end=3 * HOUR)
+    sim, res = simulate(wl)
+    assert sim.recs["a"].end_kind == "timed_out"
+    assert res["jobs"]["outcomes"] == {"timed_out": 1}
+
+
+def test_cycles_only_on_change_and_at_most_once_per_second() -> None:
+    # a burst of 50 jobs at 50/s, then nothing: cycles are few and 1 s apart at least
+    jobs = [job(f"s{i:02d}", "x", i / 50.0, 600.0, gpus=1) for i in range(50)]
+    wl = workload(jobs, {"x": (64, 0)}, end=HOUR)
+    sim, res = simulate(wl)
+    times = [p.now for p in sim.plans]
+    assert all(b - a >= 1.0 for a, b in zip(times, times[1:]))
+    assert times[0] == 0.0
+    # arrivals over 1 s -> cycles at 0 and 1; completions at 600 and 601 -> two more
+    assert len(times) == 4
+    assert res["cycles"] == 4
+    waits = [sim.recs[j.job_id].first_start - j.submit for j in jobs]
+    assert max(waits) <= 1.0
