@@ -150,13 +150,17 @@ class Workload:
         per_class = {c: 0 for c in CLASSES}
         per_bucket = {b: 0 for b in SIZE_BUCKETS}
         gpu_h = 0.0
+        large_h = 0.0
+
+        def within(j: SimJob) -> float:  # GPU-hours it asks for inside the window
+            return j.gpus * max(0.0, min(j.work_s, j.max_runtime_s, self.end - j.submit)) / 3600.0
+
         for j in measured:
             per_class[j.priority] = per_class.get(j.priority, 0) + 1
             per_bucket[size_bucket(j.gpus)] += 1
-            gpu_h += j.gpus * min(j.work_s, j.max_runtime_s) / 3600.0
-        large_h = sum(
-            j.gpus * min(j.work_s, j.max_runtime_s) / 3600.0 for j in measured if j.gpus >= 1024
-        )
+            gpu_h += within(j)
+            if j.gpus >= 1024:
+                large_h += within(j)
         return {
             "name": self.name,
             "nodes": self.cluster.total_nodes,
@@ -170,7 +174,7 @@ class Workload:
             "jobs_per_class": per_class,
             "jobs_per_size": per_bucket,
             "share_le8": round(per_bucket["<=8"] / len(measured), 4) if measured else None,
-            "offered_gpu_hours": round(gpu_h, 1),
+            "offered_gpu_hours": round(gpu_h, 1),  # jobs submitted in the window, cut at its end
             "offered_load": round(gpu_h / (self.cluster.total_gpus() * self.end / 3600.0), 4) if self.end else None,
             "large_gang_share_of_gpu_hours": round(large_h / gpu_h, 4) if gpu_h else None,
             **self.meta,

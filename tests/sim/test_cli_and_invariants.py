@@ -1,0 +1,83 @@
+"""The `gpufleet sim` command end to end, and the engine's invariant checkers across a small
+seed run of every policy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from cli.sim_cmd import sim
+from sim.core import SimOptions
+from sim.failures import FailureModel
+from sim.report import markdown_table
+from sim.run import run_policies
+from sim.seed import SeedConfig, seed_workload
+
+FIX = Path(__file__).parent / "fixtures"
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer(add_completion=False)
+    app.command()(sim)
+    return app
+
+
+def test_cli_seed_writes_json_plots_and_table(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    r = CliRunner().invoke(
+        _app(),
+        [
+            "--workload", "seed", "--days", "0.02", "--nodes", "64", "--warmup-h", "0.2", "--seed", "2",
+            "--json", str(out), "--plots", str(tmp_path / "plots"), "--table", str(tmp_path / "t.md"), "--quiet",
+        ],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rep = json.loads(out.read_text())
+    assert list(rep["policies"]) == ["ours", "fifo", "kueue-like", "slurm-like"]
+    ours = rep["policies"]["ours"]
+    assert ours["preset"] == "gpufleet"
+    for key in ("allocation", "idle", "wait_s", "teams", "lost_gpu_hours", "reclaim", "large_gangs", "preemptions"):
+        assert key in ours
+    assert set(ours["wait_s"]["by_class"]) == {"prod-serving", "prod-batch", "research", "preemptible"}
+    assert set(ours["wait_s"]["by_size"]) == {"<=8", "9-1023", ">=1024"}
+    assert ours["timing"]["cycle_ms"]["p50"] is not None
+    assert (tmp_path / "plots" / "allocation.png").stat().st_size > 10_000
+    assert (tmp_path / "plots" / "wait_cdf.png").stat().st_size > 10_000
+    table = (tmp_path / "t.md").read_text()
+    assert table.startswith("| metric | ours | fifo | kueue-like | slurm-like |")
+
+
+def test_cli_trace_one_policy_to_stdout() -> None:
+    r = CliRunner().invoke(
+        _app(),
+        ["--workload", str(FIX / "philly.csv"), "--format", "philly", "--policies", "ours", "--nodes", "16",
+         "--quiet"],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert list(rep["policies"]) == ["ours"]
+    assert rep["workload"]["trace"]["jobs"] == 25
+
+
+def test_cli_rejects_unknown_policy_and_bad_trace(tmp_path: Path) -> None:
+    r = CliRunner().invoke(_app(), ["--policies", "ours,magic", "--quiet"])
+    assert r.exit_code != 0 and "magic" in r.output
+    bad = tmp_path / "bad.csv"
+    bad.write_text("foo,bar\n1,2\n")
+    r = CliRunner().invoke(_app(), ["--workload", str(bad), "--quiet"])
+    assert r.exit_code == 2 and "missing column" in r.output
+
+
+@pytest.mark.parametrize("policy", ["ours", "fifo", "kueue-like", "slurm-like"])
+def test_invariants_hold_every_cycle_of_a_small_seed_run(policy: str) -> None:
+    wl = seed_workload(SeedConfig(days=0.03, nodes=64, warmup_h=0.5, seed=11))
+    rep = run_policies(
+        wl, [policy], failures=FailureModel(rate_per_gpu_hour=2e-3), options=SimOptions(check_every=1)
+    )  # raises InvariantViolation on the first broken plan or state
+    p = rep["policies"][policy]
+    assert p["jobs"]["started"] > 0
+    assert "| metric |" in markdown_table(rep)
