@@ -31,6 +31,10 @@ from cli.user_cmd import register as _register_user_commands  # noqa: E402  (the
 
 _register_user_commands(app)
 
+from cli.sim_cmd import sim as _sim  # noqa: E402  (imports sim/ lazily inside)
+
+app.command("sim")(_sim)
+
 
 def _call(module: str, func: str, **kwargs: Any) -> Any:
     return getattr(importlib.import_module(module), func)(**kwargs)
