@@ -32,7 +32,10 @@ def sim(
     ),
     seed: int = typer.Option(1, "--seed", help="seed for the workload, faults and trace draws"),
     policies: str = typer.Option(
-        "ours,fifo,kueue-like,slurm-like", "--policies", help="comma-separated: ours, fifo, kueue-like, slurm-like"
+        "ours,fifo,kueue-like,slurm-like",
+        "--policies",
+        help="comma-separated: ours, fifo, kueue-like, slurm-like; try a change with name:field=value"
+        " (fields of placement.Policy), e.g. ours:preemption_protect_s=600",
     ),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the report JSON here"),
     plots: Optional[Path] = typer.Option(None, "--plots", help="write allocation.png and wait_cdf.png here"),
@@ -72,18 +75,18 @@ def sim(
     from sim.core import SimOptions
     from sim.failures import FailureModel
     from sim.report import markdown_table, write_plots
-    from sim.run import DEFAULT_POLICIES, POLICIES, run_policies, to_json
+    from sim.run import DEFAULT_POLICIES, resolve_policy, run_policies, to_json
     from sim.seed import SeedConfig, seed_workload
     from sim.traces import TraceError, TraceOptions, load_topology_csv, load_trace
     from sim.workload import ClusterSpec
 
     console = Console(stderr=True)
     names = [p.strip() for p in policies.split(",") if p.strip()] or list(DEFAULT_POLICIES)
-    from placement import PRESETS
-
     for n in names:
-        if n not in POLICIES and n not in PRESETS:
-            raise typer.BadParameter(f"unknown policy {n!r}: one of {', '.join(POLICIES)}", param_hint="--policies")
+        try:
+            resolve_policy(n)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--policies") from None
     if topology is not None:
         cluster = load_topology_csv(topology, gpus_per_node)
     else:
@@ -148,23 +151,30 @@ def sim(
         console=console,
         disable=quiet,
     )
-    tasks = {n: progress.add_task(n, total=1.0) for n in names}
+    tasks = {n: progress.add_task(n, total=1.0, start=False) for n in names}
     done: dict[str, dict] = {}
+
+    def on_start(name: str) -> None:
+        progress.start_task(tasks[name])
 
     def on_progress(name: str, frac: float) -> None:
         progress.update(tasks[name], completed=frac)
 
     def on_done(name: str, res: dict) -> None:
         done[name] = res
-        progress.update(
-            tasks[name],
-            completed=1.0,
-            description=f"{name} ✓",
-        )
+        progress.update(tasks[name], completed=1.0)
+        progress.stop_task(tasks[name])
 
     with progress:
         report = run_policies(
-            wl, names, seed=seed, failures=failures, options=options, on_progress=on_progress, on_done=on_done
+            wl,
+            names,
+            seed=seed,
+            failures=failures,
+            options=options,
+            on_start=on_start,
+            on_progress=on_progress,
+            on_done=on_done,
         )
     text = to_json(report)
     if json_out is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, fields, replace
 
 from placement import PRESETS, Policy
 from sim.core import SimOptions, Simulation
@@ -38,15 +38,43 @@ DEFAULT_POLICIES = ("ours", "fifo", "kueue-like", "slurm-like")
 BASELINES = ("fifo", "kueue-like", "slurm-like")
 
 
-def resolve_policy(name: str) -> tuple[str, Policy]:
-    """A command-line policy name (or a preset name) -> (preset name, Policy)."""
+def resolve_policy(spec: str) -> tuple[str, Policy]:
+    """A command-line policy -> (preset name, Policy).
+
+    ``spec`` is a name above or a preset name, optionally followed by ``:field=value``
+    overrides of ``placement.Policy`` fields, to try a policy change side by side:
+    ``ours:preemption_protect_s=600:max_reservations_per_type=2``.
+    """
+    name, *overrides = spec.split(":")
     if name in POLICIES:
         preset = POLICIES[name][0]
     elif name in PRESETS:
         preset = name
     else:
         raise ValueError(f"unknown policy {name!r}: one of {', '.join(list(POLICIES) + list(PRESETS))}")
-    return preset, PRESETS[preset]
+    policy = PRESETS[preset]
+    changes = {}
+    known = {f.name: f for f in fields(Policy)}
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        key = key.strip()
+        if not sep or key not in known:
+            raise ValueError(f"bad policy override {ov!r}: field=value with a field of placement.Policy ({', '.join(known)})")
+        cur = getattr(policy, key)
+        v = value.strip()
+        if isinstance(cur, bool):
+            if v.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(f"{key} takes true or false, not {v!r}")
+            changes[key] = v.lower() in ("true", "1", "yes")
+        elif isinstance(cur, int) and not isinstance(cur, bool):
+            changes[key] = int(v)
+        elif isinstance(cur, float):
+            changes[key] = float(v)
+        else:
+            changes[key] = v  # enums (ordering) convert in Policy.__post_init__
+    if changes:
+        policy = replace(policy, **changes)
+    return preset, policy
 
 
 def faults_for(workload: Workload, model: FailureModel | None, seed: int):
@@ -87,7 +115,11 @@ def run_policies(
         sim = Simulation(workload, policy, name, faults, options)
         cb = (lambda f, n=name: on_progress(n, f)) if on_progress else None
         res = sim.run(cb)
-        res = {"name": name, "preset": preset, "description": POLICIES.get(name, (preset, preset))[1], **res}
+        base = name.split(":")[0]
+        desc = POLICIES.get(base, (preset, preset))[1]
+        if ":" in name:
+            desc += " with " + ", ".join(name.split(":")[1:])
+        res = {"name": name, "preset": preset, "description": desc, **res}
         out["policies"][name] = res
         res["_wait_samples"] = sim.metrics.wait_samples
         if keep_sims:

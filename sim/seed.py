@@ -60,19 +60,20 @@ class SeedConfig:
     load_scale: float = 1.0  # multiplies every duration (a quick way to try a busier or quieter day)
 
 
-# name, guarantee (24,000-GPU cluster), role
+# name, guarantee (24,000-GPU cluster), role. Serving guarantees cover the services and
+# their daytime peak (beyond it they could only reclaim borrowed allocations).
 TEAMS = (
-    ("serving-chat", 2048, "serving"),
-    ("serving-search", 1024, "serving"),
+    ("serving-chat", 3072, "serving"),
+    ("serving-search", 1536, "serving"),
     ("pretrain-a", 8192, "pretrain"),
     ("pretrain-b", 4096, "pretrain"),
     ("eval", 1024, "eval"),
-    ("rl", 2048, "research"),
-    ("nlp", 1792, "research"),
-    ("vision", 1280, "research"),
-    ("speech", 768, "research"),
-    ("robotics", 768, "research"),
-    ("safety", 960, "research"),
+    ("rl", 1536, "research"),
+    ("nlp", 1408, "research"),
+    ("vision", 1024, "research"),
+    ("speech", 640, "research"),
+    ("robotics", 640, "research"),
+    ("safety", 832, "research"),
 )
 
 

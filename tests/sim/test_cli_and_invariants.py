@@ -81,3 +81,14 @@ def test_invariants_hold_every_cycle_of_a_small_seed_run(policy: str) -> None:
     p = rep["policies"][policy]
     assert p["jobs"]["started"] > 0
     assert "| metric |" in markdown_table(rep)
+
+
+def test_policy_overrides_try_a_change_side_by_side() -> None:
+    from sim.run import resolve_policy
+
+    preset, pol = resolve_policy("ours:preemption_protect_s=600:backfill=false:ordering=class_fifo")
+    assert preset == "gpufleet"
+    assert (pol.preemption_protect_s, pol.backfill, pol.ordering.value) == (600.0, False, "class_fifo")
+    for bad in ("ours:nonsense=1", "ours:backfill", "ours:backfill=maybe", "magic"):
+        with pytest.raises(ValueError):
+            resolve_policy(bad)
