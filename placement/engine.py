@@ -72,6 +72,7 @@ class _Cycle:
         self.memo: dict[tuple, PendingReason] = {}
         self.victim_memo: set[tuple] = set()
         self.reserve_memo: set[tuple] = set()
+        self.preempt_fail: set[tuple] = set()
         self.clearable: dict[tuple[str, Mode], ClearableIndex] = {}
         self.victims_left = policy.max_preemptions_per_cycle
         self.searches_left = policy.max_victim_searches_per_cycle
@@ -87,6 +88,7 @@ class _Cycle:
 
     def run(self) -> Plan:
         state, now = self.state, self.now
+        state.promote(now, self.policy.preemption_protect_s)
         checked = state.quota_dirty()
         for team, gpu_type in checked:
             self.relabels.extend(quota_mod.relabel(state, team, gpu_type))
@@ -140,7 +142,7 @@ class _Cycle:
                 if es == _INF:
                     state.remove_reservation(res.job_id)  # its blocks can no longer hold it: re-planned
                     continue
-                if es > res.expected_start + 1.0:
+                if es > now and es > res.expected_start + 1.0:
                     # it slipped (a node failed, a higher class took a reserved node): other blocks may be earlier
                     owner = self.queue.get(res.job_id)
                     ti = state.type_index(res.gpu_type)
@@ -284,6 +286,8 @@ class _Cycle:
         if own_res is not None and own_res.kind is ReservationKind.PREEMPTION and fail is not PendingReason.QUOTA:
             self._pend(job, PendingReason.PREEMPTING, "waiting for reclaimed nodes")
             return
+        if own_res is not None and own_res.kind is ReservationKind.HEAD_OF_LINE:
+            state.remove_reservation(job.job_id)  # it may no longer wait on it (e.g. now beyond its quota)
         self._pend(job, fail or PendingReason.CAPACITY)
 
     def _try_place(
@@ -390,6 +394,20 @@ class _Cycle:
         state, policy, now = self.state, self.policy, self.now
         if self.victims_left <= 0 or self.searches_left <= 0:
             return False
+        t = job.topology
+        fkey = (
+            job.gpu_type, mode, job.gpus_per_replica, job.replicas, t.pack, t.max_blocks,
+            job.max_runtime_s, job.job_id in state._reservations, state.res_version,
+        )
+        if fkey in self.preempt_fail:
+            return False
+        if not self._preempt_search(job, ti, shape, mode):
+            self.preempt_fail.add(fkey)
+            return False
+        return True
+
+    def _preempt_search(self, job: JobSpec, ti: _TypeIndex, shape: Shape, mode: Mode) -> bool:
+        state, policy, now = self.state, self.policy, self.now
         if ti.free_gpus + eligible_upper_bound(ti, mode) < shape.charge:
             return False
         excl = self._excl(job)

@@ -107,7 +107,12 @@ def check_state(state: ClusterState, strict_quota: bool = True, respect_topology
             if rj.gpu_type != t or rj.rank == SERVING_RANK or rj.preempting_for is not None:
                 continue
             c = (rj.rank, rj.borrowed)
-            cats.setdefault(c, []).append((-rj.lost_since, jid))
+            if rj.vcat != c:
+                errs.append(f"{jid}: victim category {rj.vcat} != {c}")
+            if not rj.young:
+                cats.setdefault(c, []).append((-rj.lost_since, jid))
+            elif rj.started_at <= state._clock - state._protect_s and rj.vkey is not None:
+                errs.append(f"{jid}: young and listed")
             cat_g[c] = cat_g.get(c, 0) + rj.charge
         for c in set(cats) | set(ti.victims):
             if sorted(cats.get(c, [])) != ti.victims.get(c, []):
@@ -204,7 +209,7 @@ def check_plan(state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy,
                 m = mask_of(ng.gpus)
                 if node.free_mask & m != m:
                     errs.append(f"{p.job_id}: GPUs {ng.gpus} of {ng.node_id} are not free")
-                if node.spare_of is not None and node.spare_of != p.job_id:
+                if node.spare_of is not None and node.spare_of != p.job_id and node.spare_of not in plan.dropped_spares:
                     errs.append(f"{p.job_id}: uses {ng.node_id}, a spare of {node.spare_of}")
             for n in p.spare_nodes:
                 node = nodes.get(n)

@@ -23,6 +23,7 @@ driver calls ``engine.apply`` for what it committed. Not thread-safe.
 
 from __future__ import annotations
 
+import heapq
 import math
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable, Iterator
@@ -149,6 +150,8 @@ class RunningJob:
         "blocks",
         "preempting_for",
         "vkey",
+        "vcat",
+        "young",
     )
 
     def __init__(self, spec: JobSpec, started_at: float, borrowed: bool, charge: int, whole: bool) -> None:
@@ -162,7 +165,9 @@ class RunningJob:
         self.slots: dict[int, tuple[str, tuple[int, ...]]] = {}
         self.blocks: tuple[str, ...] = ()
         self.preempting_for: str | None = None
-        self.vkey: tuple[float, str] | None = None
+        self.vkey: tuple[float, str] | None = None  # its key in the victim list, when listed
+        self.vcat: tuple[int, bool] | None = None  # its victim category, when counted
+        self.young = False  # still protected: counted, not listed yet
 
     @property
     def job_id(self) -> str:
@@ -234,6 +239,10 @@ class ClusterState:
         self._journal: list[tuple[Callable[..., Any], tuple[Any, ...]]] | None = None
         self.res_cache: dict[str, tuple[tuple[int, ...], float]] = {}
         self.res_version = 0  # bumped on every reservation change (cache invalidation only)
+        self._young: list[tuple[float, int, RunningJob]] = []  # (started_at, seq, job) not yet listed
+        self._young_seq = 0
+        self._clock = float("-inf")  # latest ``now`` seen by promote
+        self._protect_s = 1800.0
 
     # ------------------------------------------------------------------ journal
 
@@ -579,22 +588,50 @@ class ClusterState:
             a.gused -= rj.charge
 
     def _victim_add(self, rj: RunningJob) -> None:
+        """Index a job that may become a victim: counted in ``cat_gpus`` at once, listed in
+        ``victims`` once its preemption protection has passed (``promote``), so victim
+        searches never wade through jobs that just started."""
         if rj.rank == SERVING_RANK or rj.preempting_for is not None:
             return
         ti = self._types[rj.gpu_type]
         cat = (rj.rank, rj.borrowed)
-        rj.vkey = (-rj.lost_since, rj.job_id)
-        insort(ti.victims.setdefault(cat, []), rj.vkey)
+        rj.vcat = cat
         ti.cat_gpus[cat] = ti.cat_gpus.get(cat, 0) + rj.charge
+        if rj.started_at > self._clock - self._protect_s:
+            rj.young = True
+            self._young_seq += 1
+            heapq.heappush(self._young, (rj.started_at, self._young_seq, rj))
+        else:
+            rj.vkey = (-rj.lost_since, rj.job_id)
+            insort(ti.victims.setdefault(cat, []), rj.vkey)
 
     def _victim_remove(self, rj: RunningJob) -> None:
-        if rj.vkey is None:
+        cat = rj.vcat
+        if cat is None:
             return
         ti = self._types[rj.gpu_type]
-        cat = (rj.rank, rj.borrowed)
-        _sorted_remove(ti.victims[cat], rj.vkey)
         ti.cat_gpus[cat] -= rj.charge
-        rj.vkey = None
+        if rj.vkey is not None:
+            _sorted_remove(ti.victims[cat], rj.vkey)
+            rj.vkey = None
+        rj.young = False
+        rj.vcat = None
+
+    def promote(self, now: float, protect_s: float) -> None:
+        """List jobs whose protection (``protect_s`` after start) has passed by ``now`` as
+        victim candidates. Index upkeep only: it changes no decision (eligibility is
+        always re-checked), so ``plan`` calls it without journaling."""
+        self._protect_s = protect_s
+        if now > self._clock:
+            self._clock = now
+        young = self._young
+        limit = now - protect_s
+        while young and young[0][0] <= limit:
+            started, _, rj = heapq.heappop(young)
+            if rj.young and rj.started_at == started and self._running.get(rj.job_id) is rj:
+                rj.young = False
+                rj.vkey = (-rj.lost_since, rj.job_id)
+                insort(self._types[rj.gpu_type].victims.setdefault(rj.vcat, []), rj.vkey)
 
     def release(self, job_id: str, now: float, keep_spares: bool = False) -> RunningJob:
         """A job's gang is gone (ended, stopped, failed): free its GPUs.

@@ -296,7 +296,7 @@ def find_whole(
     return VictimChoice(tuple(sorted(victims)), hold, tuple(sorted(targets)), grace)
 
 
-_SINGLE_BLOCK_TRIES = 16
+_SINGLE_BLOCK_TRIES = 6
 
 
 def _select(
@@ -342,23 +342,26 @@ def _select(
             v = over_cache[team] = over_share(state, team, ti.gpu_type)
         return v
 
+    occupants = {nid: tuple(nodes[nid].jobs) for nid in remaining}
+    lost_of = {j: _lost(running[j], now) for occ in occupants.values() for j in occ}
     while len(freed) < need:
         left = need - len(freed)
         best = None
-        gains: dict[frozenset[str], int] = {}
+        scored: dict[frozenset[str], tuple] = {}
         for nid in sorted(remaining):
-            new = frozenset(j for j in nodes[nid].jobs if j not in chosen)
-            gain = gains.get(new)
-            if gain is None:
+            new = frozenset(j for j in occupants[nid] if j not in chosen)
+            got = scored.get(new)
+            if got is None:
                 after = chosen | new
                 touched = {n for j in new for n in running[j].held if n in remaining}
-                gain = gains[new] = sum(1 for n in touched if all(j in after for j in nodes[n].jobs))
-            useful = min(gain, left) or 1
-            lost = sum(_lost(running[j], now) for j in new)
-            o = max((over(running[j].team) for j in new), default=0.0)
-            key = (len(new) / useful, lost / useful, -o, nid)
+                gain = sum(1 for n in touched if all(j in after for j in occupants[n]))
+                useful = min(gain, left) or 1
+                lost = sum(lost_of[j] for j in new)
+                o = max((over(running[j].team) for j in new), default=0.0)
+                got = scored[new] = (len(new) / useful, lost / useful, -o, lost)
+            key = (got[0], got[1], got[2], nid)
             if best is None or key < best[0]:
-                best = (key, new, lost)
+                best = (key, new, got[3])
         if best is None:
             return None
         chosen |= best[1]
@@ -366,7 +369,7 @@ def _select(
         if len(chosen) > limit:
             return None
         for nid in sorted(remaining):
-            if all(j in chosen for j in nodes[nid].jobs):
+            if all(j in chosen for j in occupants[nid]):
                 remaining.discard(nid)
                 freed.append(nid)
     return chosen, freed, free_nodes, lost_total
