@@ -254,7 +254,7 @@ class _Cycle:
         if try_free:
             fail, placed = self._try_place(job, ti, shape, borrowed, restrict, own_spares)
             if placed is not None:
-                self._commit(job, ti, shape, placed, own_res)
+                self._commit(job, placed, own_res)
                 return
         for nid in spare_nodes:  # not placed: its spares stay held for it
             state.hold_spare(nid, job.job_id)
@@ -375,7 +375,7 @@ class _Cycle:
                 r = replace(r, backfill=True)
         return None, r
 
-    def _commit(self, job: JobSpec, ti: _TypeIndex, shape: Shape, placed: Placement, own_res: Reservation | None) -> None:
+    def _commit(self, job: JobSpec, placed: Placement, own_res: Reservation | None) -> None:
         state = self.state
         state.allocate(job, placed, self.now)
         self.lane_cache.pop((job.team, job.gpu_type), None)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class PriorityClass(str, Enum):
@@ -349,8 +349,9 @@ class Relabel:
     borrowed: bool
 
 
-@dataclass(frozen=True, slots=True)
-class Pending:
+class Pending(NamedTuple):
+    """Why a job was not placed this cycle (a named tuple: cheap to make by the thousand)."""
+
     job_id: str
     reason: PendingReason
     detail: str = ""

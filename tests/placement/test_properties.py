@@ -10,6 +10,7 @@ equal to a recomputation. And: the same inputs in any order give the same plan.
 
 from __future__ import annotations
 
+import os
 import random as _random
 
 from hypothesis import HealthCheck, event, given, settings
@@ -31,7 +32,12 @@ from placement import (
 
 from .strategies import HOUR, build, job_specs, populate, rebuild, scenarios, snapshot, unique
 
-PROPS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# GPUFLEET_PLACEMENT_EXAMPLES=2000 for a longer hunt; the default keeps the suite well under a minute
+PROPS = settings(
+    max_examples=int(os.environ.get("GPUFLEET_PLACEMENT_EXAMPLES", "200")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 POLICIES = [
     Policy(reserve_min_gpus=16, hot_spare_min_gpus=16, hot_spare_fraction=0.2),
     Policy(),
