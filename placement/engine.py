@@ -353,6 +353,7 @@ class _Cycle:
             t.max_blocks,
             excl,
             restrict,
+            state.res_version,
         )
         memo_ok = not own_spares
         if memo_ok:

@@ -51,20 +51,24 @@ def relabel(state: ClusterState, team: str, gpu_type: str) -> list[Relabel]:
     if a is None or not a.jobs:
         return []
     guarantee = state.quota(team, gpu_type).guaranteed
-    if a.gused <= guarantee and a.borrowed_n == 0:
-        return []
-    jobs = sorted((state._running[j] for j in a.jobs), key=lambda rj: (rj.started_at, rj.job_id))
+    if a.gused <= guarantee and (a.borrowed_n == 0 or a.gused >= guarantee):
+        return []  # nothing over the guarantee, and no room to promote anyone
     out: list[Relabel] = []
+
+    def by_start(rjs):
+        return sorted(rjs, key=lambda rj: (rj.started_at, rj.job_id))
+
     if a.gused > guarantee:
-        for rj in reversed(jobs):
+        for rj in reversed(by_start(state._running[j] for j in a.jobs)):
             if a.gused <= guarantee:
                 break
             if not rj.borrowed:
                 state.set_borrowed(rj.job_id, True)
                 out.append(Relabel(rj.job_id, True))
-    if a.borrowed_n:
-        for rj in jobs:
-            if rj.borrowed and rj.preempting_for is None and a.gused + rj.charge <= guarantee:
+    if a.borrowed_n and a.gused < guarantee:
+        borrowed = [rj for rj in (state._running[j] for j in a.jobs) if rj.borrowed and rj.preempting_for is None]
+        for rj in by_start(borrowed):
+            if a.gused + rj.charge <= guarantee:
                 state.set_borrowed(rj.job_id, False)
                 out.append(Relabel(rj.job_id, False))
     return out

@@ -517,7 +517,10 @@ class ClusterState:
         return len(self._running)
 
     def allocate(self, job: JobSpec, placement: Placement, now: float, started_at: float | None = None) -> RunningJob:
-        """Record a committed gang placement. Raises ``AllocationConflict`` if any GPU is taken."""
+        """Record a committed gang placement (or, on rebuild, a live allocation read from the
+        store: pass ``started_at``; a prod-serving job may come with fewer slots than
+        replicas, the rest being lost replicas to replace). Raises ``AllocationConflict``
+        if any GPU is taken, a node is not ready or of another type, or a gang is partial."""
         if placement.replacement:
             return self.place_replicas(placement, now)
         if job.job_id != placement.job_id:
@@ -549,10 +552,16 @@ class ClusterState:
         for s in placement.slots:
             rj.slots[s.replica] = (s.node_id, s.gpus)
         rj.blocks = tuple(sorted({self._nodes[n].block for n in rj.held}))
+        missing = set(range(job.replicas)) - set(rj.slots)
+        if missing and job.rank != SERVING_RANK:
+            raise AllocationConflict(f"{job.job_id}: a gang is all or nothing; replicas {sorted(missing)} have no slot")
         key = (job.team, job.gpu_type)
         self._settle(key, now)
         self._add_running(rj)
         self._log(self._remove_running, rj)
+        if missing:  # a prod-serving job rebuilt with lost replicas: the next plan replaces them
+            self._missing[job.job_id] = missing
+            self._log(self._missing.pop, job.job_id, None)
         if self._journal is None and self._acct[key].gused > self.quota(*key).guaranteed:
             self._quota_dirty.add(key)  # a stale flag from the store: the next plan re-checks it
         for nid in placement.spare_nodes:
@@ -763,7 +772,8 @@ class ClusterState:
         self._victim_add(rj)
 
     def mark_preempting(self, victim: str, beneficiary: str) -> None:
-        """A victim was told to stop for ``beneficiary``; it holds its GPUs until ``release``."""
+        """A victim was told to stop for ``beneficiary``; it holds its GPUs until ``release``.
+        (On rebuild, a beneficiary that is not known any more may be given as ``""``.)"""
         rj = self.running(victim)
         if rj.preempting_for is not None:
             raise AllocationConflict(f"{victim} is already being preempted")
