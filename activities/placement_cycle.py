@@ -183,6 +183,11 @@ class LeaderState:
         self._sem = asyncio.Semaphore(64)
         self._dirty_jobs: set[str] = set()
         self._needs_rebuild = False
+        # for the waker: a change after refresh_started_at needs another cycle
+        self.cycle_running = False
+        self.refresh_started_at = 0.0
+        self.cycle_done = asyncio.Event()
+        self.cycle_done.set()
 
     # ------------------------------------------------------------------ leadership
 
@@ -450,12 +455,18 @@ class LeaderState:
             if not self.is_leader(epoch):
                 raise NotLeader(f"leadership changed before the cycle (epoch {epoch})")
             t0 = time.perf_counter()
+            self.cycle_running = True
+            self.cycle_done.clear()
+            self.refresh_started_at = time.monotonic()
             try:
                 stats = await self._cycle(epoch)
             except StaleEpoch:
                 log.warning("epoch %s is stale: dropping the leader state", epoch)
                 self.drop()
                 raise
+            finally:
+                self.cycle_running = False
+                self.cycle_done.set()
             self.cycles += 1
             self.last_cycle_ms = (time.perf_counter() - t0) * 1000
             return m.CycleResult(

@@ -35,6 +35,7 @@ import os
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import asyncpg
@@ -64,38 +65,45 @@ def default_holder() -> str:
 
 
 class _Waker:
-    """Coalesced ``wake`` signals to the PlacementWorkflow: at most one in flight and
-    at most one per ``min_interval_s``."""
+    """``wake`` signals to the PlacementWorkflow, only when they buy something: a change
+    (Postgres NOTIFY) wakes a cycle unless a cycle that started after the change will
+    see it anyway; at most one signal in flight and one per ``min_interval_s``."""
 
-    def __init__(self, client: Client, min_interval_s: float) -> None:
+    def __init__(self, client: Client, min_interval_s: float, leader: LeaderState) -> None:
         self.client = client
         self.min_interval_s = min_interval_s
+        self.leader = leader
         self._task: asyncio.Task | None = None
         self._last = 0.0
-        self._again = False
+        self._poked_at = 0.0
         self.sent = 0
+        self.skipped = 0
 
     def poke(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._again = True
-            return
-        self._task = asyncio.create_task(self._send())
+        self._poked_at = time.monotonic()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._send())
 
     async def _send(self) -> None:
         while True:
-            self._again = False
+            poked = self._poked_at
             delay = self._last + self.min_interval_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            self._last = time.monotonic()
-            try:
-                await self.client.get_workflow_handle(m.PLACEMENT_WORKFLOW_ID).signal(
-                    m.SIGNAL_WAKE, m.WakeRequest("changes")
-                )
-                self.sent += 1
-            except Exception as e:  # the 1 s cycle covers a lost wake
-                log.debug("wake not delivered: %s", e)
-            if not self._again:
+            if self.leader.cycle_running and self.leader.refresh_started_at < poked:
+                await self.leader.cycle_done.wait()  # then a new cycle is needed for this change
+            if self.leader.refresh_started_at >= poked:
+                self.skipped += 1  # a cycle that started after the change sees it
+            else:
+                self._last = time.monotonic()
+                try:
+                    await self.client.get_workflow_handle(m.PLACEMENT_WORKFLOW_ID).signal(
+                        m.SIGNAL_WAKE, m.WakeRequest("changes")
+                    )
+                    self.sent += 1
+                except Exception as e:  # the periodic cycle covers a lost wake
+                    log.debug("wake not delivered: %s", e)
+            if self._poked_at == poked:
                 return
 
     async def close(self) -> None:
@@ -168,7 +176,7 @@ class ControlProcess:
         self.leader = LeaderState(self.pool, self.client, s, actor=f"placement:{self.holder}")
         self.forwarder = TaskStatusForwarder(self.client)
         await self.forwarder.start()
-        self._waker = _Waker(self.client, s.placement_wake_min_s)
+        self._waker = _Waker(self.client, s.placement_wake_min_s, self.leader)
 
         if self.grpc:
             from control.heartbeat_server import HeartbeatServer
@@ -189,8 +197,11 @@ class ControlProcess:
             s.control_task_queue,
             workflows=[JobWorkflow, PlacementWorkflow],
             activities=[*JobActivities(self.pool, s).all(), *ReadLeaderActivity(self.pool, s).all()],
-            max_concurrent_workflow_tasks=200,
-            max_concurrent_local_activities=200,
+            max_concurrent_workflow_tasks=100,
+            max_concurrent_local_activities=100,
+            # activations run under the GIL anyway: a few threads, not one per slot
+            # (fewer thread hand-offs per workflow task)
+            workflow_task_executor=ThreadPoolExecutor(max_workers=4, thread_name_prefix="wft"),
         )
         leader = make_worker(self.client, self.leader_queue, activities=CycleActivity(self.leader).all())
         self._workers = [control, leader]

@@ -16,7 +16,7 @@ from collections import defaultdict
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
-from common.contracts import TaskStatus
+from common.contracts import TaskState, TaskStatus
 from workflows.messages import SIGNAL_TASK_STATUS, TaskStatusBatch
 
 log = logging.getLogger(__name__)
@@ -35,16 +35,24 @@ class TaskStatusForwarder:
         self._inflight: set[asyncio.Task] = set()
         self.sent = 0
         self.dropped = 0
+        self.skipped = 0
+
+    @staticmethod
+    def worth_forwarding(status: TaskStatus) -> bool:
+        """A plain STARTED report tells the job nothing new (it learns of every start from
+        StartTask's result); STARTED with a checkpoint, and every exit, are forwarded."""
+        return not (status.state == TaskState.STARTED and not status.checkpoint_uri)
 
     def submit(self, status: TaskStatus) -> None:
+        if not self.worth_forwarding(status):
+            self.skipped += 1
+            return
         self._pending[status.job_id].append(status)
         self._wake.set()
 
     def submit_many(self, statuses: list[TaskStatus]) -> None:
         for s in statuses:
-            self._pending[s.job_id].append(s)
-        if statuses:
-            self._wake.set()
+            self.submit(s)
 
     async def start(self) -> None:
         if self._task is None:

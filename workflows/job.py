@@ -31,6 +31,7 @@ from workflows import messages as m
 
 MAX_IN_FLIGHT = 400  # activities in flight per workflow stay under 500 (DESIGN.md)
 HISTORY_LIMIT = 3000  # continue-as-new well before ~4,096 events
+CHECKPOINTS_KEPT = 32  # per rank: enough to find the newest checkpoint every rank has
 
 LOCAL = dict(
     start_to_close_timeout=timedelta(seconds=15),
@@ -57,6 +58,7 @@ class _Rank:
     restarts: int = 0
     restarting: bool = False
     restarted_at: datetime | None = None
+    checkpoints: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -94,7 +96,6 @@ class JobWorkflow:
         self._by_lease: dict[str, _Rank] = {}
         self._inbox = _Inbox()
         self._checkpoint: str | None = None
-        self._checkpoint_rank: int | None = None
         self._running_since: datetime | None = None
         self._deadline: datetime | None = None
         self._extensions_used = 0
@@ -148,6 +149,7 @@ class JobWorkflow:
             ranks_total=len(self._ranks) or (self._snap.replicas if self._snap else 0),
             deadline=self._deadline,
             leases=[r.placement.lease_id for r in self._ranks.values()],
+            checkpoint=self._checkpoint,
         )
 
     @workflow.update(name=m.UPDATE_EXTEND)
@@ -243,8 +245,12 @@ class JobWorkflow:
         alloc = self._allocs[self._attempt]
         self._begin(alloc)
         self._state = m.STARTING
+        deadline = workflow.now() + timedelta(seconds=snap.gang_start_timeout_s)
+        # The gang start timeout is carried by each StartTask's schedule-to-close (no timer:
+        # one timer less per job in history and on the server).
+        no_timer = workflow.patched("gang-timeout-in-start-activities")
         for r in self._ranks.values():
-            self._start_tasks.append(asyncio.create_task(self._start_rank(r)))
+            self._start_tasks.append(asyncio.create_task(self._start_rank(r, deadline if no_timer else None)))
         timed_out = False
         try:
             await workflow.wait_condition(
@@ -252,7 +258,7 @@ class JobWorkflow:
                 or self._attempt in self._preempts
                 or self._any_failed()
                 or self._all_started(),
-                timeout=timedelta(seconds=snap.gang_start_timeout_s),
+                timeout=None if no_timer else timedelta(seconds=snap.gang_start_timeout_s),
             )
         except asyncio.TimeoutError:
             timed_out = True
@@ -376,6 +382,7 @@ class JobWorkflow:
             r.started, r.exited, r.exit_code, r.outcome, r.restarts = (
                 rc.started, rc.exited, rc.exit_code, rc.outcome, rc.restarts
             )
+            r.checkpoints = list(rc.checkpoints)
         self._running_since = carry.running_since
         self._deadline = carry.deadline
         self._checkpoint = carry.checkpoint
@@ -391,7 +398,9 @@ class JobWorkflow:
             running_since=self._running_since,
             deadline=self._deadline,
             ranks=[
-                m.RankCarry(r.placement.rank, r.started, r.exited, r.exit_code, str(r.outcome), r.restarts)
+                m.RankCarry(
+                    r.placement.rank, r.started, r.exited, r.exit_code, str(r.outcome), r.restarts, r.checkpoints[-4:]
+                )
                 for r in self._ranks.values()
             ],
             checkpoint=self._checkpoint,
@@ -422,11 +431,17 @@ class JobWorkflow:
             resume_from=self._checkpoint or snap.last_checkpoint,
         )
 
-    async def _start_rank(self, r: _Rank) -> None:
+    async def _start_rank(self, r: _Rank, deadline: datetime | None = None) -> None:
         snap = self._require_snap()
         async with self._sem:
             if self._stopping or r.exited:
                 return
+            budget = snap.gang_start_timeout_s
+            if deadline is not None:
+                budget = (deadline - workflow.now()).total_seconds()
+                if budget <= 0:
+                    r.start_error = "not started within the gang start timeout"
+                    return
             try:
                 res: StartTaskResult = await workflow.execute_activity(
                     m.ACT_START_TASK,
@@ -434,7 +449,7 @@ class JobWorkflow:
                     result_type=StartTaskResult,
                     task_queue=r.placement.task_queue,
                     start_to_close_timeout=timedelta(seconds=snap.start_task_timeout_s),
-                    schedule_to_close_timeout=timedelta(seconds=snap.gang_start_timeout_s),
+                    schedule_to_close_timeout=timedelta(seconds=budget),
                     retry_policy=RetryPolicy(
                         initial_interval=timedelta(milliseconds=500), maximum_interval=timedelta(seconds=10)
                     ),
@@ -544,7 +559,7 @@ class JobWorkflow:
             r.placement = res.placement
             self._by_lease[r.placement.lease_id] = r
             self._drain_statuses()
-            await self._start_rank(r)
+            await self._start_rank(r, workflow.now() + timedelta(seconds=self._require_snap().gang_start_timeout_s))
         finally:
             r.restarting = False
 
@@ -581,10 +596,21 @@ class JobWorkflow:
         r.outcome = state
 
     def _note_checkpoint(self, rank: int, uri: str) -> None:
-        # rank 0's checkpoint is the job's; another rank's counts until rank 0 reports one
-        if self._checkpoint_rank is None or rank <= self._checkpoint_rank:
-            self._checkpoint = uri
-            self._checkpoint_rank = rank
+        """The job's checkpoint is the newest one *every* rank reported (ranks stop at
+        slightly different steps; resuming needs a step all of them saved). Ranks report
+        the same URI for one gang checkpoint (``worker_agent.jobhelper``: the step dir)."""
+        r = self._ranks.get(rank)
+        if r is None:
+            return
+        if not r.checkpoints or r.checkpoints[-1] != uri:
+            r.checkpoints.append(uri)
+            del r.checkpoints[:-CHECKPOINTS_KEPT]
+        ranks = [self._ranks[k] for k in sorted(self._ranks)]
+        others = [set(x.checkpoints) for x in ranks[1:]]
+        for candidate in reversed(ranks[0].checkpoints):
+            if all(candidate in o for o in others):
+                self._checkpoint = candidate
+                return
 
     # ------------------------------------------------------------------ predicates
 

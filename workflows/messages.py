@@ -78,6 +78,7 @@ class JobStatus:
     ranks_total: int = 0
     deadline: datetime | None = None
     leases: list[str] = field(default_factory=list)
+    checkpoint: str | None = None  # the newest checkpoint every rank has (what a new attempt resumes from)
 
 
 # ---------------------------------------------------------------------------
@@ -318,6 +319,7 @@ class RankCarry:
     exit_code: int | None = None
     outcome: str = ""
     restarts: int = 0
+    checkpoints: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

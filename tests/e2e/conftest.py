@@ -163,7 +163,13 @@ class Stack:
                 return row
             return None
 
-        return await eventually(probe, timeout=timeout, interval=0.1, what=f"{job_id} in {states}")
+        try:
+            return await eventually(probe, timeout=timeout, interval=0.1, what=f"{job_id} in {states}")
+        except AssertionError as e:
+            row = await self.job(job_id)
+            events = [(r["attempt"], r["event"], r["to_state"], r["reason"]) for r in await self.pool.fetch(
+                "SELECT * FROM job_events WHERE job_id = $1 ORDER BY id", job_id)]
+            raise AssertionError(f"{e}; the job is {row['state']} attempt {row['attempt']}; events: {events}") from None
 
     async def transitions(self, job_id: str) -> list[tuple[int, str | None, str | None]]:
         rows = await self.pool.fetch("SELECT * FROM job_events WHERE job_id = $1 ORDER BY id", job_id)

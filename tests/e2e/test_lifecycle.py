@@ -63,6 +63,11 @@ async def test_research_job_preempted_by_prod_batch_resumes_from_its_checkpoint(
         )
 
     await eventually(checkpointed, timeout=20, what="first checkpoints")
+
+    async def gang_checkpoint():
+        return (await stack.client.get_workflow_handle(research).query("status"))["checkpoint"]
+
+    await eventually(gang_checkpoint, timeout=20, what="a checkpoint every rank reported")
     prod = await stack.submit(priority_class="prod-batch", replicas=1, gpus_per_replica=8,
                               command=[PY, "-c", "import time; time.sleep(1)"])
     row = await stack.wait_state(research, "QUEUED", "STARTING", "RUNNING", attempt=2, timeout=40)

@@ -3,7 +3,8 @@
     python train.py STEPS STEP_SECONDS [CKPT_EVERY]
 
 State is (step, value); each step updates value by a fixed recurrence, so the final
-value depends only on STEPS. On SIGTERM it checkpoints and exits 143. With
+value depends only on STEPS. A checkpoint is a step directory (one file per rank), so
+every rank of a gang reports the same URI for it, as ``worker_agent.jobhelper`` does. On SIGTERM it checkpoints and exits 143. With
 GPUFLEET_RESUME_FROM it continues from that checkpoint. Every checkpoint is
 published to GPUFLEET_PROGRESS_FILE (``step``, ``checkpoint_uri``, ``checkpoint_step``)
 as the agent's supervisor expects; the result goes to
@@ -52,13 +53,14 @@ def main() -> int:
     resume = os.environ.get("GPUFLEET_RESUME_FROM")
     if resume:
         path = resume[len("file://"):] if resume.startswith("file://") else resume
-        state = json.loads(Path(path).read_text())
+        state = json.loads((Path(path) / f"rank-{rank}.json").read_text())
         step, value, resumed_from = state["step"], state["value"], resume
 
     def checkpoint() -> str:
-        path = ck_dir / f"ckpt-r{rank}-{step:06d}.json"
-        _write_json(path, {"step": step, "value": value})
-        uri = "file://" + str(path)
+        step_dir = ck_dir / f"step-{step:08d}"
+        step_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(step_dir / f"rank-{rank}.json", {"step": step, "value": value})
+        uri = "file://" + str(step_dir)
         if progress:
             Path(progress).parent.mkdir(parents=True, exist_ok=True)
             _write_json(Path(progress), {"step": step, "checkpoint_uri": uri, "checkpoint_step": step})

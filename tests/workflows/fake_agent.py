@@ -112,7 +112,20 @@ class FakeAgent:
         return StartTaskResult(req.lease_id, req.epoch, accepted=True, pid=proc.pid)
 
     async def _watch(self, t: _Task) -> None:
-        rc = await t.proc.wait()
+        last = None
+        while True:  # like the real agent: a completed checkpoint is reported while running
+            try:
+                rc = await asyncio.wait_for(asyncio.shield(t.proc.wait()), 0.05)
+                break
+            except asyncio.TimeoutError:
+                pass
+            try:
+                uri = json.loads(t.progress.read_text()).get("checkpoint_uri")
+            except (OSError, ValueError):
+                uri = None
+            if uri and uri != last:
+                last = uri
+                self._report(t, TaskState.STARTED)
         t.exit_code = 128 - rc if rc < 0 else rc
         t.done.set()
         self._report(t, TaskState.STOPPED if t.stop_requested else TaskState.EXITED, t.exit_code)

@@ -81,7 +81,7 @@ async def test_preempted_job_checkpoints_requeues_and_resumes_to_the_same_result
     assert stand.agent.signals_seen[f"{job}.a1.r0"] == ["SIGTERM"]  # it exited within its grace
     ck = row["last_checkpoint"]
     assert ck and ck.startswith("file://")
-    ck_step = read_json(ck)["step"]
+    ck_step = read_json(ck + "/rank-0.json")["step"]
     assert 10 <= ck_step < steps
     assert row["preemptions"] == 1 and row["front_of_class"] is False
     assert row["submitted_at"] < row["queued_at"]  # original submit time kept

@@ -156,6 +156,11 @@ async def test_research_job_is_preempted_by_prod_batch_and_resumes_to_the_same_r
             return False
 
     await eventually(progressed, timeout=15, what="training progress")
+
+    async def gang_checkpoint():
+        return (await stand.client.get_workflow_handle(research).query("status"))["checkpoint"]
+
+    await eventually(gang_checkpoint, timeout=15, what="a checkpoint every rank reported")
     prod = await stand.submit("p-prod", command=[PY, "-c", "import time; time.sleep(0.5)"], replicas=1,
                               gpus_per_replica=8, priority_class="prod-batch", team="alpha")
     assert (await stand.result(prod, timeout=40)).state == "SUCCEEDED"

@@ -1,0 +1,381 @@
+"""`gpufleet bench e2e --json`: submit -> RUNNING latency on the embedded stack.
+
+    run(jobs=1000, rate=50.0) -> dict
+
+Starts its own embedded Postgres and Temporal dev server (SQLite in WAL mode, as
+`gpufleet up` does) in a temporary state dir, migrates, seeds a cluster with room
+for every job (1-GPU jobs, 8 GPUs per node), runs one `gpufleet control` process
+(a real subprocess: workers, leadership, placement) and, in this process, the REST
+API (ASGI, in-process) and a simulated fleet. Jobs are submitted through the API
+at ``rate`` per second (open loop: a slow response never delays the next submit).
+
+Latency is measured from the moment a submit request is sent to the job's
+``running`` event in Postgres (every rank started). The simulated fleet serves the
+agents' ``start_task`` / ``stop_task`` activities on the shared node task queue
+without rank processes (a rank "runs" for ``job_seconds``, then exits 0) and
+reports TaskStatus as job-workflow signals through the control plane's own
+``TaskStatusForwarder`` (the gRPC hop from agent to leader is not exercised here;
+``gpufleet bench heartbeat`` measures that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from temporalio import activity
+
+from common.contracts import StartTask, StartTaskResult, StopTask, StopTaskResult, TaskState, TaskStatus
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = max(0, min(len(values) - 1, int(round(q / 100.0 * len(values) + 0.5)) - 1))
+    return values[k]
+
+
+class SimFleet:
+    """Simulated agents: ``start_task`` accepts at once, the rank exits 0 after ``job_seconds``."""
+
+    def __init__(self, forwarder: Any, job_seconds: float) -> None:
+        self.forwarder = forwarder
+        self.job_seconds = job_seconds
+        self.timers: dict[str, asyncio.TimerHandle] = {}
+        self.started: set[str] = set()
+        self.starts = 0
+
+    def activities(self) -> list:
+        @activity.defn(name="start_task")
+        async def start_task(req: StartTask) -> StartTaskResult:
+            self.starts += 1
+            if req.lease_id in self.started:
+                return StartTaskResult(req.lease_id, req.epoch, accepted=True, pid=1, already_running=True)
+            self.started.add(req.lease_id)
+            self._report(req, "STARTED")
+            loop = asyncio.get_running_loop()
+            self.timers[req.lease_id] = loop.call_later(self.job_seconds, self._exit, req, 0)
+            return StartTaskResult(req.lease_id, req.epoch, accepted=True, pid=1)
+
+        @activity.defn(name="stop_task")
+        async def stop_task(req: StopTask) -> StopTaskResult:
+            t = self.timers.pop(req.lease_id, None)
+            if t is None:
+                return StopTaskResult(req.lease_id, req.epoch, accepted=True, reason="unknown lease: nothing to stop")
+            t.cancel()
+            return StopTaskResult(req.lease_id, req.epoch, accepted=True, exit_code=143)
+
+        return [start_task, stop_task]
+
+    def _exit(self, req: Any, code: int) -> None:
+        self.timers.pop(req.lease_id, None)
+        self._report(req, "EXITED", code)
+
+    def _report(self, req: Any, state: str, exit_code: int | None = None) -> None:
+        self.forwarder.submit(
+            TaskStatus(
+                node_id=req.node_id, lease_id=req.lease_id, job_id=req.job_id, attempt=req.attempt, epoch=req.epoch,
+                rank=req.rank, state=TaskState(state), at=datetime.now(timezone.utc), exit_code=exit_code,
+            )
+        )  # fmt: skip
+
+
+def _process_tree(control: Any, temporal: Any) -> dict[str, list[Any]]:
+    import psutil
+
+    me = psutil.Process()
+    groups: dict[str, list[Any]] = {"bench_api_fleet": [me], "control": [], "temporal": [], "postgres": []}
+    if control is not None:
+        groups["control"].append(psutil.Process(control.pid))
+    if temporal.proc is not None:
+        groups["temporal"].append(psutil.Process(temporal.proc.pid))
+    for p in psutil.process_iter(["name", "username"]):
+        if (p.info.get("name") or "").startswith("postgres"):
+            groups["postgres"].append(p)
+    return groups
+
+
+def _cpu(groups: dict[str, list[Any]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, procs in groups.items():
+        total = 0.0
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+                if k == "postgres":
+                    continue
+            except Exception:
+                continue
+        out[k] = total
+    return out
+
+
+def _settings_env(settings: Any, **over: Any) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+    for name, value in settings.model_dump(mode="json").items():
+        if value is None:
+            continue
+        env[f"GPUFLEET_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    env.update({f"GPUFLEET_{k.upper()}": str(v) for k, v in over.items()})
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+async def _bench(
+    root: Path, jobs: int, rate: float, job_seconds: float, settle_s: float, log_dir: Path
+) -> dict[str, Any]:
+    import httpx
+
+    from activities.seed import TeamQuota, ensure_cluster, set_quota
+    from api.main import create_app
+    from common.db import create_pool, migrate
+    from common.embedded import EmbeddedPostgres, EmbeddedTemporal
+    from common.settings import Principal, Settings
+    from common.temporal import connect, make_worker
+    from control.status_forwarder import TaskStatusForwarder
+
+    t_setup = time.monotonic()
+    pg = EmbeddedPostgres(root / "pgdata")
+    dsn = pg.start()
+    temporal = EmbeddedTemporal(
+        root / "temporal" / "temporal.db", port=_free_port(), ui=False, log_file=log_dir / "temporal.log"
+    )
+    control: subprocess.Popen | None = None
+    worker = None
+    pool = None
+    forwarder = None
+    try:
+        address = temporal.start()
+        nodes_needed = max(1, -(-jobs // 8))
+        blocks = max(1, -(-nodes_needed // 32))
+        token = "bench-" + uuid.uuid4().hex
+        settings = Settings(
+            state_dir=root / "state",
+            database_url=dsn,
+            temporal_address=address,
+            control_grpc_port=_free_port(),
+            agent_task_queue_mode="shared",
+            api_tokens={token: Principal(name="bench", team="bench")},
+            max_queued_per_team=max(5000, jobs),
+            db_pool_max=20,
+        )
+        pool = await create_pool(dsn, min_size=2, max_size=20)
+        async with pool.acquire() as conn:
+            await migrate(conn)
+            await ensure_cluster(
+                conn, gpu_type="h100", blocks=blocks, nodes_per_block=32,
+                task_queue_prefix=settings.agent_task_queue_prefix,
+            )  # fmt: skip
+            total = blocks * 32 * 8
+            await set_quota(conn, TeamQuota("bench", "h100", total, 0), actor="bench", reason="bench e2e")
+        log = open(log_dir / "control.log", "ab")
+        control = subprocess.Popen(
+            # BENCH_CONTROL_WRAPPER: a script run instead of `-m cli.main` (profiling experiments)
+            [sys.executable, *([os.environ["BENCH_CONTROL_WRAPPER"]] if os.environ.get("BENCH_CONTROL_WRAPPER")
+                               else ["-m", "cli.main"]),
+             "control", "--holder", "bench", "--log-level", "WARNING"],
+            env=_settings_env(settings),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        client = await connect(settings)
+        forwarder = TaskStatusForwarder(client)
+        await forwarder.start()
+        fleet = SimFleet(forwarder, job_seconds)
+        worker = make_worker(client, settings.agent_shared_task_queue, activities=fleet.activities(),
+                             max_concurrent_activities=500)  # fmt: skip
+        worker_task = asyncio.create_task(worker.run())
+        deadline = time.monotonic() + 60
+        while await pool.fetchval("SELECT count(*) FROM leader WHERE expires_at > now()") == 0:
+            if control.poll() is not None:
+                raise RuntimeError(f"control exited with code {control.returncode} (see {log_dir / 'control.log'})")
+            if time.monotonic() > deadline:
+                raise RuntimeError("control did not take leadership within 60 s")
+            await asyncio.sleep(0.2)
+        app = create_app(settings, pool=pool, temporal_client=client)
+        http = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://api", timeout=60,
+            limits=httpx.Limits(max_connections=1000),
+        )  # fmt: skip
+        setup_s = time.monotonic() - t_setup
+
+        sent: dict[str, float] = {}
+        errors: list[str] = []
+        body = {
+            "team": "bench", "priority_class": "research", "image": "registry/bench:1", "command": ["true"],
+            "gpu_type": "h100", "replicas": 1, "gpus_per_replica": 1, "max_runtime": "1h",
+        }  # fmt: skip
+
+        async def submit(i: int) -> None:
+            t0 = time.time()
+            try:
+                r = await http.post(
+                    "/v1/jobs", json={**body, "name": f"bench-{i}"},
+                    headers={"Authorization": f"Bearer {token}", "Idempotency-Key": f"bench-{i}-{uuid.uuid4().hex}"},
+                )  # fmt: skip
+            except Exception as e:
+                errors.append(f"submit {i}: {type(e).__name__}: {e}")
+                return
+            if r.status_code != 202:
+                errors.append(f"submit {i}: HTTP {r.status_code} {r.text[:200]}")
+                return
+            sent[r.json()["job_id"]] = t0
+
+        procs = _process_tree(control, temporal)
+        cpu0 = _cpu(procs)
+        start = time.monotonic()
+        tasks = []
+        for i in range(jobs):
+            delay = start + i / rate - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(submit(i)))
+        await asyncio.gather(*tasks)
+        submit_s = time.monotonic() - start
+
+        running: dict[str, float] = {}
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline:
+            rows = await pool.fetch("SELECT job_id, min(at) AS at FROM job_events WHERE event = 'running' GROUP BY job_id")
+            running = {r["job_id"]: r["at"].timestamp() for r in rows}
+            if all(j in running for j in sent):
+                break
+            await asyncio.sleep(0.5)
+        latencies = [(running[j] - t0) * 1000.0 for j, t0 in sent.items() if j in running]
+        cpu1 = _cpu(procs)
+        wall = time.monotonic() - start
+        cpu_s = {k: round(cpu1.get(k, 0.0) - cpu0.get(k, 0.0), 1) for k in cpu1}
+        # where the time goes: submit -> row committed -> gang allocated -> every rank started
+        marks = await pool.fetch(
+            "SELECT j.job_id, extract(epoch FROM j.submitted_at) AS sub,"
+            " (SELECT extract(epoch FROM min(at)) FROM job_events e WHERE e.job_id = j.job_id AND e.event = 'allocated') AS alloc"
+            " FROM jobs j"
+        )
+        seg: dict[str, list[float]] = {"api_ms": [], "queue_to_allocated_ms": [], "allocated_to_running_ms": []}
+        for r in marks:
+            j = r["job_id"]
+            if j in sent and j in running and r["alloc"] is not None:
+                seg["api_ms"].append((float(r["sub"]) - sent[j]) * 1000)
+                seg["queue_to_allocated_ms"].append((float(r["alloc"]) - float(r["sub"])) * 1000)
+                seg["allocated_to_running_ms"].append((running[j] - float(r["alloc"])) * 1000)
+        breakdown = {
+            k: {"p50": round(_pct(v, 50), 1), "p95": round(_pct(v, 95), 1)} for k, v in seg.items() if v
+        }
+        never = [j for j in sent if j not in running]
+        if never:
+            errors.append(f"{len(never)} job(s) not RUNNING within {settle_s:.0f}s of the last submit")
+        states = {r["state"]: r["n"] for r in await pool.fetch("SELECT state, count(*) AS n FROM jobs GROUP BY state")}
+        cycles = await pool.fetchval("SELECT count(DISTINCT (detail->>'epoch')) FROM audit WHERE action = 'allocate'")
+        await http.aclose()
+        try:
+            from workflows.messages import PLACEMENT_WORKFLOW_ID
+
+            pstatus = await client.get_workflow_handle(PLACEMENT_WORKFLOW_ID).query("status")
+        except Exception as e:  # diagnostics only
+            pstatus = {"error": str(e)}
+        p = {q: _pct(latencies, q) for q in (50, 95, 99)}
+        return {
+            "submitted": len(sent),
+            "requested": jobs,
+            "rate_per_s": rate,
+            "achieved_rate_per_s": round(len(sent) / submit_s, 2) if submit_s > 0 else None,
+            "errors": len(errors),
+            "error_samples": errors[:5],
+            "running": len(latencies),
+            "p50_ms": round(p[50], 1) if p[50] is not None else None,
+            "p95_ms": round(p[95], 1) if p[95] is not None else None,
+            "p99_ms": round(p[99], 1) if p[99] is not None else None,
+            "mean_ms": round(statistics.fmean(latencies), 1) if latencies else None,
+            "max_ms": round(max(latencies), 1) if latencies else None,
+            "must_p95_ms": 5000,
+            "target_p95_ms": 2000,
+            "must_met": bool(p[95] is not None and p[95] <= 5000 and not errors),
+            "target_met": bool(p[95] is not None and p[95] <= 2000 and not errors),
+            "breakdown": breakdown,
+            "cpu_seconds": {**cpu_s, "wall_s": round(wall, 1)},
+            "placement": {"cycles": pstatus.get("cycles"), "failures": pstatus.get("failures"),
+                          "last_cycle": pstatus.get("last")},
+            "job_states": states,
+            "leader_epochs": cycles,
+            "cluster_gpus": blocks * 32 * 8,
+            "job_seconds": job_seconds,
+            "setup_s": round(setup_s, 1),
+            "fleet": "simulated in-process agents (start_task/stop_task activities, no rank processes)",
+            "measured": "submit request sent -> the job's 'running' event (every rank started)",
+            "stack": "embedded Postgres + Temporal dev server (SQLite WAL), API in-process (ASGI), control subprocess",
+        }
+    finally:
+        if forwarder is not None:
+            try:
+                await forwarder.stop()
+            except Exception:
+                pass
+        if worker is not None:
+            try:
+                await asyncio.wait_for(worker.shutdown(), 10)
+            except Exception:
+                pass
+        if control is not None and control.poll() is None:
+            control.send_signal(signal.SIGTERM)
+            try:
+                control.wait(20)
+            except subprocess.TimeoutExpired:
+                control.kill()
+        if pool is not None:
+            await pool.close()
+        temporal.stop()
+        pg.stop()
+
+
+def run(
+    jobs: int = 1000,
+    rate: float = 50.0,
+    job_seconds: float = 300.0,
+    settle_s: float = 120.0,
+    keep: bool = False,
+) -> dict:
+    """Run the benchmark; returns the JSON-ready result (see the module docstring)."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    root = Path(tempfile.mkdtemp(prefix="gpufleet-bench-e2e-"))
+    log_dir = root / "logs"
+    log_dir.mkdir(parents=True)
+    try:
+        result = asyncio.run(_bench(root, jobs, rate, job_seconds, settle_s, log_dir))
+        result["logs"] = str(log_dir) if keep else None
+        return result
+    finally:
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":  # python -m cli.bench_e2e [jobs] [rate]
+    from common.temporal import hard_exit
+
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
+    r = float(sys.argv[2]) if len(sys.argv) > 2 else 50.0
+    print(json.dumps(run(jobs=n, rate=r), indent=2))
+    hard_exit(0)
