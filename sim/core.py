@@ -190,6 +190,7 @@ class Simulation:
         self.observer: Callable[[Simulation, Plan], None] | None = None  # called after each cycle
         self.metrics = Metrics(workload, self.state, self.opt.sample_s)
         self.metrics.cycle_interval = self.opt.cycle_interval_s
+        self.metrics.recs = self.recs
         self.cycle_s: list[float] = []
         self.wall_s = 0.0
         self._node_gpus = {t: workload.cluster.node_gpus(t) for t in workload.cluster.gpu_types()}
@@ -329,7 +330,7 @@ class Simulation:
             if self.next_tick == _INF or self.next_tick <= now:
                 self.next_tick = w
                 self._push(w, WAKE)
-        m.after_cycle(now, self.queue)
+        m.after_cycle(now, self.queue, p)
 
     def _start(self, rec: _Rec, pl) -> None:
         now = self.now

@@ -112,6 +112,9 @@ class Metrics:
         self.backfills = 0
         self.starving_since: dict[tuple[str, str], float] = {}
         self.below_since: dict[tuple[str, str], float] = {}
+        self.recs: dict | None = None
+        self.next_reason_sample = 0.0
+        self.starving_reasons: Counter = Counter()
         self.below_max: dict[str, float] = {}
         self.starved_max: dict[str, float] = {}
         self.starved_episodes: Counter = Counter()
@@ -270,11 +273,13 @@ class Metrics:
     def health_changed(self) -> None:
         self.stale = True
 
-    def after_cycle(self, now: float, queue) -> None:
+    def after_cycle(self, now: float, queue, plan=None) -> None:
         self.stale = True
         if now < 0:
             return
         st = self.state
+        if plan is not None and now >= self.next_reason_sample and self.recs is not None:
+            self._sample_starving_reasons(now, plan)
         # reclaimable borrowed GPUs per (type, class rank): the engine's victim lists (borrowed,
         # not prod-serving, not already stopping), whatever their age
         reclaimable: dict[str, list[int]] = {}
@@ -313,6 +318,23 @@ class Metrics:
                         store[key] = now
                 elif since is not None:
                     closer(key, since, now)
+
+    def _sample_starving_reasons(self, now: float, plan) -> None:
+        """Once a minute while a team starves: why its work that fits its guarantee waits."""
+        starving = {k[0]: k for k, since in self.starving_since.items() if now - since > STARVED_AFTER_S}
+        if not starving:
+            return
+        self.next_reason_sample = now + 60.0
+        st = self.state
+        for pe in plan.pending:
+            rec = self.recs.get(pe.job_id)
+            if rec is None:
+                continue
+            key = starving.get(rec.job.team)
+            if key is None or key[1] != rec.job.gpu_type:
+                continue
+            if st.used(*key) + rec.charge <= st.quota(*key).guaranteed:
+                self.starving_reasons[f"{rec.job.priority}/{pe.reason.value}"] += 1
 
     def _close_below(self, key: tuple[str, str], since: float, now: float) -> None:
         del self.below_since[key]
@@ -459,6 +481,8 @@ class Metrics:
             },
             "teams": teams,
             "starved_teams": sorted(n for n, v in teams.items() if v["starved"]),
+            # once a minute while a team starves: class/pending reason of its work that fits its guarantee
+            "starving_work_reasons": dict(sorted(self.starving_reasons.items(), key=lambda kv: (-kv[1], kv[0]))),
             "lost_gpu_hours": {
                 "preemption": r(self.lost_pre_h, 3),
                 "failures": r(self.lost_fail_h, 3),
