@@ -107,6 +107,17 @@ class _Cycle:
                     counted += 1
                 if counted >= limit or drawn >= scan_limit:
                     break
+            # a team below its guarantee must get its reclaim planned in the first cycle that sees
+            # the need: the head of each of its lanes is looked at even beyond the lookahead
+            for (rank, team, gpu_type, _), lane in sorted(self.queue.lanes().items()):
+                if state.used(team, gpu_type) >= state.quota(team, gpu_type).guaranteed:
+                    continue
+                for _, jid in lane:  # the lane's seen jobs are a prefix: skip them
+                    if jid not in seen:
+                        seen.add(jid)
+                        self.considered += 1
+                        self._consider(self.queue._jobs[jid])
+                        break
             # owners of reservations (capacity held for them) are looked at even beyond the lookahead
             for res in sorted(state.reservations(), key=lambda r: (r.priority_rank, r.created_at, r.job_id)):
                 job = self.queue.get(res.job_id)
@@ -393,7 +404,9 @@ class _Cycle:
 
     def _preempt(self, job: JobSpec, ti: _TypeIndex, shape: Shape, mode: Mode) -> bool:
         state, policy, now = self.state, self.policy, self.now
-        if self.victims_left <= 0 or self.searches_left <= 0:
+        # a team reclaiming its guarantee is not held back by the per-cycle caps
+        reclaim = not mode.borrowed_only and state.used(job.team, job.gpu_type) < state.quota(job.team, job.gpu_type).guaranteed
+        if not reclaim and (self.victims_left <= 0 or self.searches_left <= 0):
             return False
         t = job.topology
         fkey = (
@@ -402,12 +415,12 @@ class _Cycle:
         )
         if fkey in self.preempt_fail:
             return False
-        if not self._preempt_search(job, ti, shape, mode):
+        if not self._preempt_search(job, ti, shape, mode, reclaim):
             self.preempt_fail.add(fkey)
             return False
         return True
 
-    def _preempt_search(self, job: JobSpec, ti: _TypeIndex, shape: Shape, mode: Mode) -> bool:
+    def _preempt_search(self, job: JobSpec, ti: _TypeIndex, shape: Shape, mode: Mode, reclaim: bool) -> bool:
         state, policy, now = self.state, self.policy, self.now
         if ti.free_gpus + eligible_upper_bound(ti, mode) < shape.charge:
             return False
@@ -419,20 +432,19 @@ class _Cycle:
         self.searches_left -= 1
         search = Search(state, ti, excl)
         use_free = not (mode.borrowed_only and not policy.serving_borrows_idle)
+        limit = max(self.victims_left, shape.nodes if shape.whole else 8) if reclaim else self.victims_left
         if shape.whole:
             ckey = (job.gpu_type, mode)
             index = self.clearable.get(ckey)
             if index is None:
                 index = self.clearable[ckey] = ClearableIndex(state, ti, mode, now, policy)
-            choice = find_whole(
-                state, search, shape, t.pack, t.max_blocks, mode, now, policy, index, self.victims_left, use_free
-            )
+            choice = find_whole(state, search, shape, t.pack, t.max_blocks, mode, now, policy, index, limit, use_free)
         else:
-            choice = find_small(state, search, shape.total, mode, now, policy, self.victims_left, use_free)
-        if choice is None or len(choice.victims) > self.victims_left:
+            choice = find_small(state, search, shape.total, mode, now, policy, limit, use_free)
+        if choice is None or len(choice.victims) > limit:
             self.victim_memo.add(mkey)
             return False
-        self.victims_left -= len(choice.victims)
+        self.victims_left = max(0, self.victims_left - len(choice.victims))
         for vid in choice.victims:
             rj = state.running(vid)
             self.preemptions.append(Preemption(vid, job.job_id, reason_for(rj, mode), rj.spec.grace_s, rj.borrowed))

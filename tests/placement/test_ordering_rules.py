@@ -95,7 +95,7 @@ def test_order_fifo_ignores_classes() -> None:
 
 def test_lookahead_limits_the_jobs_considered() -> None:
     st = cluster(blocks=1, nodes=1)
-    st.set_quota("t", "h100", 100)
+    st.set_quota("t", "h100", 0, 100)  # not below a guarantee (those are looked at regardless)
     fill(st, ["b0n0"])
     q = queue_of(*[spec(f"j{i}", submit=i) for i in range(10)])
     p = plan(st, q, Policy(lookahead=3), 100.0)

@@ -201,6 +201,20 @@ def test_reclaim_of_borrowed_gpus_is_planned_in_the_first_cycle() -> None:
     assert len(mine) >= 1 and all(pr.reason is PreemptReason.RECLAIM for pr in mine)
 
 
+def test_reclaim_is_planned_in_the_first_cycle_even_beyond_the_lookahead() -> None:
+    st = cluster(blocks=2, nodes=4)
+    st.set_quota("owner", "h100", 16)
+    st.set_quota("borrower", "h100", 0, 1000)
+    fill(st, [f"b{b}n{n}" for b in range(2) for n in range(4)], team="borrower", cls="research", borrowed=True)
+    # higher-class jobs that cannot run (borrowing: no preemption) fill the lookahead
+    st.set_quota("busy", "h100", 0, 1000)
+    ahead = [spec(f"hi{i}", team="busy", cls="prod-batch", gpr=8, submit=i) for i in range(20)]
+    q = queue_of(*ahead, spec("mine", team="owner", cls="research", gpr=8, submit=1000))
+    p = cycle(st, q, NOW, Policy(lookahead=5, max_victim_searches_per_cycle=0, max_preemptions_per_cycle=0))
+    assert [pr.beneficiary for pr in p.preemptions] == ["mine"]
+    assert p.preemptions[0].reason is PreemptReason.RECLAIM
+
+
 def test_borrowing_job_does_not_preempt() -> None:
     st = cluster(blocks=1, nodes=1)
     st.set_quota("me", "h100", 0, 100)
