@@ -58,6 +58,7 @@ log = logging.getLogger("gpufleet.control")
 
 WAKE_CHANNEL = "gpufleet_wake"
 ENSURE_PLACEMENT_EVERY_S = 30.0
+RECONCILE_AFTER_S = 2.0
 
 
 def default_holder() -> str:
@@ -148,6 +149,11 @@ class ControlProcess:
         self._stopping = asyncio.Event()
         self._last_renew = 0.0
         self._next_ensure = 0.0
+        # reconciliation: tasks agents run whose lease is not live (first seen missing, DB-verified dead)
+        self._missing_since: dict[str, float] = {}
+        self._dead_leases: set[str] = set()
+        self._to_verify: set[str] = set()
+        self._verifying: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ properties
 
@@ -185,6 +191,7 @@ class ControlProcess:
                 s,
                 port=self.grpc_port,
                 confirmed_leases=self._confirmed_leases,
+                leases_to_stop=self._leases_to_stop,
                 on_task_status=self._on_task_status,
                 leader_address=self._leader_address,
             )
@@ -350,6 +357,49 @@ class ControlProcess:
         if self.epoch is None or self.leader is None:
             return []
         return sorted(self.leader.node_leases.get(node_id, ()))
+
+    def _leases_to_stop(self, entry: Any) -> list[tuple[str, int, str]]:
+        """DESIGN.md, Health: a task with no live lease is killed. A running task whose lease
+        the leader does not hold as live is stopped once Postgres confirms the lease is not
+        live (released, or never committed) and it stayed missing ``RECONCILE_AFTER_S``."""
+        if self.epoch is None or self.leader is None:
+            return []
+        live = self.leader.node_leases.get(entry.node_id, set())
+        now = time.monotonic()
+        out: list[tuple[str, int, str]] = []
+        for r in entry.message.running:
+            if r.lease_id in live:
+                self._missing_since.pop(r.lease_id, None)
+                continue
+            first = self._missing_since.setdefault(r.lease_id, now)
+            if r.lease_id in self._dead_leases:
+                out.append((r.lease_id, r.epoch, "reconciliation: no live lease"))
+            elif now - first >= RECONCILE_AFTER_S:
+                self._to_verify.add(r.lease_id)
+        if self._to_verify and (self._verifying is None or self._verifying.done()):
+            self._verifying = asyncio.create_task(self._verify_dead())
+        return out
+
+    async def _verify_dead(self) -> None:
+        ids, self._to_verify = sorted(self._to_verify), set()
+        try:
+            live = {
+                r["lease_id"]
+                for r in await self.pool.fetch(
+                    "SELECT lease_id FROM leases WHERE lease_id = ANY($1::text[]) AND state = 'live'", ids
+                )
+            }
+        except Exception as e:
+            log.warning("lease reconciliation check failed: %s", e)
+            return
+        dead = set(ids) - live
+        if dead:
+            log.warning("agents run %d task(s) without a live lease; stopping them: %s", len(dead), sorted(dead)[:5])
+        self._dead_leases |= dead
+        for lid in live:
+            self._missing_since.pop(lid, None)
+        if len(self._dead_leases) > 100_000:
+            self._dead_leases = set(list(self._dead_leases)[-50_000:])
 
     def _on_task_status(self, status: Any) -> None:
         assert self.forwarder is not None

@@ -44,7 +44,9 @@ class _NoUpdate:
 
 _NO_UPDATE = _NoUpdate()
 
-_INFRA_OUTCOMES = (TaskState.FENCED, TaskState.LOST, TaskState.REJECTED)
+# outcomes that end an attempt without counting against the job; STOPPED here means a stop
+# nobody in this workflow asked for (reconciliation, drain): ours happen only while stopping
+_INFRA_OUTCOMES = (TaskState.FENCED, TaskState.LOST, TaskState.REJECTED, TaskState.STOPPED)
 
 
 @dataclass
