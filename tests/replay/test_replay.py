@@ -25,6 +25,9 @@ from workflows.placement import PlacementWorkflow
 
 HISTORIES = Path(__file__).parent / "histories"
 RECORD = os.environ.get("GPUFLEET_RECORD_HISTORIES") == "1"
+# histories are kept per workflow-code version (<name>-<version>-<run>.json): older versions
+# stay committed so patched branches keep replaying; recording writes this version only
+VERSION = "v2"
 
 
 def _histories() -> list[Path]:
@@ -42,7 +45,7 @@ async def test_history_replays(path: Path):
 
 
 def test_the_representative_histories_are_committed():
-    names = {p.stem.rsplit("-", 1)[0] for p in _histories()}
+    names = {p.stem.split("-", 1)[0] for p in _histories()}
     assert {"job_success", "job_preempt_resume", "job_cancel", "job_gang_failure", "placement"} <= names
 
 
@@ -59,7 +62,7 @@ async def _save(client, workflow_id: str, name: str) -> list[Path]:
     HISTORIES.mkdir(exist_ok=True)
     for i, wf in enumerate(runs):
         history = await client.get_workflow_handle(workflow_id, run_id=wf.run_id).fetch_history()
-        path = HISTORIES / f"{name}-{i + 1}.json"
+        path = HISTORIES / f"{name}-{VERSION}-{i + 1}.json"
         path.write_text(json.dumps({"workflow_id": workflow_id, "history": history.to_json_dict()}, indent=1))
         out.append(path)
     return out
@@ -70,9 +73,8 @@ async def test_record_histories(stand):
     from tests.support import eventually
     from tests.workflows.harness import PY, TRAIN, read_json
 
-    for old in _histories():
-        if old.name.startswith("job_"):
-            old.unlink()
+    for old in HISTORIES.glob(f"job_*-{VERSION}-*.json"):
+        old.unlink()
     c = stand.client
     # success
     ok = await stand.submit("rec-ok", command=[PY, "-c", "import time; time.sleep(0.3)"])
@@ -130,8 +132,6 @@ async def test_record_placement_history(cluster):
     assert (await stand.result(job)).state == "SUCCEEDED"
     h = stand.client.get_workflow_handle(PLACEMENT_WORKFLOW_ID)
     history = await h.fetch_history()
-    for old in HISTORIES.glob("placement-*.json"):
-        old.unlink()
-    (HISTORIES / "placement-1.json").write_text(
+    (HISTORIES / f"placement-{VERSION}-1.json").write_text(
         json.dumps({"workflow_id": PLACEMENT_WORKFLOW_ID, "history": history.to_json_dict()}, indent=1)
     )
