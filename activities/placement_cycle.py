@@ -67,6 +67,8 @@ JOB_COLUMNS = (
 )
 MAX_RESIGNAL_S = 60.0
 UNSTARTED_SWEEP_S = 5.0
+PRUNE_EVERY_S = 60.0
+CHANGES_KEPT_S = 600.0
 
 
 class NotLeader(Exception):
@@ -180,6 +182,7 @@ class LeaderState:
         self.cycles = 0
         self.last_cycle_ms = 0.0
         self._next_sweep = 0.0
+        self._next_prune = time.monotonic() + PRUNE_EVERY_S
         self._sem = asyncio.Semaphore(64)
         self._dirty_jobs: set[str] = set()
         self._needs_rebuild = False
@@ -553,6 +556,15 @@ class LeaderState:
         if mono >= self._next_sweep:
             self._next_sweep = mono + UNSTARTED_SWEEP_S
             stats.started_workflows = await self._start_missing_workflows()
+        if mono >= self._next_prune:
+            self._next_prune = mono + PRUNE_EVERY_S
+            # the change sequence is read only forward (a new leader starts from its max):
+            # keep a margin for slow readers, drop the rest
+            await self.pool.execute(
+                "DELETE FROM changes WHERE seq <= $1 AND at < now() - make_interval(secs => $2)",
+                self.cursor,
+                CHANGES_KEPT_S,
+            )
         return stats
 
     async def _commit(self, epoch: int, p: Placement) -> m.Allocation | None:

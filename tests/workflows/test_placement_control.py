@@ -213,3 +213,22 @@ async def assert_no_gpu_had_two_live_leases(pool) -> None:
         "  AND a.created_at < b.released_at AND b.created_at < a.released_at"
     )
     assert not overlaps, [dict(r) for r in overlaps]
+
+
+async def test_control_starts_the_workflow_of_a_queued_job_that_lacks_one(cluster, monkeypatch):
+    import activities.placement_cycle as pc
+
+    monkeypatch.setattr(pc, "UNSTARTED_SWEEP_S", 0.5)
+    stand, start = cluster
+    c1 = await start("c1")
+    await leading(c1)
+    job = await stand.submit("p-orphan", replicas=5, gpus_per_replica=8, start=False)  # never placeable here
+
+    async def started():
+        return await stand.pool.fetchval("SELECT workflow_started FROM jobs WHERE job_id = $1", job)
+
+    await eventually(started, timeout=15, what="the sweep starting its workflow")
+    desc = await stand.client.get_workflow_handle(job).describe()
+    assert desc.status.name == "RUNNING"
+    await stand.client.get_workflow_handle(job).signal("cancel", {"actor": "test"})
+    assert (await stand.result(job)).state == "CANCELLED"
