@@ -41,12 +41,13 @@ from placement.model import (
     ReservationKind,
 )
 from placement.ordering import JobQueue, iter_order
-from placement.reservations import excluded_owners, expected_start, make_head_of_line, plan_head_of_line
+from placement.reservations import Exclusions, expected_start, make_head_of_line, plan_head_of_line
 from placement.state import ClusterState, RunningJob, _TypeIndex, indices_of, make_placement, mask_of
 from placement.topology import Search, Shape, choose_spares, find_placement, find_small_node, job_shape
 from placement.victims import ClearableIndex, Mode, eligible_upper_bound, find_small, find_whole, reason_for
 
 _INF = float("inf")
+_NO_EXCL: frozenset[str] = frozenset()
 
 
 def plan(state: ClusterState, queue: JobQueue, policy: Policy = DEFAULT_POLICY, now: float = 0.0) -> Plan:
@@ -73,6 +74,7 @@ class _Cycle:
         self.victim_memo: set[tuple] = set()
         self.reserve_memo: set[tuple] = set()
         self.preempt_fail: set[tuple] = set()
+        self.reclaimed: set[tuple[str, str]] = set()
         self.clearable: dict[tuple[str, Mode], ClearableIndex] = {}
         self.victims_left = policy.max_preemptions_per_cycle
         self.searches_left = policy.max_victim_searches_per_cycle
@@ -81,7 +83,8 @@ class _Cycle:
         self.try_memo: dict[tuple, PendingReason] = {}
         self.blocked: set[tuple[str, str, int]] = set()
         self.lane_cache: dict[tuple[str, str], int] = {}
-        self.excl_cache: dict[tuple, frozenset[str]] = {}
+        self.excl_cache: dict[tuple, Exclusions] = {}
+        self.lower_res: dict[tuple[str, int], int] = {}
         self.excl_version = -1
 
     # ------------------------------------------------------------------ cycle
@@ -186,22 +189,29 @@ class _Cycle:
             room = max(room, q.borrow_limit - (used - gused))
         return room
 
-    def _excl(self, job: JobSpec, class_rule: bool = True) -> frozenset[str]:
-        """Reservation owners whose nodes ``job`` may not use (cached per cycle)."""
+    def _excl(self, job: JobSpec, class_rule: bool = True) -> Exclusions:
+        """Reservation owners whose nodes ``job`` may not use (shared per cycle by equal jobs)."""
         state = self.state
-        if not state._reservations:
-            return frozenset()
-        if state.res_version != self.excl_version:
+        if state.res_free_version != self.excl_version:
             self.excl_cache.clear()
-            self.excl_version = state.res_version
+            self.excl_version = state.res_free_version
         own = job.job_id if job.job_id in state._reservations else None
         key = (job.gpu_type, job.rank, job.max_runtime_s, class_rule, own)
         ex = self.excl_cache.get(key)
         if ex is None:
-            ex = self.excl_cache[key] = excluded_owners(
-                state._reservations.values(), job, self.now, self.policy, class_rule
-            )
+            ex = self.excl_cache[key] = Exclusions(state, job, self.now, self.policy, class_rule)
         return ex
+
+    def _lower_class_reservation(self, job: JobSpec) -> bool:
+        """Does some reservation of the job's type belong to a lower class (usable as a last resort)?"""
+        state = self.state
+        key = (job.gpu_type, state.res_version)
+        got = self.lower_res.get(key)
+        if got is None:
+            got = self.lower_res[key] = max(
+                (r.priority_rank for r in state._reservations.values() if r.gpu_type == job.gpu_type), default=-1
+            )
+        return got > job.rank
 
     def _classify(self, job: JobSpec, charge: int) -> bool | None:
         """``quota.classify``, inlined for the hot loop: False guaranteed, True borrowed, None quota."""
@@ -317,12 +327,12 @@ class _Cycle:
         elif ti.free_gpus < shape.total:
             return PendingReason.CAPACITY, None
         if not state._reservations:
-            return self._search(job, ti, shape, borrowed, restrict, own_spares, frozenset())
+            return self._search(job, ti, shape, borrowed, restrict, own_spares, _NO_EXCL)
         t = job.topology
         own = job.job_id in state._reservations
         tkey = (
             job.gpu_type, job.gpus_per_replica, job.replicas, t.pack, t.max_blocks, job.rank,
-            job.max_runtime_s, restrict, state.res_version,
+            job.max_runtime_s, restrict, state.res_free_version,
         )
         if not own and not own_spares:
             hit = self.try_memo.get(tkey)
@@ -332,8 +342,8 @@ class _Cycle:
         fail, placed = self._search(job, ti, shape, borrowed, restrict, own_spares, strict)
         if placed is None:
             # last resort: blocks reserved for lower classes (which would rather be preempted)
-            loose = self._excl(job)
-            if loose != strict:
+            if self._lower_class_reservation(job):
+                loose = self._excl(job)
                 fail2, placed = self._search(job, ti, shape, borrowed, restrict, own_spares, loose)
                 if placed is None and fail is PendingReason.RESERVATION:
                     fail = fail2
@@ -349,7 +359,7 @@ class _Cycle:
         borrowed: bool,
         restrict: frozenset[str] | None,
         own_spares: bool,
-        excl: frozenset[str],
+        excl: Exclusions | frozenset[str],
     ) -> tuple[PendingReason | None, Placement | None]:
         state, policy = self.state, self.policy
         t = job.topology
@@ -362,9 +372,9 @@ class _Cycle:
             job.replicas,
             t.pack,
             t.max_blocks,
-            excl,
+            excl.key if isinstance(excl, Exclusions) else None,
             restrict,
-            state.res_version,
+            state.res_free_version,
         )
         memo_ok = not own_spares
         if memo_ok:
@@ -404,20 +414,28 @@ class _Cycle:
 
     def _preempt(self, job: JobSpec, ti: _TypeIndex, shape: Shape, mode: Mode) -> bool:
         state, policy, now = self.state, self.policy, self.now
-        # a team reclaiming its guarantee is not held back by the per-cycle caps
-        reclaim = not mode.borrowed_only and state.used(job.team, job.gpu_type) < state.quota(job.team, job.gpu_type).guaranteed
+        # the first reclaim per cycle of a team below its guarantee is not held back by the
+        # per-cycle caps (so it is planned in the first cycle that sees the need)
+        tkey = (job.team, job.gpu_type)
+        reclaim = (
+            not mode.borrowed_only
+            and tkey not in self.reclaimed
+            and state.used(job.team, job.gpu_type) < state.quota(job.team, job.gpu_type).guaranteed
+        )
         if not reclaim and (self.victims_left <= 0 or self.searches_left <= 0):
             return False
         t = job.topology
         fkey = (
             job.gpu_type, mode, job.gpus_per_replica, job.replicas, t.pack, t.max_blocks,
-            job.max_runtime_s, job.job_id in state._reservations, state.res_version,
+            job.max_runtime_s, job.job_id in state._reservations, state.res_free_version,
         )
         if fkey in self.preempt_fail:
             return False
         if not self._preempt_search(job, ti, shape, mode, reclaim):
             self.preempt_fail.add(fkey)
             return False
+        if reclaim:
+            self.reclaimed.add(tkey)
         return True
 
     def _preempt_search(self, job: JobSpec, ti: _TypeIndex, shape: Shape, mode: Mode, reclaim: bool) -> bool:
@@ -426,7 +444,7 @@ class _Cycle:
             return False
         excl = self._excl(job)
         t = job.topology
-        mkey = (job.gpu_type, mode, shape.whole, shape.nodes, shape.total, t.pack, t.max_blocks, excl)
+        mkey = (job.gpu_type, mode, shape.whole, shape.nodes, shape.total, t.pack, t.max_blocks, excl.key)
         if mkey in self.victim_memo:
             return False
         self.searches_left -= 1

@@ -218,6 +218,9 @@ class Policy:
     * ``lookahead`` counts jobs evaluated for placement; jobs stopped by quota alone do
       not count (a lane whose team has no room is skipped whole), but at most
       ``scan_factor x lookahead`` jobs are drawn from the queue per cycle.
+    * ``max_preemptions_per_cycle`` / ``max_victim_searches_per_cycle`` bound a cycle's
+      preemption work; the first reclaim per cycle of each team below its guarantee is
+      exempt (a reclaim is planned in the first cycle that sees the need).
     * ``reservation_replan_s``: a head-of-line reservation whose expected start slipped
       by more than this is re-planned on other blocks if they are earlier.
     * ``serving_borrows_idle``: False (DESIGN.md) means prod-serving beyond its

@@ -46,6 +46,50 @@ def excluded_owners(
     )
 
 
+class Exclusions:
+    """The reservation owners whose nodes one job may not use, decided lazily per owner.
+
+    Behaves as a read-only set for ``in``; ``key`` identifies the answer for caching
+    (it depends only on the job's type, class, max_runtime, own reservation, the rule
+    set and the reservation set's version).
+    """
+
+    __slots__ = ("state", "job", "now", "policy", "class_rule", "cache", "key")
+
+    def __init__(self, state: ClusterState, job: JobSpec, now: float, policy: Policy, class_rule: bool = True) -> None:
+        self.state = state
+        self.job = job
+        self.now = now
+        self.policy = policy
+        self.class_rule = class_rule
+        self.cache: dict[str, bool] = {}
+        own = job.job_id if job.job_id in state._reservations else None
+        # a new reservation only takes capacity away, and answers are per owner: the key changes
+        # only when a reservation goes (or is replaced)
+        self.key = (job.gpu_type, job.rank, job.max_runtime_s, own, class_rule, state.res_free_version)
+
+    def __contains__(self, owner: object) -> bool:
+        got = self.cache.get(owner)  # type: ignore[arg-type]
+        if got is None:
+            res = self.state._reservations.get(owner)  # type: ignore[arg-type]
+            if res is None:
+                return False  # not (yet) an owner: not cached, it may reserve later this cycle
+            got = res.gpu_type == self.job.gpu_type and not may_use(
+                res, self.job, self.now, self.policy, self.class_rule
+            )
+            self.cache[owner] = got  # type: ignore[index]
+        return got
+
+    def __bool__(self) -> bool:
+        return bool(self.state._reservations)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Exclusions) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
 def node_free_time(state: ClusterState, node: _Node) -> float:
     """When the node will be entirely free (-inf: now; inf: never, e.g. not ready)."""
     if node.health is not NodeHealth.READY or node.spare_of is not None:

@@ -239,6 +239,7 @@ class ClusterState:
         self._journal: list[tuple[Callable[..., Any], tuple[Any, ...]]] | None = None
         self.res_cache: dict[str, tuple[tuple[int, ...], float]] = {}
         self.res_version = 0  # bumped on every reservation change (cache invalidation only)
+        self.res_free_version = 0  # bumped only when a reservation goes (capacity may come back)
         self._young: list[tuple[float, int, RunningJob]] = []  # (started_at, seq, job) not yet listed
         self._young_seq = 0
         self._clock = float("-inf")  # latest ``now`` seen by promote
@@ -894,6 +895,7 @@ class ClusterState:
 
     def _del_res(self, job_id: str) -> None:
         self.res_version += 1
+        self.res_free_version += 1
         res = self._reservations.pop(job_id)
         self.res_cache.pop(job_id, None)
         for n in self.reservation_nodes(res):

@@ -37,7 +37,7 @@ class Mode:
 
 
 _SCAN_LIMIT = 4096  # candidates looked at per small-job victim search
-_AFTER_BEST = 64  # and at most this many more once one fits (least GPU-seconds among them)
+_AFTER_BEST = 16  # and at most this many more once one fits (least GPU-seconds among them)
 _CATS: dict[Mode, list[tuple[int, bool]]] = {}
 
 
@@ -127,6 +127,7 @@ def find_small(
     ti = search.ti
     best: tuple | None = None
     scanned = seen = 0
+    over_cache: dict[str, float] = {}
     protect_until = now - policy.preemption_protect_s
     after_best = 0
     for rj in _iter_candidates(state, ti, mode):
@@ -146,7 +147,10 @@ def find_small(
                 continue
             if not _node_usable(state, search, nid):
                 continue
-            key = (1, _lost(rj, now), -over_share(state, rj.team, rj.gpu_type), rj.job_id, nid)
+            o = over_cache.get(rj.team)
+            if o is None:
+                o = over_cache[rj.team] = over_share(state, rj.team, rj.gpu_type)
+            key = (1, _lost(rj, now), -o, rj.job_id, nid)
             if best is None or key < best:
                 best = key
         if best is None and scanned >= 512:
