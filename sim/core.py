@@ -184,6 +184,7 @@ class Simulation:
         self.dirty = False
         self.next_tick = _INF
         self.wakes: set[float] = set()
+        self.hol: set[str] = set()
         self.cycles = 0
         self.log: list[str] = []
         self.plans: list[Plan] = []
@@ -316,6 +317,14 @@ class Simulation:
                 self._note(f"replace {pl.job_id} on {[n.node_id for n in pl.nodes]}")
         for pr in p.preemptions:
             self._preempt(pr)
+        # head-of-line reservations: made, kept until the owner starts, or dropped while it waits
+        hol = {r.job_id for r in p.reservations if r.kind is ReservationKind.HEAD_OF_LINE}
+        for jid in hol - self.hol:
+            m.reservation_made(jid, now)
+        for jid in self.hol - hol:
+            rec = self.recs[jid]
+            m.reservation_gone(jid, now, owner_started=rec.phase != "queued")
+        self.hol = hol
         # wake-ups: a reservation's expected start, a preemption hold running out
         for res in p.reservations:
             if res.kind is ReservationKind.HEAD_OF_LINE:

@@ -113,6 +113,10 @@ class Metrics:
         self.starving_since: dict[tuple[str, str], float] = {}
         self.below_since: dict[tuple[str, str], float] = {}
         self.recs: dict | None = None
+        self.res_since: dict[str, float] = {}
+        self.res_made = self.res_started = self.res_dropped = 0
+        self.res_held_s: list[float] = []
+        self.res_dropped_held_s = 0.0
         self.next_reason_sample = 0.0
         self.starving_reasons: Counter = Counter()
         self.below_max: dict[str, float] = {}
@@ -235,6 +239,22 @@ class Metrics:
                     "attempt": rec.spec.attempt,
                 }
             )
+
+    def reservation_made(self, job_id: str, now: float) -> None:
+        self.res_since[job_id] = now
+        if now >= 0:
+            self.res_made += 1
+
+    def reservation_gone(self, job_id: str, now: float, owner_started: bool) -> None:
+        since = self.res_since.pop(job_id, now)
+        if now < 0:
+            return
+        if owner_started:
+            self.res_started += 1
+            self.res_held_s.append(now - since)
+        else:
+            self.res_dropped += 1
+            self.res_dropped_held_s += now - since
 
     def preempted(self, rec: _Rec, pr, now: float) -> None:
         if now < 0:
@@ -504,6 +524,14 @@ class Metrics:
                 "mean_min_blocks": r(sum(x["min_blocks"] for x in self.large) / len(self.large), 3)
                 if self.large
                 else None,
+            },
+            "head_of_line_reservations": {
+                "made": self.res_made,
+                "owner_started": self.res_started,
+                "held_until_start_s": dist(self.res_held_s),
+                # dropped while the owner still waits: the drain so far is lost to it
+                "dropped_while_owner_waits": self.res_dropped,
+                "dropped_after_holding_h_total": r(self.res_dropped_held_s / 3600.0, 2),
             },
             "preemptions": {
                 "total": sum(self.preempt_by_reason.values()),

@@ -86,6 +86,11 @@ def rows(report: dict) -> list[tuple[str, list[str]]]:
         lambda p: f"{_num(p['large_gangs']['mean_blocks'], 2)} vs {_num(p['large_gangs']['mean_min_blocks'], 2)}",
     )
     row(
+        "head-of-line reservations: made / owner started / dropped while owner waits",
+        lambda p: f"{p['head_of_line_reservations']['made']} / {p['head_of_line_reservations']['owner_started']}"
+        f" / {p['head_of_line_reservations']['dropped_while_owner_waits']}",
+    )
+    row(
         "teams starved (max wait of any team)",
         lambda p: f"{len(p['starved_teams'])} ({fmt_s(max((t['max_wait_s'] or 0) for t in p['teams'].values()))})",
     )
