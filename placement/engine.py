@@ -7,9 +7,13 @@ A cycle, in order:
    refresh every head-of-line reservation's expected start;
 3. replace lost replicas of running prod-serving jobs (alone, not as a gang);
 4. walk the queue in order (``ordering.iter_order``), at most ``Policy.lookahead``
-   jobs: place on free capacity it may use (quota, reservations, hot spares,
-   topology), else choose victims (if its class and quota allow), else reserve blocks
-   (head-of-line large gang), else record why it waits.
+   jobs (lanes of teams without quota room are skipped whole): place on free capacity
+   it may use (quota, reservations, hot spares, topology), else choose victims (if its
+   class and quota allow), else reserve blocks (head-of-line large gang), else record
+   why it waits;
+5. then, even beyond the lookahead, the head of every lane of a team below its
+   guarantee (its reclaim is planned in the first cycle that sees the need) and every
+   reservation owner (capacity is held for it).
 
 Everything is decided on the state tentatively and rolled back before ``plan``
 returns, so the state is unchanged and equal inputs give equal plans (ties are

@@ -36,16 +36,6 @@ def may_use(res: Reservation, job: JobSpec, now: float, policy: Policy, class_ru
     return policy.backfill and now + job.max_runtime_s <= res.expected_start
 
 
-def excluded_owners(
-    reservations: Iterable[Reservation], job: JobSpec, now: float, policy: Policy, class_rule: bool = True
-) -> frozenset[str]:
-    return frozenset(
-        r.job_id
-        for r in reservations
-        if r.gpu_type == job.gpu_type and not may_use(r, job, now, policy, class_rule)
-    )
-
-
 class Exclusions:
     """The reservation owners whose nodes one job may not use, decided lazily per owner.
 

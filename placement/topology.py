@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Collection
+from collections.abc import Collection, Container
 from dataclasses import dataclass
 
 from placement.model import JobSpec, NodeHealth, Pack, PendingReason, Placement, Policy, ReplicaSlot
@@ -76,7 +76,7 @@ class Search:
         self,
         state: ClusterState,
         ti: _TypeIndex,
-        excl: Collection[str] = (),
+        excl: Container[str] = (),
         restrict: Collection[str] | None = None,
     ) -> None:
         self.state = state
