@@ -396,7 +396,7 @@ class _Cycle:
             if spares:
                 r = replace(r, spare_nodes=tuple(sorted(spares)))
         if state._node_res:
-            owners = {state._node_res.get(n.node_id) for n in r.nodes} - {None, job.job_id}
+            owners = {o for n in r.nodes for o in state._node_res.get(n.node_id, ())} - {job.job_id}
             if owners:
                 r = replace(r, backfill=True)
         return None, r

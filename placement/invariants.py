@@ -134,9 +134,17 @@ def check_state(state: ClusterState, strict_quota: bool = True, respect_topology
         if strict_quota and a.gused > state.quota(*key).guaranteed:
             errs.append(f"{key}: guaranteed usage {a.gused} > guarantee {state.quota(*key).guaranteed}")
     # reservations
-    for nid, owner in state._node_res.items():
-        if owner not in state._reservations:
-            errs.append(f"{nid}: reserved by unknown {owner}")
+    for nid, owners in state._node_res.items():
+        for owner in owners:
+            if owner not in state._reservations:
+                errs.append(f"{nid}: reserved by unknown {owner}")
+    held: dict[str, set[str]] = {}
+    for r in state._reservations.values():
+        for n in state.reservation_nodes(r):
+            held.setdefault(n, set()).add(r.job_id)
+    for n, owners in held.items():
+        if set(state._node_res.get(n, ())) != owners:
+            errs.append(f"{n}: reservation owners {state._node_res.get(n)} != {sorted(owners)}")
     return errs
 
 

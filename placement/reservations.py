@@ -100,10 +100,13 @@ def _block_times(state: ClusterState, bid: str, owner: str | None) -> list[float
     blk = state._blocks[bid]
     node_res = state._node_res
     out = []
+    reservations = state._reservations
     for nid in blk.nodes:
-        o = node_res.get(nid)
-        if o is not None and o != owner:
-            out.append(_INF)
+        owners = node_res.get(nid)
+        if owners and any(
+            o != owner and reservations[o].kind is ReservationKind.HEAD_OF_LINE for o in owners
+        ):
+            out.append(_INF)  # another gang's
         else:
             out.append(node_free_time(state, state._nodes[nid]))
     out.sort()

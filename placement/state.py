@@ -230,7 +230,7 @@ class ClusterState:
         self._quota: dict[tuple[str, str], Quota] = {}
         self._acct: dict[tuple[str, str], _Acct] = {}
         self._reservations: dict[str, Reservation] = {}
-        self._node_res: dict[str, str] = {}
+        self._node_res: dict[str, tuple[str, ...]] = {}  # node -> reservation owners (sorted)
         self._block_res: dict[str, dict[str, int]] = {}
         self._spares: dict[str, set[str]] = {}
         self._missing: dict[str, set[int]] = {}
@@ -318,8 +318,7 @@ class ClusterState:
         ti.total_gpus -= node.gpus
         ti.total_nodes -= 1
         del self._nodes[node_id]
-        owner = self._node_res.pop(node_id, None)
-        if owner is not None:
+        for owner in self._node_res.pop(node_id, ()):
             d = self._block_res[node.block]
             d[owner] -= 1
             if d[owner] <= 0:
@@ -866,14 +865,23 @@ class ClusterState:
         return [n for n in res.nodes if n in self._nodes]
 
     def add_reservation(self, res: Reservation) -> None:
-        """Hold capacity for ``res.job_id``; an overlapping reservation of another job is dropped."""
+        """Hold capacity for ``res.job_id``.
+
+        A head-of-line reservation replaces any other head-of-line reservation it
+        overlaps (the engine only makes one on blocks nobody else holds, or when it
+        displaces a lower class). Preemption reservations are layered: a node may be held
+        by several owners (say, a gang's reserved block and a backfill job that preempted
+        a victim there), and a job may use it only if it may use every one of them.
+        """
         if res.job_id in self._reservations:
             self.remove_reservation(res.job_id)
         nodes = self.reservation_nodes(res)
-        for n in nodes:
-            other = self._node_res.get(n)
-            if other is not None and other != res.job_id and other in self._reservations:
-                self.remove_reservation(other)
+        if res.kind is ReservationKind.HEAD_OF_LINE:
+            for n in nodes:
+                for other in self._node_res.get(n, ()):
+                    o = self._reservations.get(other)
+                    if other != res.job_id and o is not None and o.kind is ReservationKind.HEAD_OF_LINE:
+                        self.remove_reservation(other)
         self._add_res(res, nodes)
         self._log(self._del_res, res.job_id)
 
@@ -881,7 +889,10 @@ class ClusterState:
         self.res_version += 1
         self._reservations[res.job_id] = res
         for n in nodes:
-            self._node_res[n] = res.job_id
+            owners = self._node_res.get(n, ())
+            if res.job_id in owners:
+                continue
+            self._node_res[n] = tuple(sorted(owners + (res.job_id,)))
             b = self._nodes[n].block
             d = self._block_res.setdefault(b, {})
             d[res.job_id] = d.get(res.job_id, 0) + 1
@@ -899,8 +910,13 @@ class ClusterState:
         res = self._reservations.pop(job_id)
         self.res_cache.pop(job_id, None)
         for n in self.reservation_nodes(res):
-            if self._node_res.get(n) == job_id:
-                del self._node_res[n]
+            owners = self._node_res.get(n, ())
+            if job_id in owners:
+                left = tuple(o for o in owners if o != job_id)
+                if left:
+                    self._node_res[n] = left
+                else:
+                    del self._node_res[n]
                 b = self._nodes[n].block
                 d = self._block_res[b]
                 d[job_id] -= 1
@@ -919,8 +935,8 @@ class ClusterState:
             if jid not in self._reservations:
                 self.add_reservation(new[jid])
 
-    def node_reservation(self, node_id: str) -> str | None:
-        return self._node_res.get(node_id)
+    def node_reservation(self, node_id: str) -> tuple[str, ...]:
+        return self._node_res.get(node_id, ())
 
     # ------------------------------------------------------------------ reads
 

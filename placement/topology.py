@@ -89,9 +89,12 @@ class Search:
         if self.restrict is not None and nid not in self.restrict:
             return False
         if self.excl:
-            o = self.node_res.get(nid)
-            if o is not None and o in self.excl:
-                return False
+            owners = self.node_res.get(nid)
+            if owners:
+                excl = self.excl
+                for o in owners:
+                    if o in excl:
+                        return False
         return True
 
     def block_avail(self, bid: str) -> int:

@@ -113,3 +113,31 @@ def test_reservations_disabled() -> None:
     st = setup()
     p = cycle(st, queue_of(gang()), 100, Policy(reserve_min_gpus=32, reservations=False))
     assert p.reservations == () and p.reason("gang") is PendingReason.CAPACITY
+
+
+def test_a_backfill_jobs_preemption_keeps_the_gangs_reservation() -> None:
+    # prod-batch work fills 7 nodes, a preemptible job the 8th; the gang (prod-batch, 8 nodes)
+    # cannot preempt same-class guaranteed work, so it reserves; a short research job may
+    # backfill there and preempts the preemptible job: the gang keeps its reservation
+    st = cluster(blocks=2, nodes=4)
+    st.set_quota("q", "h100", 56)
+    st.set_quota("e", "h100", 0, 64)
+    st.set_quota("p", "h100", 64)
+    st.set_quota("w", "h100", 8)
+    nodes = [f"b{b}n{n}" for b in range(2) for n in range(4)]
+    fill(st, nodes[:7], team="q", cls="prod-batch", runtime=2 * HOUR)
+    fill(st, nodes[7:], team="e", cls="preemptible", runtime=24 * HOUR, borrowed=True, prefix="e")
+    q = queue_of(spec("L", team="p", cls="prod-batch", replicas=8, gpr=8, pack="block", runtime=2 * HOUR, submit=3500))
+    pol = Policy(reserve_min_gpus=32)
+    p = cycle(st, q, 3500, pol)
+    assert p.reason("L") is PendingReason.RESERVED
+    q.push(spec("R", team="w", cls="research", gpr=8, runtime=600, submit=3650))
+    p = cycle(st, q, 3650, pol)
+    assert [(pr.victim, pr.beneficiary) for pr in p.preemptions] == [("e-b1n3", "R")]
+    assert {r.job_id for r in p.reservations} == {"L", "R"}
+    assert st.reservation("L").blocks == ("b0", "b1")
+    # R backfills on the reclaimed node; L's reservation is still there
+    st.release("e-b1n3", 3680)
+    p = cycle(st, q, 3681, pol)
+    assert p.placement("R") is not None and p.placement("R").backfill
+    assert st.reservation("L") is not None
