@@ -186,6 +186,7 @@ class LeaderState:
         self._sem = asyncio.Semaphore(64)
         self._dirty_jobs: set[str] = set()
         self._needs_rebuild = False
+        self._signals_in_flight: set[asyncio.Task] = set()
         # for the waker: a change after refresh_started_at needs another cycle
         self.cycle_running = False
         self.refresh_started_at = 0.0
@@ -547,11 +548,12 @@ class LeaderState:
             r.interval = min(r.interval * 2, MAX_RESIGNAL_S)
             r.due = mono + r.interval
         stats.resignalled = len(due)
-        await asyncio.gather(
-            *(self._signal(a) for a in allocations),
-            *(self._signal(p) for p in preempts),
-            *(self._signal(r.message) for r in due),
-        )
+        # Signals go out in the background: the cycle (and the next one) does not wait for
+        # Temporal round trips; a signal lost with this process is re-sent by the next leader.
+        for msg in [*allocations, *preempts, *(r.message for r in due)]:
+            t = asyncio.create_task(self._signal(msg))
+            self._signals_in_flight.add(t)
+            t.add_done_callback(self._signals_in_flight.discard)
         stats.published = await self._publish(epoch, plan, now)
         if mono >= self._next_sweep:
             self._next_sweep = mono + UNSTARTED_SWEEP_S

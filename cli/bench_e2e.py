@@ -142,8 +142,83 @@ def _settings_env(settings: Any, **over: Any) -> dict[str, str]:
     return env
 
 
+async def _sample_timeline(client: Any, job_ids: list[str]) -> list[list[str]]:
+    """For a few jobs: ms since workflow start of each history event up to RUNNING (diagnostics)."""
+    out = []
+    for jid in job_ids:
+        try:
+            hist = await client.get_workflow_handle(jid).fetch_history()
+        except Exception:
+            continue
+        events = list(hist.events)
+        t0 = events[0].event_time.ToDatetime().timestamp()
+        line = []
+        for e in events[:22]:
+            name = type(e).__name__
+            from temporalio.api.enums.v1 import EventType
+
+            name = EventType.Name(e.event_type).replace("EVENT_TYPE_", "").lower()
+            line.append(f"{(e.event_time.ToDatetime().timestamp() - t0) * 1000:.0f} {name}")
+        out.append(line)
+    return out
+
+
+async def _lean_baseline(client: Any, pool: Any, jobs: int, rate: float) -> dict[str, Any]:
+    """DESIGN.md's lean job workflow at the same rate on the same server (same-run baseline):
+    start -> its 3 local activities, the signal and the node activity are done."""
+    from common.temporal import make_worker
+    from workflows.bench import ACT_LEAN_NODE, ACT_LEAN_WRITE, LEAN_WORKFLOW, LeanJobWorkflow
+
+    @activity.defn(name=ACT_LEAN_WRITE)
+    async def lean_write(job_id: str) -> str:
+        await pool.execute("UPDATE leader SET holder = holder WHERE false")  # one short round trip
+        return job_id
+
+    @activity.defn(name=ACT_LEAN_NODE)
+    async def lean_node(job_id: str) -> str:
+        return job_id
+
+    queue = f"bench-lean-{uuid.uuid4().hex[:6]}"
+    wf_worker = make_worker(client, queue, workflows=[LeanJobWorkflow], activities=[lean_write])
+    node_worker = make_worker(client, queue + "-node", activities=[lean_node])
+    lat: list[float] = []
+    errors = 0
+    async with wf_worker, node_worker:
+
+        async def one(i: int) -> None:
+            nonlocal errors
+            t0 = time.monotonic()
+            try:
+                h = await client.start_workflow(LEAN_WORKFLOW, f"lean-{i}", id=f"lean-{i}-{uuid.uuid4().hex[:6]}",
+                                                task_queue=queue)  # fmt: skip
+                await h.signal("go", "")
+                await h.result()
+            except Exception:
+                errors += 1
+                return
+            lat.append((time.monotonic() - t0) * 1000.0)
+
+        start = time.monotonic()
+        tasks = []
+        for i in range(jobs):
+            delay = start + i / rate - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+    return {
+        "what": "lean job workflow (3 local activities, 1 signal, 1 node activity), same server, same rate",
+        "workflows": len(lat),
+        "errors": errors,
+        "p50_ms": round(_pct(lat, 50), 1) if lat else None,
+        "p95_ms": round(_pct(lat, 95), 1) if lat else None,
+        "p99_ms": round(_pct(lat, 99), 1) if lat else None,
+    }
+
+
 async def _bench(
-    root: Path, jobs: int, rate: float, job_seconds: float, settle_s: float, log_dir: Path
+    root: Path, jobs: int, rate: float, job_seconds: float, settle_s: float, log_dir: Path,
+    with_baseline: bool = True,
 ) -> dict[str, Any]:
     import httpx
 
@@ -204,8 +279,11 @@ async def _bench(
         forwarder = TaskStatusForwarder(client)
         await forwarder.start()
         fleet = SimFleet(forwarder, job_seconds)
+        from temporalio.worker import PollerBehaviorAutoscaling
+
         worker = make_worker(client, settings.agent_shared_task_queue, activities=fleet.activities(),
-                             max_concurrent_activities=500)  # fmt: skip
+                             max_concurrent_activities=500,
+                             activity_task_poller_behavior=PollerBehaviorAutoscaling(initial=10))  # fmt: skip
         worker_task = asyncio.create_task(worker.run())
         deadline = time.monotonic() + 60
         while await pool.fetchval("SELECT count(*) FROM leader WHERE expires_at > now()") == 0:
@@ -289,6 +367,8 @@ async def _bench(
         states = {r["state"]: r["n"] for r in await pool.fetch("SELECT state, count(*) AS n FROM jobs GROUP BY state")}
         cycles = await pool.fetchval("SELECT count(DISTINCT (detail->>'epoch')) FROM audit WHERE action = 'allocate'")
         await http.aclose()
+        timeline = await _sample_timeline(client, list(sent)[len(sent) // 2 :: max(1, len(sent) // 5)][:5])
+        baseline = await _lean_baseline(client, pool, jobs, rate) if with_baseline else None
         try:
             from workflows.messages import PLACEMENT_WORKFLOW_ID
 
@@ -313,6 +393,11 @@ async def _bench(
             "target_p95_ms": 2000,
             "must_met": bool(p[95] is not None and p[95] <= 5000 and not errors),
             "target_met": bool(p[95] is not None and p[95] <= 2000 and not errors),
+            "baseline": baseline,
+            "sample_timelines_ms": timeline,
+            "p95_vs_baseline": (
+                round(p[95] / baseline["p95_ms"], 2) if baseline and baseline.get("p95_ms") and p[95] else None
+            ),
             "breakdown": breakdown,
             "cpu_seconds": {**cpu_s, "wall_s": round(wall, 1)},
             "placement": {"cycles": pstatus.get("cycles"), "failures": pstatus.get("failures"),
@@ -355,6 +440,7 @@ def run(
     job_seconds: float = 300.0,
     settle_s: float = 120.0,
     keep: bool = False,
+    baseline: bool = True,
 ) -> dict:
     """Run the benchmark; returns the JSON-ready result (see the module docstring)."""
     import logging
@@ -364,7 +450,7 @@ def run(
     log_dir = root / "logs"
     log_dir.mkdir(parents=True)
     try:
-        result = asyncio.run(_bench(root, jobs, rate, job_seconds, settle_s, log_dir))
+        result = asyncio.run(_bench(root, jobs, rate, job_seconds, settle_s, log_dir, baseline))
         result["logs"] = str(log_dir) if keep else None
         return result
     finally:

@@ -40,7 +40,8 @@ from typing import Any
 
 import asyncpg
 from temporalio.client import Client
-from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.worker import PollerBehaviorAutoscaling
+from temporalio.common import Priority, WorkflowIDConflictPolicy
 
 from activities import store
 from activities.job_activities import JobActivities
@@ -209,6 +210,11 @@ class ControlProcess:
             # activations run under the GIL anyway: a few threads, not one per slot
             # (fewer thread hand-offs per workflow task)
             workflow_task_executor=ThreadPoolExecutor(max_workers=4, thread_name_prefix="wft"),
+            max_cached_workflows=4000,
+            # new job workflows' first tasks come from the shared (non-sticky) queue: with the
+            # default pollers (one of five non-sticky) they wait seconds in a burst
+            workflow_task_poller_behavior=PollerBehaviorAutoscaling(minimum=2, maximum=40, initial=10),
+            nonsticky_to_sticky_poll_ratio=1.0,
         )
         leader = make_worker(self.client, self.leader_queue, activities=CycleActivity(self.leader).all())
         self._workers = [control, leader]
@@ -331,6 +337,8 @@ class ControlProcess:
                 id=m.PLACEMENT_WORKFLOW_ID,
                 task_queue=self.settings.control_task_queue,
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                # ahead of the job workflows' tasks on the shared queue (where the server supports it)
+                priority=Priority(priority_key=1),
             )
         except Exception as e:
             log.warning("cannot start the placement workflow: %s", e)
