@@ -20,6 +20,8 @@ from activities.store import StaleEpoch
 from common.settings import Settings
 from workflows import messages as m
 
+MAX_CYCLES_PER_RUN = 250  # the PlacementWorkflow continues as new after this many cycles (~3,000 events)
+
 
 class ReadLeaderActivity:
     def __init__(self, pool: asyncpg.Pool, settings: Settings) -> None:
@@ -40,7 +42,7 @@ class ReadLeaderActivity:
             cycle_s=s.placement_cycle_s,
             cycle_timeout_s=s.leader_cycle_timeout_s,
             start_timeout_s=max(2.0, 2 * s.leader_renew_s),
-            max_cycles_per_run=250,
+            max_cycles_per_run=MAX_CYCLES_PER_RUN,
         )
         if row is None:
             return m.LeaderInfo(live=False, **timing)

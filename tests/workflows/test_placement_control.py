@@ -232,3 +232,23 @@ async def test_control_starts_the_workflow_of_a_queued_job_that_lacks_one(cluste
     assert desc.status.name == "RUNNING"
     await stand.client.get_workflow_handle(job).signal("cancel", {"actor": "test"})
     assert (await stand.result(job)).state == "CANCELLED"
+
+
+async def test_the_placement_singleton_continues_as_new_and_keeps_placing(cluster, monkeypatch):
+    import activities.placement_activities as pa
+
+    monkeypatch.setattr(pa, "MAX_CYCLES_PER_RUN", 3)
+    stand, start = cluster
+    c1 = await start("c1")
+    await leading(c1)
+    h = stand.client.get_workflow_handle(PLACEMENT_WORKFLOW_ID)
+    first = (await h.describe()).run_id
+
+    async def rolled_over():
+        return (await h.describe()).run_id != first
+
+    await eventually(rolled_over, timeout=20, what="the placement workflow continuing as new")
+    status = await h.query("status")
+    assert status["cycles"] >= 3
+    job = await stand.submit("p-after-can", command=[PY, "-c", "pass"])
+    assert (await stand.result(job)).state == "SUCCEEDED"
