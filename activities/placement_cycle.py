@@ -187,6 +187,7 @@ class LeaderState:
         self._dirty_jobs: set[str] = set()
         self._needs_rebuild = False
         self._signals_in_flight: set[asyncio.Task] = set()
+        self._adopt_signal: list[tuple[str, str, int]] = []
         # for the waker: a change after refresh_started_at needs another cycle
         self.cycle_running = False
         self.refresh_started_at = 0.0
@@ -207,6 +208,7 @@ class LeaderState:
         self.nodes.clear()
         self.node_leases = {}
         self.resignal.clear()
+        self._adopt_signal = []
         self.published.clear()
         self.published_res = None
 
@@ -430,12 +432,28 @@ class LeaderState:
                     (r.kind == "alloc" and state == "STARTING") or (r.kind == "preempt" and state == "PREEMPTING")
                 ) or (r is not None and r.attempt != attempt):
                     self.resignal.pop(jid, None)
+                    r = None
+                if r is None and state in ("STARTING", "PREEMPTING") and (known is None or known.state != state):
+                    # a gang or a victim this leader has not signalled (another leader's commit, or
+                    # a cycle that failed after committing): signal it from the next cycle on
+                    self._adopt_signal.append((jid, state, attempt))
             self.jobs[jid] = _Job(state, attempt, spec, spec.last_checkpoint_at)
         for jid in job_ids - seen:  # deleted rows
             self.queue.remove(jid)
             if self.cluster.is_running(jid):
                 engine.apply_event(self.cluster, engine.JobEnded(jid), now)
             self.jobs.pop(jid, None)
+        if self._adopt_signal:
+            adopt, self._adopt_signal = self._adopt_signal, []
+            mono = time.monotonic()
+            for jid, state, attempt in adopt:
+                if state == "STARTING":
+                    alloc = await job_signals.allocation_for(self.pool, self.settings, jid, attempt)
+                    if alloc is not None:
+                        self.resignal[jid] = _Resignal("alloc", attempt, alloc, mono, self.settings.allocation_resignal_s)
+                elif self.epoch is not None:
+                    req = m.PreemptRequest(jid, attempt, self.epoch, "preempted (re-signalled)")
+                    self.resignal[jid] = _Resignal("preempt", attempt, req, mono, self.settings.allocation_resignal_s)
         if need_leases:
             leases = await self.pool.fetch(
                 "SELECT l.job_id, l.rank, l.node_id, l.gpu_indices, l.attempt, bool_or(a.borrowed) AS borrowed"
@@ -532,7 +550,11 @@ class LeaderState:
                 committed.add(pr.victim)
                 job.state = "PREEMPTING"
                 preempts.append(m.PreemptRequest(pr.victim, job.attempt, epoch, f"{pr.reason.value}", pr.beneficiary))
-        engine.apply(cluster, plan, self.queue, now, committed=committed)
+        try:
+            engine.apply(cluster, plan, self.queue, now, committed=committed)
+        except Exception as e:  # memory disagrees with what committed: rebuild before the next plan
+            log.error("applying the cycle's plan failed (%s): the leader state will be rebuilt", e)
+            self._needs_rebuild = True
         stats.placed = len(allocations)
         stats.preempted = len(preempts)
 

@@ -74,6 +74,7 @@ class Stand:
         grace_s: float | None = None,
         preemptible: bool = True,
         start: bool = True,
+        gpu_type: str = "h100",
     ) -> str:
         spec = {
             "image": image,
@@ -85,8 +86,8 @@ class Stand:
             async with conn.transaction():
                 await conn.execute(
                     "INSERT INTO jobs (job_id, team, priority_class, gpu_type, replicas, gpus_per_replica, spec,"
-                    " max_runtime_s, submitted_by) VALUES ($1, $2, $3, 'h100', $4, $5, $6, $7, 'test')",
-                    job_id, team, priority_class, replicas, gpus_per_replica, spec, max_runtime_s,
+                    " max_runtime_s, submitted_by) VALUES ($1, $2, $3, $8, $4, $5, $6, $7, 'test')",
+                    job_id, team, priority_class, replicas, gpus_per_replica, spec, max_runtime_s, gpu_type,
                 )
                 await store.write_job_event(conn, job_id, 1, "submitted", None, "QUEUED", "test", "submitted")
         if start:

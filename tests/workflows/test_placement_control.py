@@ -252,3 +252,20 @@ async def test_the_placement_singleton_continues_as_new_and_keeps_placing(cluste
     assert status["cycles"] >= 3
     job = await stand.submit("p-after-can", command=[PY, "-c", "pass"])
     assert (await stand.result(job)).state == "SUCCEEDED"
+
+
+async def test_a_gang_committed_without_a_signal_is_signalled_by_the_leader(cluster):
+    """E.g. committed by a previous leader that died before signalling."""
+    from activities.seed import TeamQuota, set_quota
+
+    stand, start = cluster
+    c1 = await start("c1")
+    epoch = await leading(c1)
+    async with stand.pool.acquire() as conn:  # a type the cluster has no node of: placement leaves it alone
+        await set_quota(conn, TeamQuota("alpha", "a100", 8, 0), actor="test", reason="fixture")
+    job = await stand.submit("p-adopt", command=[PY, "-c", "pass"], gpu_type="a100")
+    await store.commit_gang(
+        stand.pool, scope=stand.settings.leader_scope, epoch=epoch, job_id=job, attempt=1,
+        placements=[store.GangPlacement(0, stand.nodes[0], (5,), False)],
+    )
+    assert (await stand.result(job, timeout=30)).state == "SUCCEEDED"
