@@ -212,16 +212,12 @@ def test_borrowed_work_of_a_higher_class_is_not_counted_as_starving_a_lower_clas
     assert res["teams"]["B"]["longest_below_guarantee_while_any_team_borrows_s"] >= HOUR
 
 
-@pytest.mark.xfail(
-    reason="placement issue: ClusterState.add_reservation drops a whole head-of-line reservation when a"
-    " later job's PREEMPTION reservation overlaps it (engine._Cycle._preempt); see the sim report",
-    strict=False,
-)
 def test_a_backfill_jobs_preemption_keeps_the_gangs_reservation() -> None:
     # 7 prod-batch jobs (guaranteed, 2 h) and a preemptible job (24 h) fill 8 nodes. Gang L
     # (prod-batch, 8 nodes, within its guarantee) cannot preempt same-class guaranteed work:
     # it reserves both blocks. A short research job R may backfill there and preempts the
-    # preemptible job; L's reservation should survive that.
+    # preemptible job; L's reservation survives that (found by this simulator; fixed in
+    # placement 6e92d44, "preemption reservations are layered").
     q = [job(f"q{i}", "Q", 0.0, 2 * HOUR, cls="prod-batch") for i in range(7)]
     e = job("e", "E", 0.0, 10 * HOUR, cls="preemptible", max_runtime_s=24 * HOUR, checkpoint_s=600.0)
     gang = job("L", "P", 3500.0, HOUR, gpus=64, cls="prod-batch", pack="block", max_runtime_s=2 * HOUR)
