@@ -94,6 +94,13 @@ class Settings(BaseSettings):
     fence_margin: float = Field(1.5, description="a silent node's GPUs are reused after unconfirmed_kill_s times this")
     hang_after_s: float = Field(600.0, description="step counter stalled this long with idle GPUs: hang")
     missing_task_release_s: float = Field(120.0, description="a lease whose task is missing this long is released")
+    health_sweep_s: float = Field(1.0, description="the leader's health sweep interval (silence, recovery re-signals, restart clock)")
+    ib_flap_threshold: int = Field(5, description="InfiniBand link flaps reported in one heartbeat that cordon the node")
+    hang_idle_util_pct: float = Field(1.0, description="GPU use at or below this percent counts as idle for hang detection")
+    recovery_resignal_s: float = Field(5.0, description="re-send node_failed to a job while its lease on a failed node is live")
+    burn_in_timeout_s: float = Field(900.0, description="a burn-in not passed within this is failed")
+    burn_in_retry_s: float = Field(300.0, description="after a failed burn-in, wait this long before the next")
+    burn_in_seconds: float = Field(60.0, description="how long the burn-in stress test runs (matmul + NCCL all-reduce)")
 
     # --- agent (worker-agent; DESIGN.md, Processes and Health) ---------------
     agent_node_id: str | None = Field(None, description="node id of `gpufleet agent run` without --nodes/--simulate; unset = hostname")
