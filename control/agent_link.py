@@ -72,14 +72,26 @@ class NodeHeartbeat:
 class HeartbeatTable:
     """node_id -> NodeHeartbeat. Stale or duplicate heartbeats (same boot, seq not newer) are dropped."""
 
+    RETIRED_BOOTS = 8
+
     def __init__(self) -> None:
         self._nodes: dict[str, NodeHeartbeat] = {}
+        self._retired: dict[str, list[str]] = {}  # boots replaced by a newer one: their messages are stale
 
     def offer(self, node_id: str, message: pb.Heartbeat, peer: str = "") -> NodeHeartbeat | None:
-        """Record ``message``; None when it is stale (then nothing changes)."""
+        """Record ``message``; None when it is stale (then nothing changes): not newer than the
+        latest of the same boot, or from a boot that a newer boot already replaced."""
         old = self._nodes.get(node_id)
-        if old is not None and old.boot_id == message.boot_id and message.seq <= old.seq:
-            return None
+        if old is not None:
+            if old.boot_id == message.boot_id:
+                if message.seq <= old.seq:
+                    return None
+            elif message.boot_id in self._retired.get(node_id, ()):
+                return None
+            else:
+                retired = self._retired.setdefault(node_id, [])
+                retired.append(old.boot_id)
+                del retired[: -self.RETIRED_BOOTS]
         entry = NodeHeartbeat(node_id, message, peer, time.monotonic(), time.time())
         self._nodes[node_id] = entry
         return entry
@@ -100,6 +112,7 @@ class HeartbeatTable:
 
     def forget(self, node_id: str) -> None:
         self._nodes.pop(node_id, None)
+        self._retired.pop(node_id, None)
 
 
 async def read_rank_log(
