@@ -50,8 +50,10 @@ from activities.placement_cycle import LeaderState
 from common.db import pool_from_settings
 from common.settings import Settings
 from common.temporal import connect, make_worker
+from control.health import HealthMonitor
 from control.status_forwarder import TaskStatusForwarder
 from workflows import messages as m
+from workflows.burn_in import BurnInWorkflow
 from workflows.job import JobWorkflow
 from workflows.placement import PlacementWorkflow
 
@@ -143,6 +145,7 @@ class ControlProcess:
         self.leader: LeaderState | None = None
         self.forwarder: TaskStatusForwarder | None = None
         self.heartbeats: Any = None
+        self.health: HealthMonitor | None = None
         self._workers: list[Any] = []
         self._tasks: list[asyncio.Task] = []
         self._waker: _Waker | None = None
@@ -184,6 +187,15 @@ class ControlProcess:
         self.forwarder = TaskStatusForwarder(self.client)
         await self.forwarder.start()
         self._waker = _Waker(self.client, s.placement_wake_min_s, self.leader)
+        self.health = HealthMonitor(
+            self.pool,
+            self.client,
+            s,
+            leader=self.leader,
+            table=lambda: self.heartbeats.table if self.heartbeats is not None else None,
+            forward_status=self.forwarder.submit,
+            actor=f"health:{self.holder}",
+        )
 
         if self.grpc:
             from control.heartbeat_server import HeartbeatServer
@@ -194,6 +206,7 @@ class ControlProcess:
                 confirmed_leases=self._confirmed_leases,
                 leases_to_stop=self._leases_to_stop,
                 on_task_status=self._on_task_status,
+                on_heartbeat=self.health.on_heartbeat,
                 leader_address=self._leader_address,
             )
             self.grpc_addr = await self.heartbeats.start()
@@ -203,7 +216,7 @@ class ControlProcess:
         control = make_worker(
             self.client,
             s.control_task_queue,
-            workflows=[JobWorkflow, PlacementWorkflow],
+            workflows=[JobWorkflow, PlacementWorkflow, BurnInWorkflow],
             activities=[*JobActivities(self.pool, s).all(), *ReadLeaderActivity(self.pool, s).all()],
             max_concurrent_workflow_tasks=100,
             max_concurrent_local_activities=100,
@@ -238,6 +251,8 @@ class ControlProcess:
             except Exception as e:
                 log.warning("resign failed: %s", e)
         self._lose("stopping")
+        if self.health is not None:
+            await self.health.stop()
         if self._waker is not None:
             await self._waker.close()
         if self._listen_conn is not None:
@@ -318,6 +333,8 @@ class ControlProcess:
             raise
         self.epoch = epoch
         self.takeover_at = time.time()
+        if self.health is not None:  # its quiet period starts now (DESIGN.md, Leadership)
+            await self.health.take_over(epoch)
         self._next_ensure = time.monotonic() + ENSURE_PLACEMENT_EVERY_S
         await self._ensure_placement_workflow()
         self._wake()
@@ -328,6 +345,8 @@ class ControlProcess:
         self.epoch = None
         if self.leader is not None:
             self.leader.drop()
+        if self.health is not None:
+            self.health.drop()
 
     async def _ensure_placement_workflow(self) -> None:
         try:
@@ -364,7 +383,10 @@ class ControlProcess:
     def _confirmed_leases(self, node_id: str) -> list[str]:
         if self.epoch is None or self.leader is None:
             return []
-        return sorted(self.leader.node_leases.get(node_id, ()))
+        out = sorted(self.leader.node_leases.get(node_id, ()))
+        if self.health is not None:
+            out.extend(self.health.confirmed_extra(node_id))  # a burn-in rank
+        return out
 
     def _leases_to_stop(self, entry: Any) -> list[tuple[str, int, str]]:
         """DESIGN.md, Health: a task with no live lease is killed. A running task whose lease
@@ -375,8 +397,10 @@ class ControlProcess:
         live = self.leader.node_leases.get(entry.node_id, set())
         now = time.monotonic()
         out: list[tuple[str, int, str]] = []
+        health = self.health
         for r in entry.message.running:
-            if r.lease_id in live:
+            if r.lease_id in live or (health is not None and health.is_burn_in(r.lease_id)
+                                      and r.lease_id in health.confirmed_extra(entry.node_id)):
                 self._missing_since.pop(r.lease_id, None)
                 continue
             first = self._missing_since.setdefault(r.lease_id, now)
@@ -386,6 +410,8 @@ class ControlProcess:
                 self._to_verify.add(r.lease_id)
         if self._to_verify and (self._verifying is None or self._verifying.done()):
             self._verifying = asyncio.create_task(self._verify_dead())
+        if health is not None:
+            out.extend(health.stops_for(entry))  # ranks on other GPUs than their lease's
         return out
 
     async def _verify_dead(self) -> None:
@@ -411,6 +437,8 @@ class ControlProcess:
 
     def _on_task_status(self, status: Any) -> None:
         assert self.forwarder is not None
+        if self.health is not None and self.health.on_task_status(status):
+            return  # a burn-in rank's report: the health monitor's, not a job's
         self.forwarder.submit(status)
         if status.checkpoint_uri and self.epoch is not None and self.leader is not None:
             self.leader.note_checkpoint(status.job_id, status.attempt)
