@@ -225,3 +225,23 @@ async def test_reconciliation_orphans_vanished_ranks_and_stale_exits(stack):
 
 async def _v(x):
     return x
+
+
+async def test_drain_with_evict_preempts_now_and_an_admin_return_burns_in(stack):
+    from activities import health_store
+
+    job = await stack.submit(replicas=1, gpus_per_replica=8, command=train(2000),
+                             checkpoint={"preemptible": True, "grace_seconds": 5})
+    await stack.wait_state(job, "RUNNING", timeout=40)
+    await gang_checkpoint(stack, job)
+    node = await stack.pool.fetchval("SELECT node_id FROM leases WHERE job_id = $1 AND attempt = 1", job)
+    r = await stack.http.post(f"/v1/nodes/{node}:drain", json={"reason": "maintenance", "evict": True},
+                              headers={"Authorization": "Bearer tok-admin", "Idempotency-Key": "drain-1"})
+    assert r.status_code < 300, r.text
+    row = await stack.wait_state(job, "RUNNING", attempt=2, timeout=40)
+    assert row["preemptions"] == 1 and row["last_checkpoint"], "evicted: checkpointed and re-queued"
+    assert await stack.pool.fetchval("SELECT node_id FROM leases WHERE job_id = $1 AND attempt = 2", job) != node
+    assert await node_state(stack, node) == "draining"  # drained: waits for an admin return
+    assert await health_store.return_node(stack.pool, node, actor="root", reason="maintenance done") == "draining"
+    await wait_node(stack, node, "ready", timeout=30)
+    await stack.cancel(job)
