@@ -254,6 +254,11 @@ async def _bench(
             api_tokens={token: Principal(name="bench", team="bench")},
             max_queued_per_team=max(5000, jobs),
             db_pool_max=20,
+            # the simulated fleet sends no heartbeats: keep the health monitor from
+            # declaring its nodes silent (suspect/down) during the run
+            suspect_after_s=1e6,
+            down_after_s=2e6,
+            takeover_quiet_s=1e6,
         )
         pool = await create_pool(dsn, min_size=2, max_size=20)
         async with pool.acquire() as conn:
@@ -365,6 +370,13 @@ async def _bench(
         if never:
             errors.append(f"{len(never)} job(s) not RUNNING within {settle_s:.0f}s of the last submit")
         states = {r["state"]: r["n"] for r in await pool.fetch("SELECT state, count(*) AS n FROM jobs GROUP BY state")}
+        events = {r["event"]: r["n"] for r in await pool.fetch("SELECT event, count(*) AS n FROM job_events GROUP BY event")}
+        pending = {f"{r['pending_reason']}: {r['pending_detail']}": r["n"] for r in await pool.fetch(
+            "SELECT pending_reason, pending_detail, count(*) AS n FROM jobs WHERE state = 'QUEUED'"
+            " GROUP BY 1, 2 ORDER BY 3 DESC LIMIT 5")}  # fmt: skip
+        node_states = {r["state"]: r["n"] for r in await pool.fetch("SELECT state, count(*) AS n FROM nodes GROUP BY 1")}
+        failures = [r["reason"] for r in await pool.fetch(
+            "SELECT DISTINCT reason FROM job_events WHERE event = 'attempt_failed' LIMIT 5")]  # fmt: skip
         cycles = await pool.fetchval("SELECT count(DISTINCT (detail->>'epoch')) FROM audit WHERE action = 'allocate'")
         await http.aclose()
         timeline = await _sample_timeline(client, list(sent)[len(sent) // 2 :: max(1, len(sent) // 5)][:5])
@@ -403,11 +415,16 @@ async def _bench(
             "placement": {"cycles": pstatus.get("cycles"), "failures": pstatus.get("failures"),
                           "last_cycle": pstatus.get("last")},
             "job_states": states,
+            "job_events": events,
+            "pending": pending,
+            "node_states": node_states,
+            "attempt_failures": failures,
             "leader_epochs": cycles,
             "cluster_gpus": blocks * 32 * 8,
             "job_seconds": job_seconds,
             "setup_s": round(setup_s, 1),
-            "fleet": "simulated in-process agents (start_task/stop_task activities, no rank processes)",
+            "fleet": "simulated in-process agents (start_task/stop_task activities, no rank processes,"
+            " no heartbeats: health silence timers disabled)",
             "measured": "submit request sent -> the job's 'running' event (every rank started)",
             "stack": "embedded Postgres + Temporal dev server (SQLite WAL), API in-process (ASGI), control subprocess",
         }
