@@ -175,6 +175,25 @@ def bench_heartbeat(
     _print_json(_call("cli.bench_heartbeat", "run", nodes=nodes, seconds=seconds, rates=parsed))
 
 
+@bench_app.command("e2e")
+def bench_e2e(
+    jobs: int = typer.Option(1000, help="one-GPU jobs submitted through the API"),
+    rate: float = typer.Option(50.0, help="submissions per second"),
+    job_seconds: float = typer.Option(300.0, help="how long each job runs"),
+    settle_s: float = typer.Option(120.0, help="wait this long at most for the last job to run"),
+    baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="also run DESIGN.md's lean workflow"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="print one JSON object"),
+) -> None:
+    """Submit -> RUNNING latency on the embedded stack with a simulated fleet that has room."""
+    from common.temporal import hard_exit
+
+    result = _call(
+        "cli.bench_e2e", "run", jobs=jobs, rate=rate, job_seconds=job_seconds, settle_s=settle_s, baseline=baseline
+    )
+    _print_json(result)
+    hard_exit(0)
+
+
 def main() -> None:
     try:
         app()

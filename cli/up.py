@@ -51,25 +51,25 @@ async def prepare_database(dsn: str, settings: Settings) -> list[str]:
     import asyncpg
 
     from activities.seed import seed_demo
-    from common.db import migrate
+    from common.db import create_pool, migrate
 
     try:
-        conn = await asyncpg.connect(dsn, timeout=10)
+        pool = await create_pool(dsn, min_size=1, max_size=1, timeout=10)
     except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as e:
         raise PlatformError(f"cannot reach the database at {redact(dsn)}: {e}") from e
     try:
-        await migrate(conn)
-        nodes = await seed_demo(
-            conn,
-            gpu_type=settings.demo_gpu_type,
-            blocks=settings.demo_blocks,
-            nodes_per_block=settings.demo_nodes_per_block,
-            gpus_per_node=settings.demo_gpus_per_node,
-            task_queue_prefix=settings.agent_task_queue_prefix,
-        )
-        return nodes
+        async with pool.acquire() as conn:
+            await migrate(conn)
+            return await seed_demo(
+                conn,
+                gpu_type=settings.demo_gpu_type,
+                blocks=settings.demo_blocks,
+                nodes_per_block=settings.demo_nodes_per_block,
+                gpus_per_node=settings.demo_gpus_per_node,
+                task_queue_prefix=settings.agent_task_queue_prefix,
+            )
     finally:
-        await conn.close()
+        await pool.close()
 
 
 def redact(dsn: str) -> str:

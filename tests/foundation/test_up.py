@@ -20,9 +20,21 @@ pytestmark = pytest.mark.e2e
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (32768+): the Temporal dev server
+    grabs ephemeral ports for its internal services, and one of those must not be the
+    port we then tell it to serve the UI on."""
+    import random
+
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def start(state: Path, ports: dict[str, int]) -> subprocess.Popen:
@@ -44,19 +56,31 @@ def start(state: Path, ports: dict[str, int]) -> subprocess.Popen:
 
 
 def read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
+    """Read the child's output until ``marker`` appears (a reader thread: no blocking past the deadline)."""
+    import queue
+    import threading
+
+    if not hasattr(proc, "_lines"):
+        proc._lines = queue.Queue()  # type: ignore[attr-defined]
+
+        def pump() -> None:
+            for line in proc.stdout:
+                proc._lines.put(line)  # type: ignore[attr-defined]
+            proc._lines.put(None)  # type: ignore[attr-defined]
+
+        threading.Thread(target=pump, daemon=True).start()
     deadline = time.monotonic() + timeout
-    out = []
-    os.set_blocking(proc.stdout.fileno(), False)
+    out: list[str] = []
     while time.monotonic() < deadline:
-        chunk = proc.stdout.read()
-        if chunk:
-            out.append(chunk)
-            if marker in "".join(out):
-                return "".join(out)
-        if proc.poll() is not None:
-            out.append(proc.stdout.read() or "")
+        try:
+            line = proc._lines.get(timeout=0.2)  # type: ignore[attr-defined]
+        except queue.Empty:
+            continue
+        if line is None:
             break
-        time.sleep(0.1)
+        out.append(line)
+        if marker in line:
+            return "".join(out)
     raise AssertionError(f"no {marker!r} within {timeout}s; output:\n{''.join(out)}")
 
 
@@ -67,8 +91,20 @@ def stop(proc: subprocess.Popen) -> str:
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
-    os.set_blocking(proc.stdout.fileno(), True)
-    return proc.stdout.read()
+    return read_rest(proc)
+
+
+def read_rest(proc: subprocess.Popen) -> str:
+    out = []
+    while True:
+        try:
+            line = proc._lines.get(timeout=5)  # type: ignore[attr-defined]
+        except Exception:
+            break
+        if line is None:
+            break
+        out.append(line)
+    return "".join(out)
 
 
 def test_make_up_brings_the_platform_up_and_down(tmp_path):
