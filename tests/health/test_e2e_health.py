@@ -155,8 +155,15 @@ async def test_stalled_steps_with_idle_gpus_is_a_hang_and_is_recovered(stack):
                              checkpoint={"preemptible": True, "grace_seconds": 3})
     await stack.wait_state(job, "RUNNING", timeout=40)
     lz = await stack.pool.fetchrow("SELECT * FROM leases WHERE job_id = $1 AND attempt = 1", job)
+
+    async def stepping():
+        # a rank that has not reported a step yet can never look hung: wait for its first one
+        st = stack.agent.nodes[lz["node_id"]].leases.get(lz["lease_id"])
+        return st is not None and st.step is not None
+
+    await eventually(stepping, timeout=30, what="the rank's first step report")
     write_fault(stack.settings.state_dir, lz["node_id"], hang=True)
-    await wait_node(stack, lz["node_id"], "cordoned", timeout=15)
+    await wait_node(stack, lz["node_id"], "cordoned", timeout=30)
     audit = await stack.pool.fetchrow(
         "SELECT detail, reason FROM audit WHERE subject = $1 AND action = 'node_state' ORDER BY id DESC LIMIT 1", lz["node_id"])
     assert audit["detail"]["event"] == "hang" and lz["lease_id"] in audit["reason"]
