@@ -314,6 +314,18 @@ class DrainAccepted(BaseModel):
     evict: bool
 
 
+class ReturnBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: Str1000_1
+
+
+class ReturnAccepted(BaseModel):
+    node_id: str
+    state: str
+    previous_state: str
+    reason: str
+
+
 class Me(BaseModel):
     name: str
     team: str | None = None

@@ -1,5 +1,5 @@
 """The user commands of `gpufleet`: submit, status, list, events, logs, cancel, extend,
-explain, queue, quota get|set, nodes, drain.
+explain, queue, quota get|set, nodes, drain, return-node.
 
 They talk HTTP to the API (never to Temporal or Postgres). The URL and token come
 from ``--url`` / ``--token`` or the settings (``GPUFLEET_API_URL``, ``GPUFLEET_TOKEN``).
@@ -510,6 +510,22 @@ def drain(
     _out().print(f"{r['node_id']}: {r['previous_state']} -> {r['state']}" + (" (evicting)" if r["evict"] else ""))
 
 
+def return_node(
+    node_id: str,
+    reason: Annotated[str, typer.Option(help="why (audited)")],
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Return a draining or cordoned node to service: it goes to burn-in first (admin)."""
+    r = _run(
+        _client(url, token).request, "POST", f"/v1/nodes/{node_id}:return", json_body={"reason": reason}, write=True
+    )
+    if as_json:
+        return _print_json(r)
+    _out().print(f"{r['node_id']}: {r['previous_state']} -> {r['state']}")
+
+
 def register(app: typer.Typer) -> None:
     """Add the user commands to the top-level `gpufleet` app."""
     app.command("submit")(submit)
@@ -524,3 +540,4 @@ def register(app: typer.Typer) -> None:
     app.add_typer(quota_app, name="quota")
     app.command("nodes")(nodes)
     app.command("drain")(drain)
+    app.command("return-node")(return_node)

@@ -1,4 +1,4 @@
-"""/v1/nodes: list, one node (state, GPUs, leases), drain (admin)."""
+"""/v1/nodes: list, one node (state, GPUs, leases), drain and return (admin)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import asyncpg
 from fastapi import APIRouter, Depends, Header, Query, Request
 from pydantic import AfterValidator
 
+from activities.health_store import return_node as return_node_to_service
 from activities.store import write_audit
 from api import idempotency
 from api import repository as repo
 from api.auth import current_principal, require_admin
 from api.deps import NodeId, decode_cursor, encode_cursor, page_size, pool_of
 from api.errors import ERROR_RESPONSES, ApiError
-from api.schemas import DrainAccepted, DrainBody, NodeList, NodeState, NodeView, storable
+from api.schemas import DrainAccepted, DrainBody, NodeList, NodeState, NodeView, ReturnAccepted, ReturnBody, storable
 from common.settings import Principal
 
 router = APIRouter(prefix="/v1", tags=["nodes"], dependencies=[Depends(current_principal)], responses=ERROR_RESPONSES)
@@ -137,6 +138,35 @@ async def drain_node(
             "reason": body.reason,
             "evict": body.evict,
         }
+        return idempotency.Outcome(202, out)
+
+    return await idempotency.run(request, principal, idempotency_key, work)
+
+
+@router.post("/nodes/{node_id}:return", status_code=202, response_model=ReturnAccepted, summary="Return a node to service (admin)")
+async def return_node(
+    request: Request,
+    node_id: NodeId,
+    body: ReturnBody,
+    idempotency_key: IdempotencyKey,
+    principal: Principal = Depends(require_admin),
+) -> Any:
+    """Moves a draining or cordoned node to `burn_in` with the reason, audited in the same
+    transaction; the leader runs the burn-in and marks it ready when it passes."""
+
+    async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
+        node = await repo.get_node(conn, node_id, for_update=True)
+        if node is None:
+            raise ApiError(404, "node_not_found", f"no node {node_id}")
+        previous = await return_node_to_service(conn, node_id, actor=principal.name, reason=body.reason)
+        if previous is None:
+            raise ApiError(
+                409,
+                "node_not_returnable",
+                f"node {node_id} is {node['state']}; only a draining or cordoned node can be returned",
+                {"state": node["state"]},
+            )
+        out = {"node_id": node_id, "state": "burn_in", "previous_state": previous, "reason": body.reason}
         return idempotency.Outcome(202, out)
 
     return await idempotency.run(request, principal, idempotency_key, work)

@@ -50,6 +50,7 @@ MATRIX: dict[tuple[str, str], dict[str, int]] = {
     ("GET", "/v1/nodes"): ANY_MEMBER,
     ("GET", "/v1/nodes/{node_id}"): ANY_MEMBER,
     ("POST", "/v1/nodes/{node_id}:drain"): expect(other=403, own=403, admin=202),
+    ("POST", "/v1/nodes/{node_id}:return"): expect(other=403, own=403, admin=202),
 }
 
 
@@ -91,6 +92,8 @@ async def _path(ctx: Ctx, method: str, template: str) -> tuple[str, dict | None]
         path = template.replace("{job_id}", job_id)
     else:
         path = template.replace("{team}", "alpha").replace("{node_id}", "b0-n1")
+        if template.endswith(":return"):  # only a draining or cordoned node can be returned
+            await ctx.pool.execute("UPDATE nodes SET state = 'draining' WHERE node_id = 'b0-n1'")
     if (method, template) == ("GET", "/v1/jobs"):
         path += "?team=alpha"  # listing team alpha's jobs
     return path, None
@@ -101,6 +104,7 @@ BODIES: dict[tuple[str, str], dict] = {
     ("POST", "/v1/jobs/{job_id}:extend"): {"by": "30m", "reason": "matrix"},
     ("PUT", "/v1/teams/{team}/quota"): {"gpu_type": "h100", "guaranteed": 16, "reason": "matrix"},
     ("POST", "/v1/nodes/{node_id}:drain"): {"reason": "matrix"},
+    ("POST", "/v1/nodes/{node_id}:return"): {"reason": "matrix"},
 }
 
 
@@ -161,7 +165,9 @@ async def test_unknown_token_is_401_and_malformed_authorization_too(client):
 
 async def test_admin_routes_refuse_team_tokens_before_looking_at_the_request(client):
     """Whatever the body or headers, a team token on an admin route is 403 (not 400/422)."""
-    for method, path in (("PUT", "/v1/teams/alpha/quota"), ("POST", "/v1/nodes/b0-n0:drain")):
+    for method, path in (
+        ("PUT", "/v1/teams/alpha/quota"), ("POST", "/v1/nodes/b0-n0:drain"), ("POST", "/v1/nodes/b0-n0:return"),
+    ):
         for headers, body in ((auth(ALPHA), None), (auth(ALPHA), {"junk": 1}), (auth(ALPHA, new_key()), {"x": []})):
             r = await client.request(method, path, json=body, headers=headers)
             assert r.status_code == 403 and r.json()["error"]["code"] == "admin_required", (method, headers, r.text)

@@ -151,6 +151,10 @@ async def test_admin_commands_and_errors(cli_app, server, pool):
     assert states == {"b0-n0": "ready", "b0-n1": "ready", "b1-n0": "ready", "b1-n1": "draining"}
     r = await run(cli_app, "nodes", "b1-n1", url=server.url, token=ADMIN)
     assert r.exit_code == 0 and "draining" in r.stdout
+    r = await run(cli_app, "return-node", "b1-n1", "--reason", "fan replaced", url=server.url, token=ADMIN)
+    assert r.exit_code == 0 and "draining -> burn_in" in r.stdout, r.stdout + r.stderr
+    r = await run(cli_app, "return-node", "b1-n1", "--reason", "again", url=server.url, token=ADMIN)
+    assert r.exit_code == 1 and "node_not_returnable" in r.stderr and "HTTP 409" in r.stderr
     # a team token cannot drain: the API's code and sentence on stderr, exit 1
     r = await run(cli_app, "drain", "b0-n0", "--reason", "x", url=server.url, token=ALPHA)
     assert r.exit_code == 1 and "admin_required" in r.stderr and "HTTP 403" in r.stderr

@@ -125,3 +125,37 @@ async def test_drain_sets_draining_with_reason_and_audit(client, pool):
     r = await client.post("/v1/nodes/b0-n0:drain", json={"reason": ""}, headers=auth(ADMIN, new_key()))
     assert r.status_code == 422
     assert await pool.fetchval("SELECT count(*) FROM audit WHERE action = 'drain'") == 1
+
+
+async def test_return_moves_a_drained_node_to_burn_in_with_audit(client, pool):
+    await client.post("/v1/nodes/b1-n1:drain", json={"reason": "fan noise"}, headers=auth(ADMIN, new_key()))
+    key = new_key()
+    r = await client.post("/v1/nodes/b1-n1:return", json={"reason": "fan replaced"}, headers=auth(ADMIN, key))
+    assert r.status_code == 202, r.text
+    assert r.json() == {"node_id": "b1-n1", "state": "burn_in", "previous_state": "draining", "reason": "fan replaced"}
+    row = await pool.fetchrow("SELECT state, reason, drain_evict FROM nodes WHERE node_id = 'b1-n1'")
+    assert tuple(row) == ("burn_in", "fan replaced", False)
+    audit = await pool.fetchrow("SELECT actor, reason, detail FROM audit WHERE subject = 'b1-n1' AND action = 'node_return'")
+    assert (audit["actor"], audit["reason"]) == ("root", "fan replaced")
+    assert audit["detail"] == {"from": "draining", "to": "burn_in"}
+    again = await client.post("/v1/nodes/b1-n1:return", json={"reason": "fan replaced"}, headers=auth(ADMIN, key))
+    assert again.status_code == 202 and again.headers["idempotent-replayed"] == "true"
+    assert again.json() == r.json()
+    # a cordoned node may be returned too
+    await pool.execute("UPDATE nodes SET state = 'cordoned' WHERE node_id = 'b1-n0'")
+    r = await client.post("/v1/nodes/b1-n0:return", json={"reason": "gpu swapped"}, headers=auth(ADMIN, new_key()))
+    assert r.status_code == 202 and r.json()["previous_state"] == "cordoned"
+    # not draining or cordoned: 409 with the state, nothing written
+    for node, state in (("b0-n0", "ready"), ("b1-n1", "burn_in")):
+        r = await client.post(f"/v1/nodes/{node}:return", json={"reason": "x"}, headers=auth(ADMIN, new_key()))
+        assert r.status_code == 409 and r.json()["error"]["code"] == "node_not_returnable", r.text
+        assert r.json()["error"]["details"] == {"state": state}
+    r = await client.post("/v1/nodes/b1-n0:return", json={"reason": "x"}, headers=auth(ALPHA, new_key()))
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_required"
+    r = await client.post("/v1/nodes/zzz:return", json={"reason": "x"}, headers=auth(ADMIN, new_key()))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "node_not_found"
+    r = await client.post("/v1/nodes/b1-n1:return", json={"reason": ""}, headers=auth(ADMIN, new_key()))
+    assert r.status_code == 422
+    r = await client.post("/v1/nodes/b1-n1:return", json={"reason": "x"}, headers=auth(ADMIN))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "idempotency_key_missing"
+    assert await pool.fetchval("SELECT count(*) FROM audit WHERE action = 'node_return'") == 2
