@@ -572,6 +572,23 @@ async def publish_reservations(
             )
 
 
+async def publish_hot_spares(
+    db: asyncpg.Pool | asyncpg.Connection, *, scope: str, epoch: int, spares: Mapping[str, str]
+) -> None:
+    """Make the published hot spares ``spares`` (node_id -> job it is held for); rows not in it
+    are deleted, rows whose job changed are rewritten (the caller calls only on change)."""
+    async with _transaction(db) as conn:
+        await store.check_epoch(conn, scope, epoch)
+        await conn.execute("DELETE FROM hot_spares WHERE NOT (node_id = ANY($1::text[]))", list(spares))
+        if spares:
+            await conn.executemany(
+                "INSERT INTO hot_spares (node_id, job_id, epoch) VALUES ($1, $2, $3)"
+                " ON CONFLICT (node_id) DO UPDATE SET job_id = EXCLUDED.job_id, epoch = EXCLUDED.epoch, updated_at = now()"
+                " WHERE hot_spares.job_id IS DISTINCT FROM EXCLUDED.job_id",
+                [(n, j, epoch) for n, j in sorted(spares.items())],
+            )
+
+
 async def unstarted_queued_jobs(db: asyncpg.Pool | asyncpg.Connection, *, older_than_s: float, limit: int = 500) -> list[str]:
     """QUEUED jobs whose workflow the API has not (yet) started."""
     rows = await db.fetch(
@@ -604,6 +621,7 @@ __all__ = [
     "mark_workflow_started",
     "parse_spec",
     "publish_positions",
+    "publish_hot_spares",
     "publish_reservations",
     "relabel_job",
     "requeue_job",

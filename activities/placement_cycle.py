@@ -12,8 +12,9 @@
 4. signal the job workflows (``allocated`` with signal-with-start, ``preempt``),
    and re-signal allocations / preemptions a job has not acted on yet (a lost
    signal, or a commit by a previous leader), with backoff;
-5. publish queue positions, pending reasons, expected starts and reservations
-   (changed rows only); start workflows for QUEUED jobs that lack one.
+5. publish queue positions, pending reasons, expected starts, reservations and
+   the hot spares held for large gangs (changed rows only, or only when the set
+   changed); start workflows for QUEUED jobs that lack one.
 
 Every write checks the epoch in its transaction; ``StaleEpoch`` ends the cycle and
 drops the in-memory state (this process is no longer the leader).
@@ -178,6 +179,7 @@ class LeaderState:
         self.resignal: dict[str, _Resignal] = {}
         self.published: dict[str, tuple] = {}
         self.published_res: tuple | None = None
+        self.published_spares: dict[str, str] | None = None  # node -> job, as last written (None: not yet)
         self.lock = asyncio.Lock()
         self.cycles = 0
         self.last_cycle_ms = 0.0
@@ -211,6 +213,7 @@ class LeaderState:
         self._adopt_signal = []
         self.published.clear()
         self.published_res = None
+        self.published_spares = None
 
     async def take_over(self, epoch: int) -> None:
         async with self.lock:
@@ -314,12 +317,14 @@ class LeaderState:
     async def _rebuild_in_place(self) -> None:
         """Full rebuild keeping the leader's bookkeeping (re-signals, publications)."""
         resignal, published, published_res = self.resignal, self.published, self.published_res
+        published_spares = self.published_spares
         self.cluster, self.queue = None, JobQueue()
         self.node_leases = {}
         self.jobs.clear()
         self.nodes.clear()
         await self._rebuild()
         self.resignal, self.published, self.published_res = resignal, published, published_res
+        self.published_spares = published_spares
 
     def _allocate_from_leases(self, cluster: ClusterState, spec: JobSpec, leases: list[Any], now: float) -> None:
         if not leases:
@@ -710,6 +715,10 @@ class LeaderState:
                 ],
             )
             self.published_res = res_rows
+        spares = {nid: owner for owner in cluster.spare_owners() for nid in cluster.spares(owner)}
+        if spares != self.published_spares:
+            await job_store.publish_hot_spares(self.pool, scope=self.scope, epoch=epoch, spares=spares)
+            self.published_spares = spares
         return written
 
     async def _start_missing_workflows(self) -> int:

@@ -343,8 +343,20 @@ async def team_queue(db: Db, team: str, *, after: tuple[int, int, datetime, str]
 
 _NODE_COLUMNS = (
     "n.node_id, n.block_id, n.gpu_type, n.gpus, n.state, n.reason, n.drain_evict, n.updated_at, n.task_queue,"
-    " n.agent_addr, (SELECT count(*) FROM allocations a WHERE a.node_id = n.node_id) AS gpus_allocated"
+    " n.agent_addr, (SELECT count(*) FROM allocations a WHERE a.node_id = n.node_id) AS gpus_allocated,"
+    " (SELECT h.job_id FROM hot_spares h WHERE h.node_id = n.node_id) AS hot_spare_for,"
+    " (SELECT j.team FROM hot_spares h JOIN jobs j ON j.job_id = h.job_id WHERE h.node_id = n.node_id) AS hot_spare_team"
 )
+
+
+def _node_filters(state: str | None, block: str | None, gpu_type: str | None) -> tuple[list[str], list[Any]]:
+    where: list[str] = []
+    args: list[Any] = []
+    for col, val in (("n.state", state), ("n.block_id", block), ("n.gpu_type", gpu_type)):
+        if val is not None:
+            args.append(val)
+            where.append(f"{col} = ${len(args)}")
+    return where, args
 
 
 async def list_nodes(
@@ -356,12 +368,7 @@ async def list_nodes(
     after: str | None,
     limit: int,
 ) -> list[asyncpg.Record]:
-    where: list[str] = []
-    args: list[Any] = []
-    for col, val in (("n.state", state), ("n.block_id", block), ("n.gpu_type", gpu_type)):
-        if val is not None:
-            args.append(val)
-            where.append(f"{col} = ${len(args)}")
+    where, args = _node_filters(state, block, gpu_type)
     if after is not None:
         args.append(after)
         where.append(f"n.node_id > ${len(args)}")
@@ -371,6 +378,15 @@ async def list_nodes(
         sql += " WHERE " + " AND ".join(where)
     sql += f" ORDER BY n.node_id LIMIT ${len(args)}"
     return await db.fetch(sql, *args)
+
+
+async def count_hot_spares(db: Db, *, state: str | None, block: str | None, gpu_type: str | None) -> int:
+    """Nodes the leader holds as hot spares (as it last published them), under the list's filters."""
+    where, args = _node_filters(state, block, gpu_type)
+    sql = "SELECT count(*) FROM hot_spares h JOIN nodes n ON n.node_id = h.node_id"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    return int(await db.fetchval(sql, *args))
 
 
 async def get_node(db: Db, node_id: str, *, for_update: bool = False) -> asyncpg.Record | None:

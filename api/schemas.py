@@ -269,11 +269,16 @@ class NodeSummary(BaseModel):
     reason: str | None = None
     drain_evict: bool = False
     updated_at: datetime
+    hot_spare: bool = Field(False, description="held free by the leader as a hot spare for a large gang's restarts")
+    hot_spare_for: str | None = Field(
+        None, description="the job it is held for (another team's job id is shown to admins only)"
+    )
 
 
 class NodeList(BaseModel):
     nodes: list[NodeSummary]
     next_cursor: str | None = None
+    hot_spares: int = Field(0, description="nodes held as hot spares under this list's filters (all pages)")
 
 
 class NodeLease(BaseModel):

@@ -485,10 +485,11 @@ def nodes(
             break
     if as_json:
         return _print_json({"nodes": out})
-    t = Table("node", "block", "type", "state", "allocated", "reason")
+    t = Table("node", "block", "type", "state", "allocated", "hot spare for", "reason")
     for n in out:
+        spare = (n.get("hot_spare_for") or "(another team)") if n.get("hot_spare") else None
         t.add_row(n["node_id"], n["block_id"], n["gpu_type"], n["state"], f"{n['gpus_allocated']}/{n['gpus']}",
-                  _fmt(n.get("reason")))
+                  _fmt(spare), _fmt(n.get("reason")))
     _out().print(t)
 
 

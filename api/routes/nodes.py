@@ -25,7 +25,10 @@ Filter = Annotated[str | None, Query(max_length=200), AfterValidator(lambda v: v
 NOT_DRAINABLE = ("down", "cordoned")
 
 
-def node_summary(r: asyncpg.Record) -> dict[str, Any]:
+def node_summary(r: asyncpg.Record, principal: Principal) -> dict[str, Any]:
+    spare_for = r["hot_spare_for"]
+    if spare_for is not None and not (principal.admin or principal.team == r["hot_spare_team"]):
+        spare_for = None  # another team's job id: hidden, as on the node's leases
     return {
         "node_id": r["node_id"],
         "block_id": r["block_id"],
@@ -36,6 +39,8 @@ def node_summary(r: asyncpg.Record) -> dict[str, Any]:
         "reason": r["reason"],
         "drain_evict": r["drain_evict"],
         "updated_at": r["updated_at"],
+        "hot_spare": r["hot_spare_for"] is not None,
+        "hot_spare_for": spare_for,
     }
 
 
@@ -47,20 +52,21 @@ async def list_nodes(
     gpu_type: Filter = None,
     cursor: Annotated[str | None, Query(max_length=2000)] = None,
     limit: Annotated[int | None, Query(ge=1, le=1_000_000)] = None,
+    principal: Principal = Depends(current_principal),
 ) -> Any:
     n = page_size(request, limit)
     raw = decode_cursor("nodes", cursor)
     after = str(raw[0]) if raw else None
     if after is not None and not isinstance(raw[0], str):
         raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned")
-    rows = await repo.list_nodes(
-        pool_of(request), state=state, block=block, gpu_type=gpu_type, after=after, limit=n + 1
-    )
+    pool = pool_of(request)
+    rows = await repo.list_nodes(pool, state=state, block=block, gpu_type=gpu_type, after=after, limit=n + 1)
     next_cursor = None
     if len(rows) > n:
         rows = rows[:n]
         next_cursor = encode_cursor("nodes", [rows[-1]["node_id"]])
-    return {"nodes": [node_summary(r) for r in rows], "next_cursor": next_cursor}
+    spares = await repo.count_hot_spares(pool, state=state, block=block, gpu_type=gpu_type)
+    return {"nodes": [node_summary(r, principal) for r in rows], "next_cursor": next_cursor, "hot_spares": spares}
 
 
 @router.get("/nodes/{node_id}", response_model=NodeView, summary="One node: state, GPUs and live leases")
@@ -76,7 +82,7 @@ async def get_node(request: Request, node_id: NodeId, principal: Principal = Dep
     def visible(team: str) -> bool:
         return principal.admin or principal.team == team
 
-    out = node_summary(node)
+    out = node_summary(node, principal)
     out["task_queue"] = node["task_queue"] if principal.admin else None
     out["agent_addr"] = node["agent_addr"] if principal.admin else None
     out["gpu_slots"] = [

@@ -159,3 +159,31 @@ async def test_return_moves_a_drained_node_to_burn_in_with_audit(client, pool):
     r = await client.post("/v1/nodes/b1-n1:return", json={"reason": "x"}, headers=auth(ADMIN))
     assert r.status_code == 400 and r.json()["error"]["code"] == "idempotency_key_missing"
     assert await pool.fetchval("SELECT count(*) FROM audit WHERE action = 'node_return'") == 2
+
+
+async def test_nodes_show_the_hot_spares_the_leader_published(client, pool):
+    """The leader's published spares are read from Postgres (no control plane needed);
+    another team's job id is hidden, as on leases."""
+    alpha_job = (await submit(client, name="big")).json()["job_id"]
+    beta_job = (await submit(client, token=BETA, team="beta", name="big")).json()["job_id"]
+    await pool.executemany(
+        "INSERT INTO hot_spares (node_id, job_id, epoch) VALUES ($1, $2, 1)",
+        [("b1-n0", alpha_job), ("b1-n1", alpha_job), ("b0-n1", beta_job)],
+    )
+    page = (await client.get("/v1/nodes", headers=auth(ALPHA))).json()
+    assert page["hot_spares"] == 3
+    by_id = {n["node_id"]: n for n in page["nodes"]}
+    assert {n: (v["hot_spare"], v["hot_spare_for"]) for n, v in by_id.items()} == {
+        "b0-n0": (False, None), "b0-n1": (True, None), "b1-n0": (True, alpha_job), "b1-n1": (True, alpha_job),
+    }
+    assert by_id["b0-n0"]["state"] == "ready"  # the existing fields stay
+    admin = (await client.get("/v1/nodes", params={"limit": 2}, headers=auth(ADMIN))).json()
+    assert admin["hot_spares"] == 3 and admin["nodes"][1]["hot_spare_for"] == beta_job  # counted over all pages
+    assert (await client.get("/v1/nodes", params={"block": "b1"}, headers=auth(ADMIN))).json()["hot_spares"] == 2
+    one = (await client.get("/v1/nodes/b1-n0", headers=auth(BETA))).json()
+    assert one["hot_spare"] is True and one["hot_spare_for"] is None
+    one = (await client.get("/v1/nodes/b1-n0", headers=auth(ALPHA))).json()
+    assert one["hot_spare_for"] == alpha_job
+    await pool.execute("DELETE FROM hot_spares")
+    page = (await client.get("/v1/nodes", headers=auth(ADMIN))).json()
+    assert page["hot_spares"] == 0 and not any(n["hot_spare"] for n in page["nodes"])
