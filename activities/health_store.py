@@ -87,6 +87,22 @@ async def return_node(db: asyncpg.Pool | asyncpg.Connection, node_id: str, *, ac
         return old
 
 
+async def agent_addrs(db: asyncpg.Pool | asyncpg.Connection) -> dict[str, str | None]:
+    """node_id -> the agent address recorded in nodes.agent_addr."""
+    return {r["node_id"]: r["agent_addr"] for r in await db.fetch("SELECT node_id, agent_addr FROM nodes")}
+
+
+async def set_agent_addr(db: asyncpg.Pool | asyncpg.Connection, *, scope: str, epoch: int, node_id: str, addr: str) -> bool:
+    """Record the address a node's agent advertises in its heartbeats (where the API reads rank
+    logs, and the host jobs rendezvous on), under the leader's epoch. True when it changed."""
+    async with _transaction(db) as conn:
+        await check_epoch(conn, scope, epoch)
+        status = await conn.execute(
+            "UPDATE nodes SET agent_addr = $2 WHERE node_id = $1 AND agent_addr IS DISTINCT FROM $2", node_id, addr
+        )
+        return status.endswith(" 1")
+
+
 async def node_rows(db: asyncpg.Pool | asyncpg.Connection) -> dict[str, NodeRow]:
     rows = await db.fetch("SELECT node_id, state, reason, drain_evict FROM nodes")
     return {r["node_id"]: NodeRow(r["node_id"], r["state"], r["reason"], r["drain_evict"]) for r in rows}
@@ -129,6 +145,6 @@ async def job_attempts(db: asyncpg.Pool | asyncpg.Connection, job_ids: Sequence[
 
 
 __all__ = [
-    "LeaseRow", "NodeRow", "audit_wrong_gpus", "job_attempts", "leases", "node_rows", "not_ready_rows",
-    "return_node", "set_node_state",
+    "LeaseRow", "NodeRow", "agent_addrs", "audit_wrong_gpus", "job_attempts", "leases", "node_rows", "not_ready_rows",
+    "return_node", "set_agent_addr", "set_node_state",
 ]

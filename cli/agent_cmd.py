@@ -92,7 +92,7 @@ def run(
         except NvmlUnavailable as e:
             print(f"gpufleet agent: {e}", file=sys.stderr)
             return 2
-        print(json.dumps({"agent": "up", "nodes": node_ids, "backend": kind, "log_addr": agent.log_addr}), flush=True)
+        print(json.dumps({"agent": "up", "nodes": node_ids, "backend": kind, "log_addr": agent.log_addr, "http_log_addr": agent.http_log_addr}), flush=True)
         await stop.wait()
         await agent.stop()
         return 0

@@ -163,6 +163,7 @@ class HealthMonitor:
         self.burn_in_seq = 0
         self.evicted: set[tuple[str, int]] = set()
         self.wrong_gpus: set[str] = set()
+        self.agent_addrs: dict[str, str | None] = {}  # node -> nodes.agent_addr as known written
         self.decisions: list[tuple[str, str, str, str]] = []  # (node, from, event, to) written (tests)
         self._dirty: set[str] = set()
         self._kick = asyncio.Event()
@@ -180,6 +181,7 @@ class HealthMonitor:
         rows = await health_store.node_rows(self.pool)
         self.states = {n: NodeState(r.state) for n, r in rows.items()}
         self.drain_evict = {n: r.drain_evict for n, r in rows.items()}
+        self.agent_addrs = await health_store.agent_addrs(self.pool)
         self._task = asyncio.create_task(self._loop(epoch), name="health-monitor")
 
     def drop(self) -> None:
@@ -199,6 +201,7 @@ class HealthMonitor:
         self.burn_in_retry_at.clear()
         self.evicted.clear()
         self.wrong_gpus.clear()
+        self.agent_addrs.clear()
         self._dirty.clear()
 
     async def stop(self) -> None:
@@ -370,6 +373,7 @@ class HealthMonitor:
         )
 
     async def _node(self, epoch: int, node_id: str, now: float) -> None:
+        await self._record_agent_addr(epoch, node_id)
         obs = self.observe(node_id, now)
         d = decide(obs, self.params, now)
         if obs.last_heartbeat_at is not None and now - obs.last_heartbeat_at < self.params.suspect_after_s:
@@ -387,6 +391,20 @@ class HealthMonitor:
                 await self._recover(epoch, node_id, d, obs)
             elif action == Action.BURN_IN:
                 pass  # started by _burn_in_progress on the next pass (the node is burn_in now)
+
+    async def _record_agent_addr(self, epoch: int, node_id: str) -> None:
+        """The agent advertises where it serves rank logs in every heartbeat; write it to
+        nodes.agent_addr when it differs (a new agent, a restart on another port), so the API
+        can proxy logs and the leader knows the host for a job's rendezvous."""
+        entry = self._entry(node_id)
+        addr = entry.agent_addr if entry is not None else ""
+        if not addr or self.agent_addrs.get(node_id) == addr:
+            return
+        await health_store.set_agent_addr(
+            self.pool, scope=self.settings.leader_scope, epoch=epoch, node_id=node_id, addr=addr
+        )
+        self.agent_addrs[node_id] = addr
+        log.info("%s: agent at %s", node_id, addr)
 
     async def _write(self, epoch: int, node_id: str, d: Decision, obs: NodeObservation) -> bool:
         to = d.transition.to

@@ -46,7 +46,7 @@ async def test_heartbeats_carry_the_design_fields_and_acks_confirm_leases(agent,
 
     entry = await wait_for(running, what="lease in a heartbeat")
     r = entry.report()
-    assert r.boot_id == node.boot_id and r.free_disk_bytes > 0 and r.agent_addr == agent.log_addr
+    assert r.boot_id == node.boot_id and r.free_disk_bytes > 0 and r.agent_addr == agent.http_log_addr
     assert [g.index for g in r.gpus] == list(range(8)) and all(g.health == "ok" for g in r.gpus)
     assert r.gpus[1].sm_util > 50 and r.gpus[0].sm_util == 0  # GPUs 1 and 3 run the rank
     assert r.gpus[3].mem_used and r.gpus[3].mem_total and r.gpus[3].temperature_c
@@ -230,6 +230,35 @@ async def test_rank_logs_are_served_to_the_api_with_the_log_token(agent, setting
     chunks = [c async for c in read_rank_log(agent.log_addr, settings.agent_log_token, "node-a", "lease-log",
                                             offset=6, follow=True, follow_timeout_s=5)]  # fmt: skip
     assert b"".join(c.data for c in chunks) == b"from the rank\n" and chunks[-1].eof
+
+
+async def test_rank_logs_are_served_over_the_apis_http_contract(agent, settings, tmp_path):
+    """The address heartbeats advertise (nodes.agent_addr) speaks api/logs_proxy.py's contract,
+    read here with the API's own client."""
+    from api.errors import ApiError
+    from api.logs_proxy import open_agent_log
+
+    async def read(lease: str, token: str = settings.agent_log_token, **kw) -> bytes:
+        body = await open_agent_log(agent.http_log_addr, lease, token=token, **kw)
+        return b"".join([c async for c in body])
+
+    node = agent.nodes["node-b"]  # the second node of the process: lease ids are looked up across nodes
+    await node.start_task(start_task("node-b", "lease-http", script(tmp_path, "s.py", SLEEPER)))
+    await wait_for(lambda: (node.leases["lease-http"].dir / sf.STDOUT).stat().st_size > 0, what="output")
+    assert await read("lease-http") == b"hello from the rank\n"
+    assert await read("lease-http", offset=6) == b"from the rank\n"
+    with pytest.raises(ApiError) as e:
+        await read("lease-http", token="not-the-token")
+    assert e.value.code == "agent_auth_failed"
+    with pytest.raises(ApiError) as e:
+        await read("nope")
+    assert e.value.code == "logs_not_found"
+    # follow: the response stays open while the rank runs and ends after it exits
+    follower = asyncio.create_task(read("lease-http", follow=True))
+    await asyncio.sleep(0.5)
+    assert not follower.done()
+    await node.stop_task(StopTask("lease-http", 1, "node-b", 0.5, "done"))
+    assert await asyncio.wait_for(follower, 10) == b"hello from the rank\n"
 
 
 async def test_reconciliation_stop_in_an_ack_stops_the_task(tmp_path):

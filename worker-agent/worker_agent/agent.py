@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from common.temporal import connect, make_worker
 from worker_agent.link import ControlLink
+from worker_agent.log_http import LogHttpServer
 from worker_agent.logs import start_log_server
 from worker_agent.node import FleetActivities, NodeAgent, build_agent_activities
 from worker_agent.nvml import make_backend
@@ -65,7 +66,9 @@ class AgentProcess:
         self.listen = listen
         self.nodes: dict[str, NodeAgent] = {}
         self.links: dict[str, ControlLink] = {}
-        self.log_addr = ""
+        self.log_addr = ""  # gRPC NodeAgent.ReadLog
+        self.http_log_addr = ""  # the API's HTTP log contract; advertised in heartbeats as agent_addr
+        self._http_log_server: LogHttpServer | None = None
         self.temporal_connected = False
         self.temporal_error = ""
         self._log_server = None
@@ -77,10 +80,12 @@ class AgentProcess:
         if self.backend_kind == "real" and len(self.node_ids) > 1:
             raise ValueError("the real NVML backend hosts exactly one node per process")
         self._log_server, self.log_addr = await start_log_server(s, self.nodes, self.listen)
+        self._http_log_server = LogHttpServer(s, self.nodes)
+        self.http_log_addr = await self._http_log_server.start(s.agent_http_listen)
         runtime = make_runtime(s)
         for node_id in self.node_ids:
             backend = make_backend(s, node_id, self.backend_kind)  # NvmlUnavailable: a clear error
-            node = NodeAgent(s, node_id, backend=backend, runtime=runtime, boot_id=self.boot_id, agent_addr=self.log_addr)
+            node = NodeAgent(s, node_id, backend=backend, runtime=runtime, boot_id=self.boot_id, agent_addr=self.http_log_addr)
             await node.start()
             self.nodes[node_id] = node
         for node_id, node in self.nodes.items():
@@ -153,6 +158,9 @@ class AgentProcess:
         if self._log_server is not None:
             await self._log_server.stop(0.5)
             self._log_server = None
+        if self._http_log_server is not None:
+            await self._http_log_server.stop()
+            self._http_log_server = None
 
 
 async def run_agent(settings, node_ids: Sequence[str], *, stop: asyncio.Event | None = None, **kwargs) -> None:

@@ -1,0 +1,182 @@
+"""The user CLI on the whole `make up` stack (`gpufleet up`: embedded Postgres and Temporal,
+control, API and a simulated agent fleet), with the dev token it prints for team pretrain:
+submit a 1-GPU job, follow its logs until a known line, cancel it, watch it reach
+CANCELLED; and the seed's example request is refused with a clear admission error."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.foundation.test_up import ROOT, free_port, read_until, stop
+
+pytestmark = pytest.mark.e2e
+
+RANK = (
+    "import time\n"
+    "for i in range(40):\n"
+    "    print(f'tick {i}', flush=True)\n"
+    "    time.sleep(0.5)\n"
+)
+
+JOB = """\
+team: pretrain
+name: cli-on-stack
+priority_class: research
+image: registry/llm:1
+command: {command}
+gpu_type: h100
+replicas: 1
+gpus_per_replica: 1
+topology: {{pack: any}}
+max_runtime: 1h
+"""
+
+# the seed's example request: more than the demo cluster's 128 GPUs
+EXAMPLE = """\
+team: pretrain
+name: llm-pretrain
+priority_class: prod-batch
+image: registry/llm:2024-05
+command: [python, train.py]
+gpu_type: h100
+replicas: 128
+gpus_per_replica: 8
+topology: {pack: block, max_blocks: 4}
+max_runtime: 72h
+checkpoint: {preemptible: true, grace_seconds: 120}
+"""
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+
+
+def start_stack(state: Path, ports: dict[str, int]) -> subprocess.Popen:
+    """As tests/foundation/test_up.py starts it, with every demo node served by the simulated agent."""
+    env = _env()
+    env.update(
+        {
+            "GPUFLEET_STATE_DIR": str(state),
+            "GPUFLEET_API_PORT": str(ports["api"]),
+            "GPUFLEET_TEMPORAL_PORT": str(ports["temporal"]),
+            "GPUFLEET_TEMPORAL_UI_PORT": str(ports["ui"]),
+            "GPUFLEET_CONTROL_GRPC_PORT": str(ports["grpc"]),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "up"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+class Cli:
+    def __init__(self, url: str, token: str) -> None:
+        self.url, self.token = url, token
+
+    def argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "cli.main", *args, "--url", self.url, "--token", self.token]
+
+    def run(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run(self.argv(*args), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+    def state(self, job_id: str) -> str:
+        r = self.run("status", job_id, "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["state"]
+
+    def wait_state(self, job_id: str, *want: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        seen = None
+        while time.monotonic() < deadline:
+            seen = self.state(job_id)
+            if seen in want:
+                return seen
+            time.sleep(0.5)
+        raise AssertionError(f"{job_id} not {want} within {timeout}s (last {seen})")
+
+    def follow_until(self, job_id: str, marker: str, timeout: float) -> str:
+        """Run `logs -f` until ``marker`` is printed; terminate the follower; return its output.
+        A follower that exits early (the rank's node not yet known to the API) is restarted."""
+        deadline = time.monotonic() + timeout
+        out: list[str] = []
+        while time.monotonic() < deadline:
+            proc = subprocess.Popen(
+                self.argv("logs", job_id, "-f"), cwd=ROOT, env=_env(),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )  # fmt: skip
+            lines: queue.Queue[str | None] = queue.Queue()
+
+            def pump(p=proc, q=lines) -> None:
+                for line in p.stdout:
+                    q.put(line)
+                q.put(None)
+
+            threading.Thread(target=pump, daemon=True).start()
+            try:
+                while time.monotonic() < deadline:
+                    try:
+                        line = lines.get(timeout=0.2)
+                    except queue.Empty:
+                        continue
+                    if line is None:
+                        break
+                    out.append(line)
+                    if marker in line:
+                        return "".join(out)
+            finally:
+                if proc.poll() is None:
+                    proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            time.sleep(0.5)
+        raise AssertionError(f"no {marker!r} in the logs of {job_id} within {timeout}s:\n{''.join(out)}")
+
+
+def test_cli_on_the_running_stack(tmp_path):
+    ports = {"api": free_port(), "temporal": free_port(), "ui": free_port(), "grpc": free_port()}
+    proc = start_stack(tmp_path / "state", ports)
+    try:
+        _run_cli_checks(proc, ports, tmp_path)
+    except BaseException as e:
+        tail = stop(proc)  # what `gpufleet up` said (a child that exited) belongs with the failure
+        raise AssertionError(f"{e}\n--- gpufleet up:\n{tail}") from e
+    tail = stop(proc)
+    assert proc.returncode == 0, tail
+
+
+def _run_cli_checks(proc: subprocess.Popen, ports: dict[str, int], tmp_path: Path) -> None:
+    out = read_until(proc, "Ctrl-C stops everything", 180)
+    token = next(line.split()[-1] for line in out.splitlines() if line.strip().startswith("team pretrain"))
+    cli = Cli(f"http://127.0.0.1:{ports['api']}", token)
+
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.format(command=json.dumps([sys.executable, "-c", RANK])))
+    r = cli.run("submit", "-f", str(job), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = json.loads(r.stdout)["job_id"]
+
+    cli.wait_state(job_id, "RUNNING", timeout=60)
+    logs = cli.follow_until(job_id, "tick 2", timeout=30)
+    assert "tick 0" in logs and "tick 1" in logs
+
+    r = cli.run("cancel", job_id)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert cli.wait_state(job_id, "CANCELLED", timeout=60) == "CANCELLED"
+
+    example = tmp_path / "example.yaml"
+    example.write_text(EXAMPLE)
+    r = cli.run("submit", "-f", str(example))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "exceeds_cluster" in r.stderr and "1024 h100 GPUs" in r.stderr and "HTTP 422" in r.stderr, r.stderr

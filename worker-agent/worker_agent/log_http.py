@@ -1,0 +1,152 @@
+"""Rank logs over HTTP: the contract the API's log proxy speaks (api/logs_proxy.py).
+
+    GET /v1/leases/{lease_id}/logs?offset=N&follow=0|1
+    Authorization: Bearer <settings.agent_log_token>
+    -> 200 text/plain, chunked; with follow=1 the response stays open and carries new
+       output as the rank writes it, and ends when the rank has exited (or after an hour).
+    401 bad or missing token, 404 no such lease on this agent, 405/400 anything else.
+
+Served by each agent process next to the gRPC ``NodeAgent.ReadLog`` (worker_agent/logs.py),
+on ``settings.agent_http_listen``; its address is what heartbeats advertise as
+``agent_addr`` and what the leader writes to ``nodes.agent_addr``. A small HTTP/1.1
+server on asyncio streams: the agent takes no web framework as a dependency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from proto.auth import check_credential
+from worker_agent.logs import CHUNK, MAX_FOLLOW_S, advertised
+
+log = logging.getLogger(__name__)
+
+MAX_HEADER_BYTES = 16 * 1024
+HEADER_TIMEOUT_S = 10.0
+
+
+class LogHttpServer:
+    def __init__(self, settings, nodes: dict) -> None:
+        self.settings = settings
+        self.nodes = nodes  # node_id -> NodeAgent (one process may host many simulated nodes)
+        self.server: asyncio.base_events.Server | None = None
+
+    async def start(self, listen: str) -> str:
+        host, _, port = listen.rpartition(":")
+        host = host.strip("[]")
+        self.server = await asyncio.start_server(self._handle, host or "0.0.0.0", int(port), limit=MAX_HEADER_BYTES)
+        bound = self.server.sockets[0].getsockname()[1]
+        return advertised(host, bound)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server.wait_closed(), 2.0)
+
+    def _find(self, lease_id: str):
+        for node in self.nodes.values():
+            path = node.log_path(lease_id, "stdout")
+            if path is not None:
+                return node, path
+        return None, None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT_S)
+            await self._serve(head.decode("latin-1"), writer)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
+            pass  # a client that went away or sent garbage
+        except Exception:
+            log.exception("log request failed")
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+                await writer.wait_closed()
+
+    async def _serve(self, head: str, writer: asyncio.StreamWriter) -> None:
+        lines = head.split("\r\n")
+        try:
+            method, target, _ = lines[0].split(" ", 2)
+        except ValueError:
+            return await _plain(writer, 400, "bad request")
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        parts = urlsplit(target)
+        segs = parts.path.split("/")
+        if len(segs) != 5 or segs[1:3] != ["v1", "leases"] or segs[4] != "logs":
+            return await _plain(writer, 404, "no such route")
+        if method != "GET":
+            return await _plain(writer, 405, "GET only")
+        auth = headers.get("authorization", "")
+        token = auth[len("Bearer "):] if auth.startswith("Bearer ") else None
+        if not check_credential(self.settings.agent_log_token, token):
+            return await _plain(writer, 401, "bad or missing log token")
+        q = parse_qs(parts.query)
+        try:
+            offset = int(q.get("offset", ["0"])[0])
+        except ValueError:
+            return await _plain(writer, 400, "offset must be an integer")
+        follow = q.get("follow", ["0"])[0] == "1"
+        lease_id = unquote(segs[3])
+        node, path = self._find(lease_id)
+        if node is None:
+            return await _plain(writer, 404, f"no lease {lease_id} on this agent")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        )
+        await writer.drain()
+        follow_until = time.monotonic() + MAX_FOLLOW_S
+        while True:
+            try:
+                f = open(path, "rb")
+            except FileNotFoundError:  # the rank has not written yet
+                f = None
+            if f is not None:
+                with f:
+                    size = f.seek(0, 2)
+                    offset = min(offset if offset >= 0 else max(0, size + offset), size)
+                    f.seek(offset)
+                    while data := f.read(CHUNK):
+                        writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                        await writer.drain()
+                        offset += len(data)
+            lease = node.leases.get(lease_id)
+            finished = not (lease and lease.live)
+            if not follow or time.monotonic() > follow_until:
+                break
+            if finished:  # one last read after the exit (output written just before it) is done above
+                if f is None or offset >= _size(path):
+                    break
+                continue
+            await asyncio.sleep(node.poll_s)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+def _size(path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+async def _plain(writer: asyncio.StreamWriter, status: int, text: str) -> None:
+    reason = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed"}[status]
+    body = (text + "\n").encode()
+    writer.write(
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+    )
+    await writer.drain()
+
+
+__all__ = ["LogHttpServer"]
