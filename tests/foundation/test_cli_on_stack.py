@@ -144,9 +144,9 @@ class Cli:
         raise AssertionError(f"no {marker!r} in the logs of {job_id} within {timeout}s:\n{''.join(out)}")
 
 
-def test_cli_on_the_running_stack(tmp_path):
+def test_cli_on_the_running_stack(state_root, tmp_path):
     ports = {"api": free_port(), "temporal": free_port(), "ui": free_port(), "grpc": free_port()}
-    proc = start_stack(tmp_path / "state", ports)
+    proc = start_stack(state_root / "state", ports)
     try:
         _run_cli_checks(proc, ports, tmp_path)
     except BaseException as e:

@@ -107,9 +107,9 @@ def read_rest(proc: subprocess.Popen) -> str:
     return "".join(out)
 
 
-def test_make_up_brings_the_platform_up_and_down(tmp_path):
+def test_make_up_brings_the_platform_up_and_down(state_root):
     ports = {"api": free_port(), "temporal": free_port(), "ui": free_port(), "grpc": free_port()}
-    proc = start(tmp_path / "state", ports)
+    proc = start(state_root / "state", ports)
     try:
         out = read_until(proc, "Ctrl-C stops everything", 180)
         assert f"http://127.0.0.1:{ports['api']}/docs" in out
@@ -127,10 +127,10 @@ def test_make_up_brings_the_platform_up_and_down(tmp_path):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
     # state survives: a second start reuses the same tokens and database
-    tokens = (tmp_path / "state" / "tokens.json").read_text()
-    proc = start(tmp_path / "state", ports)
+    tokens = (state_root / "state" / "tokens.json").read_text()
+    proc = start(state_root / "state", ports)
     try:
         read_until(proc, "Ctrl-C stops everything", 180)
     finally:
         stop(proc)
-    assert (tmp_path / "state" / "tokens.json").read_text() == tokens
+    assert (state_root / "state" / "tokens.json").read_text() == tokens
