@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.foundation.test_up import ROOT, free_port, read_until, stop
+from tests.foundation.test_up import ROOT, free_port, read_until, start, stop
 
 pytestmark = pytest.mark.e2e
 
@@ -58,24 +58,6 @@ checkpoint: {preemptible: true, grace_seconds: 120}
 
 def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
-
-
-def start_stack(state: Path, ports: dict[str, int]) -> subprocess.Popen:
-    """As tests/foundation/test_up.py starts it, with every demo node served by the simulated agent."""
-    env = _env()
-    env.update(
-        {
-            "GPUFLEET_STATE_DIR": str(state),
-            "GPUFLEET_API_PORT": str(ports["api"]),
-            "GPUFLEET_TEMPORAL_PORT": str(ports["temporal"]),
-            "GPUFLEET_TEMPORAL_UI_PORT": str(ports["ui"]),
-            "GPUFLEET_CONTROL_GRPC_PORT": str(ports["grpc"]),
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    return subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "up"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
 
 
 class Cli:
@@ -146,7 +128,7 @@ class Cli:
 
 def test_cli_on_the_running_stack(state_root, tmp_path):
     ports = {"api": free_port(), "temporal": free_port(), "ui": free_port(), "grpc": free_port()}
-    proc = start_stack(state_root / "state", ports)
+    proc = start(state_root / "state", ports)
     try:
         _run_cli_checks(proc, ports, tmp_path)
     except BaseException as e:

@@ -46,7 +46,6 @@ def start(state: Path, ports: dict[str, int]) -> subprocess.Popen:
             "GPUFLEET_TEMPORAL_PORT": str(ports["temporal"]),
             "GPUFLEET_TEMPORAL_UI_PORT": str(ports["ui"]),
             "GPUFLEET_CONTROL_GRPC_PORT": str(ports["grpc"]),
-            "GPUFLEET_AGENT_SIMULATE": "4",
             "PYTHONUNBUFFERED": "1",
         }
     )
