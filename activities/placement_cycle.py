@@ -677,12 +677,21 @@ class LeaderState:
             start = None
             if res is not None and math.isfinite(res.expected_start):
                 start = datetime.fromtimestamp(res.expected_start, timezone.utc)
-            value = (i + 1, p.reason.value if p else None, (p.detail or None) if p else None, start)
+            if p is not None:
+                reason, detail = p.reason.value, p.detail or None
+            else:  # not evaluated: its lane may have been skipped for want of quota room
+                reason, detail = _unevaluated_reason(plan, spec)
+                if reason == engine.PendingReason.LOOKAHEAD.value:
+                    reason, detail = None, None  # within the published top: no reason yet
+            value = (i + 1, reason, detail, start)
             if self.published.get(jid) != value:
                 self.published[jid] = value
                 rows.append(job_store.Publication(jid, *value))
         for jid in [j for j in self.published if j not in listed and j in self.queue]:
-            value = (None, "lookahead", f"beyond the top {limit} considered", None)
+            reason, detail = _unevaluated_reason(plan, self.queue.get(jid))
+            if reason == engine.PendingReason.LOOKAHEAD.value:
+                detail = f"beyond the top {limit} considered"
+            value = (None, reason, detail, None)
             if self.published[jid] != value:
                 self.published[jid] = value
                 rows.append(job_store.Publication(jid, *value))
@@ -735,3 +744,12 @@ class LeaderState:
 
 
 __all__ = ["LeaderState", "NotLeader", "policy_from_settings", "spec_from_row"]
+
+
+def _unevaluated_reason(plan: Any, spec: Any) -> tuple[str, str | None]:
+    """Why a job the cycle did not evaluate waits: ``quota`` when its team's lane for
+    its size was skipped for want of quota room, else ``lookahead``."""
+    reason = plan.reason_for(spec) if spec is not None else None
+    if reason is engine.PendingReason.QUOTA:
+        return reason.value, "the team has no quota room for a job of this size"
+    return engine.PendingReason.LOOKAHEAD.value, None
