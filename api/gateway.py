@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 from datetime import timedelta
 
 from temporalio.client import (
@@ -88,27 +89,22 @@ class TemporalGateway:
 
     async def start_job(self, job_id: str) -> None:
         """Start ``JobWorkflow`` (workflow id = job id); already started counts as done."""
-        client = await self.client()
         try:
-            await asyncio.wait_for(
-                client.start_workflow(
-                    JOB_WORKFLOW,
-                    JobInput(job_id=job_id),
-                    id=job_id,
-                    task_queue=self.settings.control_task_queue,
-                    id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                    rpc_timeout=self.timeout,
-                ),
-                self.settings.api_temporal_timeout_s + 1,
-            )
+            await self._start_job_workflow(job_id)
         except WorkflowAlreadyStartedError:
             return
-        except (RPCError, RPCTimeoutOrCancelledError, asyncio.TimeoutError, OSError) as e:
-            raise ControlUnavailable(str(e) or type(e).__name__) from e
 
     async def cancel_job(self, job_id: str, request: CancelRequest) -> None:
         """Signal ``cancel``; signal-with-start, so a job whose workflow was never
         started (Temporal was down at submit) is started and cancelled at once."""
+        try:
+            await self._start_job_workflow(job_id, start_signal=SIGNAL_CANCEL, start_signal_args=[request])
+        except WorkflowAlreadyStartedError as e:
+            # a closed workflow cannot be re-started under REJECT_DUPLICATE: the job is finished
+            raise WorkflowClosed(job_id) from e
+
+    async def _start_job_workflow(self, job_id: str, **signal: Any) -> None:
+        """Start (or signal-with-start) the job's workflow; Temporal trouble is ControlUnavailable."""
         client = await self.client()
         try:
             await asyncio.wait_for(
@@ -118,15 +114,11 @@ class TemporalGateway:
                     id=job_id,
                     task_queue=self.settings.control_task_queue,
                     id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                    start_signal=SIGNAL_CANCEL,
-                    start_signal_args=[request],
                     rpc_timeout=self.timeout,
+                    **signal,
                 ),
                 self.settings.api_temporal_timeout_s + 1,
             )
-        except WorkflowAlreadyStartedError as e:
-            # a closed workflow cannot be re-started under REJECT_DUPLICATE: the job is finished
-            raise WorkflowClosed(job_id) from e
         except (RPCError, RPCTimeoutOrCancelledError, asyncio.TimeoutError, OSError) as e:
             raise ControlUnavailable(str(e) or type(e).__name__) from e
 
