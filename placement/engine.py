@@ -290,9 +290,9 @@ class _Cycle:
             return
         mode = None
         if not borrowed:
-            mode = Mode(job.rank, False)
+            mode = Mode(job.rank, False, job.team)
         elif serving:
-            mode = Mode(job.rank, True)
+            mode = Mode(job.rank, True, job.team)
         if mode is not None and policy.preemption and self._preempt(job, ti, shape, mode):
             self._pend(job, PendingReason.PREEMPTING)
             return

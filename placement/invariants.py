@@ -7,9 +7,10 @@
   made from (before ``apply``): placements use free GPUs of ready nodes of the right
   type, no GPU twice, gangs all-or-nothing, whole nodes for >= node-size jobs,
   max_blocks, quota (guaranteed never above the guarantee, borrowed within the
-  limit), victim rules (class, prod-serving never, 30-minute protection, daily
-  budget except borrowed, borrowed-only beyond a guarantee, no preemption for
-  borrowing), every considered job placed or given a reason.
+  limit), victim rules (class, prod-serving never, 30-minute protection of guaranteed
+  work, never the beneficiary's own team's borrowed work, daily budget except
+  borrowed, borrowed-only beyond a guarantee, no preemption for borrowing), every
+  considered job placed or given a reason.
 
 Both return a list of human-readable violations (empty when all hold).
 """
@@ -275,8 +276,8 @@ def check_plan(state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy,
                 errs.append(f"{pr.victim}: prod-serving chosen as a victim")
             if rj.preempting_for is not None:
                 errs.append(f"{pr.victim}: already being preempted")
-            if now - rj.started_at < policy.preemption_protect_s:
-                errs.append(f"{pr.victim}: preempted {now - rj.started_at:.0f}s after its start")
+            if not rj.borrowed and now - rj.started_at < policy.preemption_protect_s:
+                errs.append(f"{pr.victim}: guaranteed, preempted {now - rj.started_at:.0f}s after its start")
             if not rj.borrowed and rj.spec.preemptions_since(now - policy.preemption_window_s) >= policy.daily_preemption_budget:
                 errs.append(f"{pr.victim}: past its daily preemption budget and not borrowed")
             ti = state._types[ben.gpu_type]
@@ -290,6 +291,8 @@ def check_plan(state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy,
                     errs.append(f"{pr.beneficiary}: prod-serving beyond guarantee takes non-borrowed {pr.victim}")
             if not (rj.rank > ben.rank or (rj.rank == ben.rank and rj.borrowed)):
                 errs.append(f"{pr.victim} (rank {rj.rank}) is not lower class or same-class borrowed for {pr.beneficiary}")
+            if rj.team == ben.team and (rj.rank == ben.rank or ben_borrowed):
+                errs.append(f"{pr.beneficiary}: reclaims its own team's borrowed {pr.victim}")
             if rj.gpu_type != ben.gpu_type:
                 errs.append(f"{pr.victim}: other GPU type than {pr.beneficiary}")
         # reasons

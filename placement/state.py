@@ -599,14 +599,15 @@ class ClusterState:
     def _victim_add(self, rj: RunningJob) -> None:
         """Index a job that may become a victim: counted in ``cat_gpus`` at once, listed in
         ``victims`` once its preemption protection has passed (``promote``), so victim
-        searches never wade through jobs that just started."""
+        searches never wade through jobs that just started. Borrowed jobs have no
+        protection (borrowed capacity is always reclaimable): they are listed at once."""
         if rj.rank == SERVING_RANK or rj.preempting_for is not None:
             return
         ti = self._types[rj.gpu_type]
         cat = (rj.rank, rj.borrowed)
         rj.vcat = cat
         ti.cat_gpus[cat] = ti.cat_gpus.get(cat, 0) + rj.charge
-        if rj.started_at > self._clock - self._protect_s:
+        if not rj.borrowed and rj.started_at > self._clock - self._protect_s:
             rj.young = True
             self._young_seq += 1
             heapq.heappush(self._young, (rj.started_at, self._young_seq, rj))

@@ -3,10 +3,14 @@
 Eligible victims (``eligible``) for a preemptor of class rank ``r``:
 
 * never prod-serving; never a job already being preempted;
-* never within ``preemption_protect_s`` of its start;
+* never within ``preemption_protect_s`` of its start, unless it is borrowed (borrowed
+  capacity is always reclaimable: DESIGN.md invariant 4 and the reclaim bound of
+  grace + 2 cycles; the protection is against priority churn of guaranteed work);
 * normal mode (the preemptor is within its team's guarantee): jobs of a lower class
-  (rank > r), or borrowed jobs of the same class;
-* borrowed-only mode (prod-serving beyond its guarantee): borrowed jobs only;
+  (rank > r), or borrowed jobs of the same class of *another* team (a team never
+  reclaims its own borrowed work: it would only trade its work for its work);
+* borrowed-only mode (prod-serving beyond its guarantee): borrowed jobs only (of
+  other teams);
 * a job preempted ``daily_preemption_budget`` times in ``preemption_window_s`` is a
   victim only if it is borrowed.
 
@@ -34,17 +38,19 @@ from placement.topology import Search, Shape
 class Mode:
     rank: int  # the preemptor's class rank
     borrowed_only: bool  # prod-serving beyond its guarantee
+    team: str = ""  # the preemptor's team: its own borrowed work is never reclaimed for it
 
 
+_CATS: dict[tuple[int, bool], list[tuple[int, bool]]] = {}
 _SCAN_LIMIT = 4096  # candidates looked at per small-job victim search
 _AFTER_BEST = 16  # and at most this many more once one fits (least GPU-seconds among them)
-_CATS: dict[Mode, list[tuple[int, bool]]] = {}
 
 
 def categories(mode: Mode) -> list[tuple[int, bool]]:
-    got = _CATS.get(mode)
+    key = (mode.rank, mode.borrowed_only)
+    got = _CATS.get(key)
     if got is None:
-        got = _CATS[mode] = _categories(mode)
+        got = _CATS[key] = _categories(mode)
     return got
 
 
@@ -61,13 +67,15 @@ def _categories(mode: Mode) -> list[tuple[int, bool]]:
 def eligible(rj: RunningJob, mode: Mode, now: float, policy: Policy) -> bool:
     if rj.rank == SERVING_RANK or rj.preempting_for is not None:
         return False
-    if now - rj.started_at < policy.preemption_protect_s:
+    if not rj.borrowed and now - rj.started_at < policy.preemption_protect_s:
         return False
     if mode.borrowed_only:
         if not rj.borrowed:
             return False
     elif not (rj.rank > mode.rank or (rj.rank == mode.rank and rj.borrowed)):
         return False
+    if mode.team and rj.spec.team == mode.team and (mode.borrowed_only or rj.rank == mode.rank):
+        return False  # a reclaim of the team's own borrowed work
     if not rj.borrowed and policy.daily_preemption_budget >= 0:
         if rj.spec.preemptions_since(now - policy.preemption_window_s) >= policy.daily_preemption_budget:
             return False
@@ -138,7 +146,7 @@ def find_small(
         seen += 1
         if seen > _SCAN_LIMIT:
             break
-        if rj.started_at > protect_until or not eligible(rj, mode, now, policy):
+        if (rj.started_at > protect_until and not rj.borrowed) or not eligible(rj, mode, now, policy):
             continue
         scanned += 1
         for nid in sorted(rj.held):

@@ -261,3 +261,48 @@ def test_victim_of_another_gpu_type_is_never_chosen() -> None:
     fill(st, ["hb0n0"], team="low", cls="preemptible", prefix="h100job")
     p = plan(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), Policy(), NOW)
     assert victims(p) == ["h100job-hb0n0"]
+
+
+def test_borrowed_job_just_started_is_reclaimed_for_a_team_below_its_guarantee() -> None:
+    # the borrower started 60 s ago: the 30-minute protection is for guaranteed work only,
+    # borrowed capacity is reclaimable at once (grace + 2 cycles)
+    st = cluster(blocks=1, nodes=1)
+    st.set_quota("owner", "h100", 8)
+    st.set_quota("borrower", "h100", 0, 100)
+    fill(st, ["b0n0"], team="borrower", cls="research", borrowed=True, started_at=NOW - 60)
+    p = cycle(st, queue_of(spec("mine", team="owner", cls="research", gpr=8)), NOW)
+    assert victims(p) == ["f-b0n0"]
+    assert p.preemptions[0].reason is PreemptReason.RECLAIM and p.preemptions[0].victim_borrowed
+
+
+def test_guaranteed_job_just_started_is_still_protected_from_priority_preemption() -> None:
+    st = cluster(blocks=1, nodes=1)
+    st.set_quota("me", "h100", 100)
+    fill(st, ["b0n0"], team="low", cls="preemptible", started_at=NOW - 60)
+    p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW)
+    assert p.preemptions == ()
+
+
+def test_a_team_never_reclaims_its_own_borrowed_work() -> None:
+    # the team's guaranteed 8-GPU job may not take its own borrowed gang's node: it would
+    # only trade its work for its work. Another team's borrowed job of the class is fair game.
+    st = cluster(blocks=1, nodes=3)
+    st.set_quota("me", "h100", 8, 100)
+    st.set_quota("other", "h100", 0, 100)
+    occupy(st, spec("mygang", team="me", cls="research", replicas=2, gpr=8), ["b0n0", "b0n1"], borrowed=True)
+    q = queue_of(spec("x", team="me", cls="research", gpr=8))
+    p = cycle(st, q, NOW, do_apply=False)
+    assert p.placement("x") is not None  # b0n2 is free
+    fill(st, ["b0n2"], team="other", cls="research", borrowed=True, prefix="theirs")
+    p = cycle(st, q, NOW, do_apply=False)
+    assert victims(p) == ["theirs-b0n2"]
+    st.release("theirs-b0n2", NOW)
+    fill(st, ["b0n2"], team="g", cls="research", prefix="guar")  # guaranteed, same class
+    p = cycle(st, q, NOW, do_apply=False)
+    assert p.preemptions == ()
+    # its own lower-class work is still a priority victim
+    st.release("guar-b0n2", NOW)
+    st.set_quota("me", "h100", 16, 100)
+    fill(st, ["b0n2"], team="me", cls="preemptible", prefix="mylow", started_at=-1.0)
+    p = cycle(st, q, NOW, do_apply=False)
+    assert victims(p) == ["mylow-b0n2"] and p.preemptions[0].reason is PreemptReason.PRIORITY
