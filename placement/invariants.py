@@ -146,6 +146,15 @@ def check_state(state: ClusterState, strict_quota: bool = True, respect_topology
     for n, owners in held.items():
         if set(state._node_res.get(n, ())) != owners:
             errs.append(f"{n}: reservation owners {state._node_res.get(n)} != {sorted(owners)}")
+    free_by_owners: dict[str, dict[tuple[str, ...], int]] = {}
+    for blk in state._blocks.values():
+        for nid in blk.free_nodes:
+            owners = state._node_res.get(nid)
+            if owners:
+                d = free_by_owners.setdefault(blk.id, {})
+                d[owners] = d.get(owners, 0) + 1
+    if free_by_owners != state._block_res_free:
+        errs.append(f"free reserved nodes by owners wrong: {state._block_res_free} != {free_by_owners}")
     return errs
 
 

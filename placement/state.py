@@ -232,6 +232,10 @@ class ClusterState:
         self._reservations: dict[str, Reservation] = {}
         self._node_res: dict[str, tuple[str, ...]] = {}  # node -> reservation owners (sorted)
         self._block_res: dict[str, dict[str, int]] = {}
+        # block -> owner tuple -> number of its free whole nodes (``free_nodes``) held by exactly
+        # those reservation owners: a search that may not use some owners counts what is left
+        # without walking the block
+        self._block_res_free: dict[str, dict[tuple[str, ...], int]] = {}
         self._spares: dict[str, set[str]] = {}
         self._missing: dict[str, set[int]] = {}
         self._awaiting: dict[str, set[str]] = {}
@@ -366,6 +370,9 @@ class ClusterState:
             if f == node.gpus:
                 _sorted_remove(blk.free_nodes, node.id)
                 ti.free_nodes -= 1
+                owners = self._node_res.get(node.id)
+                if owners:
+                    self._res_free_add(blk.id, owners, -1)
                 n = len(blk.free_nodes)
                 if n:
                     ti.blocks_free[blk.id] = n
@@ -390,7 +397,41 @@ class ClusterState:
             if f == node.gpus:
                 insort(blk.free_nodes, node.id)
                 ti.free_nodes += 1
+                owners = self._node_res.get(node.id)
+                if owners:
+                    self._res_free_add(blk.id, owners, 1)
                 ti.blocks_free[blk.id] = len(blk.free_nodes)
+
+    def _res_free_add(self, bid: str, owners: tuple[str, ...], k: int) -> None:
+        d = self._block_res_free.get(bid)
+        if d is None:
+            d = self._block_res_free[bid] = {}
+        c = d.get(owners, 0) + k
+        if c:
+            d[owners] = c
+        else:
+            del d[owners]
+            if not d:
+                del self._block_res_free[bid]
+
+    def _is_free_whole(self, node: _Node) -> bool:
+        """Is the node in its block's ``free_nodes`` index?"""
+        return node.health is NodeHealth.READY and node.spare_of is None and node.nfree == node.gpus
+
+    def _set_node_owners(self, node: _Node, old: tuple[str, ...], new: tuple[str, ...]) -> None:
+        if new:
+            self._node_res[node.id] = new
+        else:
+            del self._node_res[node.id]
+        if self._is_free_whole(node):
+            if old:
+                self._res_free_add(node.block, old, -1)
+            if new:
+                self._res_free_add(node.block, new, 1)
+
+    def block_free_by_owners(self, block_id: str) -> dict[tuple[str, ...], int]:
+        """Free whole nodes of a block held by reservations, by owner tuple (read-only)."""
+        return self._block_res_free.get(block_id) or {}
 
     def _take(self, node: _Node, mask: int, job_id: str) -> None:
         if node.free_mask & mask != mask:
@@ -893,8 +934,9 @@ class ClusterState:
             owners = self._node_res.get(n, ())
             if res.job_id in owners:
                 continue
-            self._node_res[n] = tuple(sorted(owners + (res.job_id,)))
-            b = self._nodes[n].block
+            node = self._nodes[n]
+            self._set_node_owners(node, owners, tuple(sorted(owners + (res.job_id,))))
+            b = node.block
             d = self._block_res.setdefault(b, {})
             d[res.job_id] = d.get(res.job_id, 0) + 1
 
@@ -914,11 +956,9 @@ class ClusterState:
             owners = self._node_res.get(n, ())
             if job_id in owners:
                 left = tuple(o for o in owners if o != job_id)
-                if left:
-                    self._node_res[n] = left
-                else:
-                    del self._node_res[n]
-                b = self._nodes[n].block
+                node = self._nodes[n]
+                self._set_node_owners(node, owners, left)
+                b = node.block
                 d = self._block_res[b]
                 d[job_id] -= 1
                 if d[job_id] <= 0:

@@ -70,7 +70,7 @@ def _shape(job: JobSpec, node_gpus: int) -> Shape | str:
 class Search:
     """One job's view of the free capacity: which reservations it may not use, which nodes only."""
 
-    __slots__ = ("state", "ti", "excl", "restrict", "node_res")
+    __slots__ = ("state", "ti", "excl", "restrict", "node_res", "any_excl")
 
     def __init__(
         self,
@@ -84,11 +84,12 @@ class Search:
         self.excl = excl  # reservation owners whose nodes this job may not use
         self.restrict = restrict  # if set, only these nodes
         self.node_res = state._node_res
+        self.any_excl = bool(excl)  # a Search lives within one decision: the set cannot change
 
     def ok(self, nid: str) -> bool:
         if self.restrict is not None and nid not in self.restrict:
             return False
-        if self.excl:
+        if self.any_excl:
             owners = self.node_res.get(nid)
             if owners:
                 excl = self.excl
@@ -98,13 +99,21 @@ class Search:
         return True
 
     def block_avail(self, bid: str) -> int:
+        """Free whole nodes of the block this job may use (O(owner sets held there))."""
         blk = self.ti.blocks[bid]
         if self.restrict is None:
-            if not self.excl:
-                return len(blk.free_nodes)
-            owners = self.state._block_res.get(bid)
-            if not owners or not any(o in self.excl for o in owners):
-                return len(blk.free_nodes)
+            n = len(blk.free_nodes)
+            if not n or not self.any_excl:
+                return n
+            held = self.state._block_res_free.get(bid)
+            if held:
+                excl = self.excl
+                for owners, c in held.items():
+                    for o in owners:
+                        if o in excl:
+                            n -= c
+                            break
+            return n
         ok = self.ok
         return sum(1 for n in blk.free_nodes if ok(n))
 

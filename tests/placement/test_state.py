@@ -123,3 +123,34 @@ def test_quota_change_is_rechecked_by_the_next_plan() -> None:
     assert ("t", "h100") in st.quota_dirty()
     cycle(st, queue_of(), 10)
     assert st.quota_dirty() == () and st.running("b").borrowed
+
+
+def test_free_reserved_nodes_are_counted_per_block_and_owner_set() -> None:
+    from placement import Reservation, ReservationKind
+    from placement.topology import Search
+
+    st = cluster(blocks=2, nodes=4)
+    st.set_quota("t", "h100", 1000)
+
+    def res(jid: str, nodes: tuple[str, ...]) -> Reservation:
+        return Reservation(jid, "h100", ReservationKind.PREEMPTION, ("b0",), nodes, len(nodes), 8 * len(nodes), 2, 0.0, 0.0)
+
+    st.add_reservation(res("A", ("b0n0", "b0n1", "b0n2")))
+    st.add_reservation(res("B", ("b0n1",)))
+    assert st.block_free_by_owners("b0") == {("A",): 2, ("A", "B"): 1}
+    occupy(st, spec("x", gpr=8), ["b0n0"])  # a busy node is not free any more
+    assert st.block_free_by_owners("b0") == {("A",): 1, ("A", "B"): 1}
+    ti = st.type_index("h100")
+    assert Search(st, ti, frozenset({"B"})).block_avail("b0") == 2  # b0n2, b0n3
+    assert Search(st, ti, frozenset({"A"})).block_avail("b0") == 1  # b0n3
+    assert Search(st, ti, frozenset()).block_avail("b0") == 3
+    # a tentative section rolls the counts back with everything else
+    st.begin_tentative()
+    st.remove_reservation("A")
+    assert st.block_free_by_owners("b0") == {("B",): 1}
+    st.rollback()
+    assert st.block_free_by_owners("b0") == {("A",): 1, ("A", "B"): 1}
+    st.release("x", 10)
+    st.set_node_health("b0n2", NodeHealth.DOWN)
+    assert st.block_free_by_owners("b0") == {("A",): 1, ("A", "B"): 1}
+    assert check_state(st) == []
