@@ -279,6 +279,8 @@ class _Cycle:
         if try_free:
             fail, placed = self._try_place(job, ti, shape, borrowed, restrict, own_spares)
             if placed is not None:
+                if borrowed and not serving and shape.whole and policy.guarantee_gangs_first:
+                    placed = self._guarantee_gang(job, shape, placed)
                 self._commit(job, placed, own_res)
                 return
         for nid in spare_nodes:  # not placed: its spares stay held for it
@@ -400,6 +402,45 @@ class _Cycle:
             if owners:
                 r = replace(r, backfill=True)
         return None, r
+
+    def _guarantee_gang(self, job: JobSpec, shape: Shape, placed: Placement) -> Placement:
+        """A gang that fits its team's guarantee but for the team's smaller guaranteed jobs runs
+        guaranteed, and those (newest first among the smallest) are marked borrowed instead.
+
+        Per-job flags make a team's large gang borrowed whenever a few of its small jobs
+        hold part of the guarantee; a borrowed gang is the cheapest reclaim victim (one job
+        frees many nodes) and each restart costs a drain. Moving the flag to the small jobs
+        keeps guaranteed usage within the guarantee and leaves cheap work reclaimable.
+        """
+        state = self.state
+        if shape.charge < self.policy.reserve_min_gpus:
+            return placed
+        key = (job.team, job.gpu_type)
+        q = state._quota.get(key)
+        a = state._acct.get(key)
+        if q is None or a is None or shape.charge > q.guaranteed:
+            return placed
+        need = a.gused + shape.charge - q.guaranteed
+        running = state._running
+        cands = []
+        for jid in a.jobs:
+            rj = running[jid]
+            if not rj.borrowed and rj.preempting_for is None and rj.rank != SERVING_RANK and rj.charge < shape.charge:
+                cands.append((rj.charge, -rj.started_at, jid))
+        cands.sort()
+        picked: list[str] = []
+        got = 0
+        for c, _, jid in cands:
+            if got >= need:
+                break
+            picked.append(jid)
+            got += c
+        if got < need or a.used - a.gused + got > q.borrow_limit:
+            return placed
+        for jid in picked:
+            state.set_borrowed(jid, True)
+            self.relabels.append(Relabel(jid, True))
+        return replace(placed, borrowed=False)
 
     def _commit(self, job: JobSpec, placed: Placement, own_res: Reservation | None) -> None:
         state = self.state

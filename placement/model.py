@@ -225,6 +225,13 @@ class Policy:
       by more than this is re-planned on other blocks if they are earlier.
     * ``serving_borrows_idle``: False (DESIGN.md) means prod-serving beyond its
       guarantee gets capacity only by reclaiming borrowed allocations.
+    * ``guarantee_gangs_first``: a whole-node job of >= ``reserve_min_gpus`` placed
+      beyond its team's guarantee, that would fit the guarantee but for the team's
+      smaller guaranteed jobs, runs guaranteed and those jobs are marked borrowed
+      (``Plan.relabels``) — so a borrowed gang is not the cheapest reclaim victim.
+    * ``victim_excess_cost``: victim choice for whole nodes counts every node a victim
+      set frees beyond the need like one more victim (a gang is not preempted to make
+      room for a few nodes). False: fewest victims per node freed, as before.
     """
 
     lookahead: int = 2000
@@ -248,6 +255,8 @@ class Policy:
     max_victim_searches_per_cycle: int = 32
     scan_factor: int = 4
     reservation_replan_s: float = 600.0
+    guarantee_gangs_first: bool = True
+    victim_excess_cost: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -258,18 +267,23 @@ class Policy:
 
 DEFAULT_POLICY = Policy()
 
+# gpufleet's own refinements (placement/README.md): the baselines run without them
+_NO_REFINEMENTS: dict[str, Any] = {"guarantee_gangs_first": False, "victim_excess_cost": False}
+
 PRESETS: dict[str, Policy] = {
     # the policy DESIGN.md describes
     "gpufleet": DEFAULT_POLICY,
     # plain FIFO over every class, first fit, no reservations/backfill/preemption; quotas still apply
     "fifo_first_fit": Policy(
-        ordering=Ordering.FIFO, topology=False, reservations=False, backfill=False, preemption=False
+        ordering=Ordering.FIFO, topology=False, reservations=False, backfill=False, preemption=False,
+        **_NO_REFINEMENTS,
     ),
     # everything but topology awareness, reservations and backfill
-    "no_topology_no_reservation": Policy(topology=False, reservations=False, backfill=False),
+    "no_topology_no_reservation": Policy(topology=False, reservations=False, backfill=False, **_NO_REFINEMENTS),
     # classic EASY backfill: one reservation per GPU type, backfill, no borrowing, no preemption
     "easy_backfill": Policy(
-        ordering=Ordering.CLASS_FIFO, borrowing=False, preemption=False, reservations=True, backfill=True
+        ordering=Ordering.CLASS_FIFO, borrowing=False, preemption=False, reservations=True, backfill=True,
+        **_NO_REFINEMENTS,
     ),
 }
 

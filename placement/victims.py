@@ -279,7 +279,7 @@ def find_whole(
         for _, free, bid in sorted(single, key=lambda p: (-p[1], p[0], p[2]))[:_SINGLE_BLOCK_TRIES]:
             got = _select(state, search, [bid], k, mode, now, policy, index, limit, use_free)
             if got is not None:
-                key = (len(got[0]), got[3], -free, bid)
+                key = (_cost(state, got[0], k - len(got[2]), policy), got[3], -free, bid)
                 if best is None or key < best[0]:
                     best = (key, bid, got)
         if best is None:
@@ -309,6 +309,15 @@ def find_whole(
 
 
 _SINGLE_BLOCK_TRIES = 6
+
+
+def _cost(state: ClusterState, victims: set[str], need: int, policy: Policy) -> int:
+    """Victims, plus (``Policy.victim_excess_cost``) every node they hold beyond the ``need``."""
+    if not policy.victim_excess_cost:
+        return len(victims)
+    running = state._running
+    held = sum(len(running[j].held) for j in victims)
+    return len(victims) + max(0, held - need)
 
 
 def _select(
@@ -354,6 +363,7 @@ def _select(
             v = over_cache[team] = over_share(state, team, ti.gpu_type)
         return v
 
+    excess_cost = policy.victim_excess_cost
     occupants = {nid: tuple(nodes[nid].jobs) for nid in remaining}
     lost_of = {j: _lost(running[j], now) for occ in occupants.values() for j in occ}
     while len(freed) < need:
@@ -370,7 +380,10 @@ def _select(
                 useful = min(gain, left) or 1
                 lost = sum(lost_of[j] for j in new)
                 o = max((over(running[j].team) for j in new), default=0.0)
-                got = scored[new] = (len(new) / useful, lost / useful, -o, lost)
+                cost = len(new)
+                if excess_cost:
+                    cost += max(0, sum(len(running[j].held) for j in new) - useful)
+                got = scored[new] = (cost / useful, lost / useful, -o, lost)
             key = (got[0], got[1], got[2], nid)
             if best is None or key < best[0]:
                 best = (key, new, got[3])

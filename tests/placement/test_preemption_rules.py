@@ -306,3 +306,20 @@ def test_a_team_never_reclaims_its_own_borrowed_work() -> None:
     fill(st, ["b0n2"], team="me", cls="preemptible", prefix="mylow", started_at=-1.0)
     p = cycle(st, q, NOW, do_apply=False)
     assert victims(p) == ["mylow-b0n2"] and p.preemptions[0].reason is PreemptReason.PRIORITY
+
+
+def test_a_gang_is_not_preempted_to_free_one_node_when_single_node_victims_exist() -> None:
+    # a 2-node job needs two nodes of one block. b0: a borrowed 4-node gang of another team
+    # (same class: a reclaim victim); b1: three single-node preemptible jobs and a free node.
+    st = cluster(blocks=2, nodes=4)
+    st.set_quota("me", "h100", 100)
+    st.set_quota("other", "h100", 0, 100)
+    occupy(st, spec("gang", team="other", cls="prod-batch", replicas=4, gpr=8), ["b0n0", "b0n1", "b0n2", "b0n3"],
+           borrowed=True, started_at=NOW - 100)
+    fill(st, ["b1n0", "b1n1", "b1n2"], team="low", cls="preemptible", prefix="small")
+    x = spec("x", team="me", cls="prod-batch", replicas=2, gpr=8, pack="block", max_blocks=1)
+    p = cycle(st, queue_of(x), NOW, do_apply=False)
+    assert victims(p) == ["small-b1n0"]  # one node victim + the free b1n3
+    # without the excess cost, the gang (one victim, but 4 nodes for 2) would do
+    p = cycle(st, queue_of(x), NOW, Policy(victim_excess_cost=False), do_apply=False)
+    assert victims(p) == ["gang"]

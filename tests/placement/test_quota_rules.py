@@ -86,3 +86,35 @@ def test_stale_guaranteed_flag_from_the_store_is_rechecked() -> None:
     assert check_state(st)  # the violation is visible
     p = cycle(st, queue_of(), 100)
     assert [(r.job_id, r.borrowed) for r in p.relabels] == [("b", True)]
+
+
+def test_a_gang_that_fits_the_guarantee_but_for_small_jobs_runs_guaranteed() -> None:
+    # the team's guarantee is 32 GPUs; two 8-GPU jobs of its own hold 16 of it. Its 32-GPU gang
+    # would be borrowed (16 + 32 > 32): the two small jobs are marked borrowed instead
+    from placement import Relabel
+
+    st = cluster(blocks=1, nodes=6)
+    st.set_quota("t", "h100", 32, 100)
+    occupy(st, spec("s1", gpr=8), ["b0n0"], started_at=0.0)
+    occupy(st, spec("s2", gpr=8), ["b0n1"], started_at=10.0)
+    pol = Policy(reserve_min_gpus=32)
+    p = cycle(st, queue_of(spec("gang", replicas=4, gpr=8, pack="block")), 100, pol)
+    pl = p.placement("gang")
+    assert pl is not None and not pl.borrowed
+    assert sorted(p.relabels, key=lambda r: r.job_id) == [Relabel("s1", True), Relabel("s2", True)]
+    assert st.guaranteed_used("t", "h100") == 32 and st.borrowed_used("t", "h100") == 16
+
+
+def test_gang_stays_borrowed_when_the_guarantee_cannot_hold_it() -> None:
+    st = cluster(blocks=1, nodes=6)
+    st.set_quota("t", "h100", 24, 100)
+    occupy(st, spec("s1", gpr=8), ["b0n0"])
+    p = cycle(st, queue_of(spec("gang", replicas=4, gpr=8, pack="block")), 100, Policy(reserve_min_gpus=32))
+    assert p.placement("gang").borrowed and p.relabels == ()
+    # and the baselines do not move flags
+    st2 = cluster(blocks=1, nodes=6)
+    st2.set_quota("t", "h100", 32, 100)
+    occupy(st2, spec("s1", gpr=8), ["b0n0"])
+    pol = Policy(reserve_min_gpus=32, guarantee_gangs_first=False)
+    p = cycle(st2, queue_of(spec("gang", replicas=4, gpr=8, pack="block")), 100, pol)
+    assert p.placement("gang").borrowed and p.relabels == ()
