@@ -45,7 +45,14 @@ from placement.model import (
     ReservationKind,
 )
 from placement.ordering import JobQueue, iter_order
-from placement.reservations import Exclusions, expected_start, make_head_of_line, plan_head_of_line
+from placement.reservations import (
+    Exclusions,
+    expected_start,
+    make_head_of_line,
+    plan_head_of_line,
+    refresh_head_of_line,
+    select_nodes,
+)
 from placement.state import ClusterState, RunningJob, _TypeIndex, indices_of, make_placement, mask_of
 from placement.topology import Search, Shape, choose_spares, find_placement, find_small_node, job_shape
 from placement.victims import ClearableIndex, Mode, eligible_upper_bound, find_small, find_whole, reason_for
@@ -156,7 +163,11 @@ class _Cycle:
                     state.remove_reservation(res.job_id)  # its victims are long gone: stop holding
                 continue
             if res.kind is ReservationKind.HEAD_OF_LINE:
-                es = expected_start(state, res, now)
+                tight = bool(res.nodes)
+                if tight:  # node-level: re-chosen in its blocks (a node that came free replaces a busy one)
+                    nodes, es = refresh_head_of_line(state, res, now)
+                else:
+                    nodes, es = res.nodes, expected_start(state, res, now)
                 if es == _INF:
                     state.remove_reservation(res.job_id)  # its blocks can no longer hold it: re-planned
                     continue
@@ -164,12 +175,20 @@ class _Cycle:
                     # it slipped (a node failed, a higher class took a reserved node): other blocks may be earlier
                     owner = self.queue.get(res.job_id)
                     ti = state.type_index(res.gpu_type)
-                    got = plan_head_of_line(state, ti, owner, res.nodes_needed, now) if owner and ti else None
+                    got = plan_head_of_line(state, ti, owner, res.nodes_needed, now, tight) if owner and ti else None
                     if got is not None and got[1] + self.policy.reservation_replan_s < es:
-                        state.add_reservation(replace(res, blocks=got[0], expected_start=got[1]))
-                        continue
-                if es != res.expected_start:
-                    state.add_reservation(replace(res, expected_start=es))
+                        if tight:
+                            nodes2, raw = select_nodes(state, got[0], res.nodes_needed, res.job_id)
+                            if raw != _INF:
+                                state.add_reservation(
+                                    replace(res, blocks=got[0], nodes=nodes2, expected_start=max(raw, now))
+                                )
+                                continue
+                        else:
+                            state.add_reservation(replace(res, blocks=got[0], expected_start=got[1]))
+                            continue
+                if es != res.expected_start or nodes != res.nodes:
+                    state.add_reservation(replace(res, nodes=nodes, expected_start=es))
         for owner in state.spare_owners():
             if not state.is_running(owner) and owner not in self.queue:
                 state.release_spares(owner)
@@ -546,12 +565,20 @@ class _Cycle:
         mkey = (job.gpu_type, shape.nodes, t.pack, t.max_blocks)
         if mkey in self.reserve_memo:
             return False
-        got = plan_head_of_line(state, ti, job, shape.nodes, now)
+        tight = policy.tight_reservations
+        got = plan_head_of_line(state, ti, job, shape.nodes, now, tight)
         if got is None:
             self.reserve_memo.add(mkey)  # no blocks can ever hold it (unhealthy, reserved): same for its shape
             return False
         blocks, start = got
-        state.add_reservation(make_head_of_line(job, blocks, shape.nodes, shape.charge, start, now))
+        nodes: tuple[str, ...] = ()
+        if tight:  # exactly the nodes it needs, those that free soonest in those blocks
+            nodes, raw = select_nodes(state, blocks, shape.nodes, job.job_id)
+            if raw == _INF:
+                self.reserve_memo.add(mkey)
+                return False
+            start = max(raw, now)
+        state.add_reservation(make_head_of_line(job, blocks, shape.nodes, shape.charge, start, now, nodes))
         return True
 
     # ------------------------------------------------------------------ prod-serving replicas

@@ -229,6 +229,9 @@ class Policy:
       beyond its team's guarantee, that would fit the guarantee but for the team's
       smaller guaranteed jobs, runs guaranteed and those jobs are marked borrowed
       (``Plan.relabels``) — so a borrowed gang is not the cheapest reclaim victim.
+    * ``tight_reservations``: a head-of-line reservation holds exactly the nodes the
+      gang needs (those freeing soonest in the fewest blocks), re-chosen each cycle in
+      its blocks; False holds whole blocks (the engine's first design).
     * ``victim_excess_cost``: victim choice for whole nodes counts every node a victim
       set frees beyond the need like one more victim (a gang is not preempted to make
       room for a few nodes). False: fewest victims per node freed, as before.
@@ -256,6 +259,7 @@ class Policy:
     scan_factor: int = 4
     reservation_replan_s: float = 600.0
     guarantee_gangs_first: bool = True
+    tight_reservations: bool = True
     victim_excess_cost: bool = True
 
     def __post_init__(self) -> None:

@@ -1,10 +1,15 @@
 """Reservations and backfill.
 
 A head-of-line large gang (>= ``Policy.reserve_min_gpus``, whole nodes) that cannot
-fit and cannot preempt reserves the blocks it will use: the set of at most
-``max_blocks`` blocks (not reserved by anyone else) where enough nodes become free
-earliest, judging by running jobs' ``started_at + max_runtime``. That time is the
-reservation's ``expected_start``, recomputed every cycle (cached per block version).
+fit and cannot preempt reserves the nodes it will use, and no more: the fewest blocks
+(at most ``max_blocks``; the minimum number for ``pack=block`` without a limit) where
+enough nodes become free earliest, judging by running jobs' ``started_at +
+max_runtime``, and in them exactly the ``nodes_needed`` nodes that free soonest (the
+free ones first). The other nodes of those blocks stay open to everyone. That time is
+the reservation's ``expected_start``. Every cycle the node set is re-chosen within the
+same blocks (``refresh_head_of_line``): a node of the blocks that came free replaces
+a reserved node still busy, so the gang waits for the first ``nodes_needed`` nodes to
+free in its blocks, and never holds more than it needs (cached per block version).
 
 Who may use reserved nodes (``may_use``): the owner; jobs of a strictly higher
 class than the owner; and, with backfill, jobs whose max_runtime ends by the
@@ -97,6 +102,14 @@ def node_free_time(state: ClusterState, node: _Node) -> float:
 
 
 def _block_times(state: ClusterState, bid: str, owner: str | None) -> list[float]:
+    return [t for t, _ in _block_node_times(state, bid, owner)]
+
+
+def _block_node_times(
+    state: ClusterState, bid: str, owner: str | None, strict: bool = False
+) -> list[tuple[float, str]]:
+    """(when the node is free, node) for the nodes of a block, soonest first; nodes held by
+    another gang's head-of-line reservation (``strict``: by any other owner) never are (inf)."""
     blk = state._blocks[bid]
     node_res = state._node_res
     out = []
@@ -104,19 +117,50 @@ def _block_times(state: ClusterState, bid: str, owner: str | None) -> list[float
     for nid in blk.nodes:
         owners = node_res.get(nid)
         if owners and any(
-            o != owner and reservations[o].kind is ReservationKind.HEAD_OF_LINE for o in owners
+            o != owner and (strict or reservations[o].kind is ReservationKind.HEAD_OF_LINE) for o in owners
         ):
-            out.append(_INF)  # another gang's
+            out.append((_INF, nid))  # another gang's
         else:
-            out.append(node_free_time(state, state._nodes[nid]))
+            out.append((node_free_time(state, state._nodes[nid]), nid))
     out.sort()
     return out
+
+
+def select_nodes(
+    state: ClusterState, blocks: Iterable[str], k: int, owner: str | None
+) -> tuple[tuple[str, ...], float]:
+    """The ``k`` nodes of ``blocks`` that free soonest (free ones first, then by id), and when
+    the last of them frees (inf if fewer than ``k`` ever will)."""
+    times: list[tuple[float, str]] = []
+    for b in blocks:
+        if b in state._blocks:
+            times.extend(_block_node_times(state, b, owner))
+    times.sort()
+    if len(times) < k or k <= 0:
+        return (), _INF
+    picked = times[:k]
+    return tuple(sorted(n for _, n in picked)), picked[-1][0]
+
+
+def refresh_head_of_line(state: ClusterState, res: Reservation, now: float) -> tuple[tuple[str, ...], float]:
+    """A node-level head-of-line reservation re-chosen in its blocks: (nodes, expected start).
+    Cached per block versions (a block's version changes with any of its nodes)."""
+    versions = tuple(state._blocks[b].version for b in res.blocks if b in state._blocks)
+    cached = state.res_cache.get(res.job_id)
+    if cached is not None and cached[0] == (versions, state.res_version):
+        nodes, raw = cached[1]
+    else:
+        nodes, raw = select_nodes(state, res.blocks, res.nodes_needed, res.job_id)
+        state.res_cache[res.job_id] = ((versions, state.res_version), (nodes, raw))
+    return nodes, max(raw, now)
 
 
 def expected_start(state: ClusterState, res: Reservation, now: float) -> float:
     """When ``res.nodes_needed`` nodes of its blocks will be free (cached per block versions)."""
     if res.kind is not ReservationKind.HEAD_OF_LINE:
         return res.expected_start
+    if res.nodes:
+        return refresh_head_of_line(state, res, now)[1]
     versions = tuple(state._blocks[b].version for b in res.blocks if b in state._blocks)
     cached = state.res_cache.get(res.job_id)
     if cached is not None and cached[0] == versions:
@@ -134,25 +178,38 @@ def expected_start(state: ClusterState, res: Reservation, now: float) -> float:
 
 
 def plan_head_of_line(
-    state: ClusterState, ti: _TypeIndex, job: JobSpec, nodes_needed: int, now: float
+    state: ClusterState, ti: _TypeIndex, job: JobSpec, nodes_needed: int, now: float, tight: bool = False
 ) -> tuple[tuple[str, ...], float] | None:
-    """Blocks (reserved by nobody else) where ``nodes_needed`` nodes are free earliest, and when."""
+    """Blocks where ``nodes_needed`` nodes are free earliest, and when.
+
+    ``tight`` False (legacy): only blocks nobody else holds, whole blocks reserved.
+    ``tight`` True: blocks may be shared with other reservations (their nodes never count),
+    ``pack=block`` without ``max_blocks`` is held to the minimum number of blocks, and the
+    fewest blocks reaching the earliest time are returned (the caller reserves nodes in them).
+    """
     per_block: list[tuple[str, list[float]]] = []
     for bid in sorted(ti.blocks):
         owners = state._block_res.get(bid)
         if owners and any(o != job.job_id for o in owners):
-            continue
-        per_block.append((bid, _block_times(state, bid, job.job_id)))
+            if not tight:
+                continue
+            times = _block_times(state, bid, job.job_id)
+        else:
+            times = _block_times(state, bid, job.job_id)
+        per_block.append((bid, times))
     if not per_block:
         return None
     pack = job.topology.pack
+    k = nodes_needed
     if pack is Pack.BLOCK and job.topology.max_blocks:
         m = job.topology.max_blocks
     elif pack is Pack.NODE:
         m = 1
+    elif pack is Pack.BLOCK and tight:
+        size = max(len(state._blocks[b].nodes) for b, _ in per_block)
+        m = -(-k // size)  # as few blocks as possible
     else:
         m = len(per_block)
-    k = nodes_needed
 
     def counts(t: float) -> list[tuple[int, str]]:
         return [(bisect_right(times, t), bid) for bid, times in per_block]
@@ -187,14 +244,20 @@ def plan_head_of_line(
 
 
 def make_head_of_line(
-    job: JobSpec, blocks: tuple[str, ...], nodes_needed: int, gpus: int, start: float, now: float
+    job: JobSpec,
+    blocks: tuple[str, ...],
+    nodes_needed: int,
+    gpus: int,
+    start: float,
+    now: float,
+    nodes: tuple[str, ...] = (),
 ) -> Reservation:
     return Reservation(
         job_id=job.job_id,
         gpu_type=job.gpu_type,
         kind=ReservationKind.HEAD_OF_LINE,
         blocks=blocks,
-        nodes=(),
+        nodes=nodes,
         nodes_needed=nodes_needed,
         gpus=gpus,
         priority_rank=job.rank,

@@ -897,7 +897,9 @@ class ClusterState:
         return self._reservations.get(job_id)
 
     def reservation_nodes(self, res: Reservation) -> list[str]:
-        if res.kind is ReservationKind.HEAD_OF_LINE:
+        """The nodes a reservation holds: its ``nodes``, or (a head-of-line reservation
+        without nodes) every node of its blocks."""
+        if res.kind is ReservationKind.HEAD_OF_LINE and not res.nodes:
             out: list[str] = []
             for b in res.blocks:
                 blk = self._blocks.get(b)

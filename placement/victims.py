@@ -67,6 +67,8 @@ def _categories(mode: Mode) -> list[tuple[int, bool]]:
 def eligible(rj: RunningJob, mode: Mode, now: float, policy: Policy) -> bool:
     if rj.rank == SERVING_RANK or rj.preempting_for is not None:
         return False
+    if rj.started_at >= now:
+        return False  # placed by this very cycle
     if not rj.borrowed and now - rj.started_at < policy.preemption_protect_s:
         return False
     if mode.borrowed_only:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from placement import PendingReason, Policy, ReservationKind
 
-from .helpers import HOUR, cluster, cycle, fill, queue_of, spec
+from .helpers import HOUR, cluster, cycle, fill, nodes_of, queue_of, spec
 
 POL = Policy(reserve_min_gpus=32)
 
@@ -141,3 +141,50 @@ def test_a_backfill_jobs_preemption_keeps_the_gangs_reservation() -> None:
     p = cycle(st, q, 3681, pol)
     assert p.placement("R") is not None and p.placement("R").backfill
     assert st.reservation("L") is not None
+
+
+def tight_setup():
+    """b0: nodes busy until 1000, 2000, 9000, 9000; b1: until 1500, 1600, 1700, 9000."""
+    st = cluster(blocks=2, nodes=4)
+    st.set_quota("t", "h100", 1000)
+    for n, end in zip(["b0n0", "b0n1", "b0n2", "b0n3", "b1n0", "b1n1", "b1n2", "b1n3"],
+                      [1000, 2000, 9000, 9000, 1500, 1600, 1700, 9000]):
+        fill(st, [n], team="run", runtime=end, prefix=f"e{end}")
+    return st
+
+
+def test_reservation_holds_only_the_nodes_it_needs_in_the_fewest_blocks() -> None:
+    st = tight_setup()
+    gang3 = spec("gang", team="t", replicas=3, gpr=8, pack="block")  # 3 nodes: one block is enough
+    p = cycle(st, queue_of(gang3), 100, Policy(reserve_min_gpus=24))
+    (res,) = p.reservations
+    assert res.blocks == ("b1",) and res.nodes == ("b1n0", "b1n1", "b1n2")
+    assert res.expected_start == 1700
+    # the fourth node of the block is not held: it is not in the set at all
+    assert st.node_reservation("b1n3") == ()
+
+
+def test_backfill_onto_reserved_nodes_only_when_it_ends_before_the_expected_start() -> None:
+    st = tight_setup()
+    pol = Policy(reserve_min_gpus=24)
+    q = queue_of(spec("gang", team="t", replicas=3, gpr=8, pack="block"))
+    cycle(st, q, 100, pol)
+    st.release("e1500-b1n0", 1500)  # a reserved node comes free early
+    st.release("e1000-b0n0", 1500)  # and an unreserved one
+    q.push(spec("long", team="t", gpr=8, runtime=10 * HOUR, submit=1500))
+    q.push(spec("short", team="t", gpr=8, runtime=100, submit=1501))
+    p = cycle(st, q, 1501, pol)
+    assert nodes_of(p, "long") == ["b0n0"]  # anywhere but the gang's nodes
+    assert nodes_of(p, "short") == ["b1n0"] and p.placement("short").backfill  # ends by 1700
+    assert p.reason("gang") is PendingReason.RESERVED
+
+
+def test_a_node_of_the_block_that_comes_free_first_joins_the_reservation() -> None:
+    st = tight_setup()
+    pol = Policy(reserve_min_gpus=24)
+    q = queue_of(spec("gang", team="t", replicas=3, gpr=8, pack="block"))
+    cycle(st, q, 100, pol)
+    st.release("e9000-b1n3", 200)  # ended far earlier than its max_runtime
+    p = cycle(st, q, 201, pol)
+    (res,) = p.reservations
+    assert res.nodes == ("b1n0", "b1n1", "b1n3") and res.expected_start == 1600
