@@ -444,7 +444,13 @@ class _Cycle:
         cands = []
         for jid in a.jobs:
             rj = running[jid]
-            if not rj.borrowed and rj.preempting_for is None and rj.rank != SERVING_RANK and rj.charge < shape.charge:
+            if (
+                not rj.borrowed
+                and rj.preempting_for is None
+                and rj.rank != SERVING_RANK
+                and rj.charge < shape.charge
+                and rj.started_at < self.now  # not placed by this cycle (relabels apply before placements)
+            ):
                 cands.append((rj.charge, -rj.started_at, jid))
         cands.sort()
         picked: list[str] = []
@@ -643,6 +649,16 @@ def _replace_replicas(
             held.append((nid, all_gpus))
             for j, r in enumerate(missing[i * per : (i + 1) * per]):
                 slots.append(ReplicaSlot(r, nid, all_gpus[j * gpr : (j + 1) * gpr]))
+    elif topo.pack is Pack.NODE:
+        # one node for every replica: the one it still runs on, or (all lost) a node for them all
+        need = gpr * len(missing)
+        nid = find_small_node(search, need, policy) if need <= ti.node_gpus else None
+        if nid is None:
+            return None
+        gpus = indices_of(state._nodes[nid].free_mask)[:need]
+        held.append((nid, gpus))
+        for i, r in enumerate(missing):
+            slots.append(ReplicaSlot(r, nid, gpus[i * gpr : (i + 1) * gpr]))
     else:
         taken: dict[str, int] = {}
         used_blocks = set(blocks_now)
