@@ -1058,6 +1058,26 @@ class ClusterState:
             total += ti.total_gpus - ti.free_gpus - ti.unready_idle_gpus - self._spare_gpus(t)
         return total
 
+    def healthy_gpus(self, gpu_type: str | None = None) -> int:
+        """GPUs on ready nodes (busy or idle; hot spares included): the allocation denominator."""
+        types = [gpu_type] if gpu_type is not None else list(self._types)
+        total = 0
+        for t in types:
+            ti = self._types.get(t)
+            if ti is not None:
+                total += ti.total_gpus - ti.unready_idle_gpus
+        return total
+
+    def borrowed_gpus_by_class(self, gpu_type: str) -> tuple[int, int, int, int]:
+        """GPUs held by running borrowed jobs per class rank (0 = prod-serving is always 0:
+        serving is never a victim), not counting jobs already being preempted: the capacity
+        a reclaim may take back, whatever the jobs' age."""
+        ti = self._types.get(gpu_type)
+        if ti is None:
+            return (0, 0, 0, 0)
+        cats = ti.cat_gpus
+        return (cats.get((0, True), 0), cats.get((1, True), 0), cats.get((2, True), 0), cats.get((3, True), 0))
+
     def _spare_gpus(self, gpu_type: str) -> int:
         n = 0
         for nodes in self._spares.values():

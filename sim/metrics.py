@@ -130,11 +130,7 @@ class Metrics:
     def _refresh(self) -> None:
         st = self.state
         self.alloc = st.allocated_gpus()
-        h = 0
-        for gt in st.gpu_types():
-            ti = st.type_index(gt)
-            h += ti.total_gpus - ti.unready_idle_gpus
-        self.healthy = h
+        self.healthy = st.healthy_gpus()
         self.stale = False
 
     def advance(self, t: float) -> None:
@@ -302,11 +298,7 @@ class Metrics:
             self._sample_starving_reasons(now, plan)
         # reclaimable borrowed GPUs per (type, class rank): the engine's victim lists (borrowed,
         # not prod-serving, not already stopping), whatever their age
-        reclaimable: dict[str, list[int]] = {}
-        for gt in st.gpu_types():
-            ti = st.type_index(gt)
-            cats = ti.cat_gpus
-            reclaimable[gt] = [cats.get((rank, True), 0) for rank in range(4)]
+        reclaimable: dict[str, tuple[int, ...]] = {gt: st.borrowed_gpus_by_class(gt) for gt in st.gpu_types()}
         any_borrow: dict[str, int] = {}
         for team, gt, _ in self._teams:
             any_borrow[gt] = any_borrow.get(gt, 0) + st.borrowed_used(team, gt)

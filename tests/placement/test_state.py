@@ -154,3 +154,14 @@ def test_free_reserved_nodes_are_counted_per_block_and_owner_set() -> None:
     st.set_node_health("b0n2", NodeHealth.DOWN)
     assert st.block_free_by_owners("b0") == {("A",): 1, ("A", "B"): 1}
     assert check_state(st) == []
+
+
+def test_healthy_and_borrowed_by_class_reads() -> None:
+    st = cluster(blocks=1, nodes=3)
+    st.set_quota("t", "h100", 0, 100)
+    occupy(st, spec("b", cls="research", gpr=8), ["b0n0"], borrowed=True)
+    occupy(st, spec("s", cls="prod-serving", gpr=8), ["b0n1"], borrowed=True)
+    st.set_node_health("b0n2", NodeHealth.DOWN)
+    assert st.healthy_gpus("h100") == 16 and st.healthy_gpus() == 16
+    assert st.borrowed_gpus_by_class("h100") == (0, 0, 8, 0)
+    assert st.borrowed_gpus_by_class("a100") == (0, 0, 0, 0)
