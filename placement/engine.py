@@ -86,7 +86,7 @@ class _Cycle:
         self.reserve_memo: set[tuple] = set()
         self.preempt_fail: set[tuple] = set()
         self.reclaimed: set[tuple[str, str]] = set()
-        self.clearable: dict[tuple[str, Mode], ClearableIndex] = {}
+        self.clearable: dict[tuple[str, Mode], ClearableIndex] = {}  # per (type, mode without team)
         self.victims_left = policy.max_preemptions_per_cycle
         self.searches_left = policy.max_victim_searches_per_cycle
         self.considered = 0
@@ -501,11 +501,11 @@ class _Cycle:
         )
         if fkey in self.preempt_fail:
             return False
+        if reclaim:
+            self.reclaimed.add(tkey)  # one uncapped attempt per team and cycle, found or not
         if not self._preempt_search(job, ti, shape, mode, reclaim):
             self.preempt_fail.add(fkey)
             return False
-        if reclaim:
-            self.reclaimed.add(tkey)
         return True
 
     def _preempt_search(self, job: JobSpec, ti: _TypeIndex, shape: Shape, mode: Mode, reclaim: bool) -> bool:
@@ -522,10 +522,13 @@ class _Cycle:
         use_free = not (mode.borrowed_only and not policy.serving_borrows_idle)
         limit = max(self.victims_left, shape.nodes if shape.whole else 8) if reclaim else self.victims_left
         if shape.whole:
-            ckey = (job.gpu_type, mode)
+            # shared by every team: built without the own-team rule (a superset of the nodes this
+            # job may clear; _select re-checks each node with the job's own mode)
+            shared = Mode(mode.rank, mode.borrowed_only)
+            ckey = (job.gpu_type, shared)
             index = self.clearable.get(ckey)
             if index is None:
-                index = self.clearable[ckey] = ClearableIndex(state, ti, mode, now, policy)
+                index = self.clearable[ckey] = ClearableIndex(state, ti, shared, now, policy)
             choice = find_whole(state, search, shape, t.pack, t.max_blocks, mode, now, policy, index, limit, use_free)
         else:
             choice = find_small(state, search, shape.total, mode, now, policy, limit, use_free)
