@@ -651,13 +651,17 @@ class LeaderState:
         async with self._sem:
             try:
                 if isinstance(msg, m.Allocation):
-                    delivered = await job_signals.signal_allocation(self.client, self.settings, msg)
+                    await job_signals.signal_allocation(self.client, self.settings, msg)
                 else:
-                    delivered = await job_signals.signal_preempt(self.client, msg)
-                if not delivered:
-                    self.resignal.pop(msg.job_id, None)
+                    await job_signals.signal_preempt(self.client, msg)
             except Exception as e:  # re-signalled later
                 log.warning("signal to %s failed: %s", msg.job_id, e)
+                return
+            # Accepted by Temporal means recorded in the workflow's history (or the workflow
+            # has closed): nothing is lost, so re-sending would only load a busy server.
+            r = self.resignal.get(msg.job_id)
+            if r is not None and r.message is msg:
+                del self.resignal[msg.job_id]
 
     async def _publish(self, epoch: int, plan: Any, now: float) -> int:
         cluster = self.cluster
