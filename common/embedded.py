@@ -126,6 +126,12 @@ class EmbeddedTemporal:
             "journal_mode=wal",
             "--sqlite-pragma",
             "synchronous=normal",
+            # one server process and a few pollers per queue: extra partitions only add
+            # forwarding hops between them (seconds of pickup delay in a burst)
+            "--dynamic-config-value",
+            "matching.numTaskqueueReadPartitions=1",
+            "--dynamic-config-value",
+            "matching.numTaskqueueWritePartitions=1",
             "--log-level",
             "warn",
         ]
