@@ -43,6 +43,7 @@ class ReadLeaderActivity:
             cycle_timeout_s=s.leader_cycle_timeout_s,
             start_timeout_s=max(2.0, 2 * s.leader_renew_s),
             max_cycles_per_run=MAX_CYCLES_PER_RUN,
+            placement_task_queue=s.placement_task_queue,
         )
         if row is None:
             return m.LeaderInfo(live=False, **timing)

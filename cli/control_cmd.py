@@ -14,6 +14,9 @@ def serve(
     holder: str = typer.Option(None, help="leader holder name (default: host-pid-random)"),
     grpc: bool = typer.Option(True, "--grpc/--no-grpc", help="serve the agents' gRPC stream"),
     log_level: str = typer.Option("INFO", help="logging level"),
+    job_worker: bool = typer.Option(
+        False, "--job-worker", help="serve only the job workflows' task queue (a child of a control process)"
+    ),
 ) -> None:
     """Run a control process: Temporal workers, leadership, placement, heartbeat gRPC."""
     from common.embedded import PlatformError
@@ -26,7 +29,7 @@ def serve(
     try:
         if not settings.database_url:
             raise PlatformError("GPUFLEET_DATABASE_URL is not set (`gpufleet up` sets it for its children)")
-        asyncio.run(_main(settings, holder, grpc))
+        asyncio.run(_jobs_main(settings) if job_worker else _main(settings, holder, grpc))
     except PlatformError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 2
@@ -46,3 +49,13 @@ async def _main(settings, holder: str | None, grpc: bool) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await run_control(settings, holder=holder, stop_event=stop, grpc=grpc)
+
+
+async def _jobs_main(settings) -> None:
+    from control.job_workers import serve_job_worker
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await serve_job_worker(settings, stop)

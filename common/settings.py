@@ -6,6 +6,8 @@ periods in seconds. Pydantic lives here and at the HTTP edge only.
 
 from __future__ import annotations
 
+import json
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -38,7 +40,12 @@ class Settings(BaseSettings):
     # --- processes ---------------------------------------------------------
     api_host: str = Field("127.0.0.1", description="API listen address")
     api_port: int = Field(8000, description="API listen port")
-    control_task_queue: str = Field("gpufleet-control", description="task queue of JobWorkflow, PlacementWorkflow and shared control activities")
+    control_task_queue: str = Field("gpufleet-control", description="task queue of JobWorkflow and shared control activities (PlacementWorkflow: this + `-placement`)")
+    control_job_workers: int = Field(
+        1, ge=0, le=64,
+        description="child processes of `control` that run job workflows (0: the control process runs them itself)",
+    )
+    control_cached_workflows: int = Field(4000, ge=10, description="workflow runs a control worker keeps in memory (sticky cache)")
     control_grpc_host: str = Field("127.0.0.1", description="control gRPC listen address (agent heartbeats)")
     control_grpc_port: int = Field(50051, description="control gRPC listen port")
     control_addresses: list[str] = Field(
@@ -82,7 +89,11 @@ class Settings(BaseSettings):
     failure_window_s: float = Field(24 * 3600.0, description="window in which max_failed_attempts are counted")
     start_task_timeout_s: float = Field(60.0, description="one StartTask/StopTask activity try (the gang timeout bounds all tries)")
     stop_margin_s: float = Field(10.0, description="after a stop's grace period, how long to wait for the agents' exit reports")
-    allocation_resignal_s: float = Field(5.0, description="re-signal an allocation or preemption the job has not acted on after this")
+    job_start_delay_s: float = Field(
+        10.0, ge=0,
+        description="a new job workflow's first task waits this long unless a signal (allocation, cancel) comes first",
+    )
+    allocation_resignal_s: float = Field(5.0, description="retry an allocation or preemption signal that Temporal did not accept after this (doubling)")
     placement_wake_min_s: float = Field(0.1, description="least time between two wake-ups of the placement workflow")
     leader_cycle_timeout_s: float = Field(30.0, description="one placement cycle activity's limit on the leader")
 
@@ -140,8 +151,24 @@ class Settings(BaseSettings):
     def _expand(cls, v: Path) -> Path:
         return v.expanduser()
 
+    def to_env(self) -> dict[str, str]:
+        """This process's environment with every setting as a ``GPUFLEET_`` variable (for
+        child processes, which read their settings from the environment)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+        for name, value in self.model_dump(mode="json").items():
+            if value is not None:
+                env[f"GPUFLEET_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
     def node_task_queue(self, node_id: str) -> str:
         return f"{self.agent_task_queue_prefix}{node_id}"
+
+    @property
+    def placement_task_queue(self) -> str:
+        """The PlacementWorkflow's own queue: its workflow tasks never wait behind a burst
+        of job workflow tasks on the control queue."""
+        return f"{self.control_task_queue}-placement"
 
 
 @lru_cache(maxsize=1)

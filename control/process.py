@@ -9,8 +9,11 @@ or drive it yourself (tests)::
 
 What it runs:
 
-* a Temporal worker on ``settings.control_task_queue``: ``JobWorkflow``,
-  ``PlacementWorkflow`` and their (local) activities;
+* a Temporal worker on ``settings.control_task_queue``: ``JobWorkflow`` and its
+  local activities (and ``PlacementWorkflow`` runs left there by older versions), in
+  ``control_job_workers`` child processes (``control/job_workers.py``) or, with 0, here;
+* a Temporal worker on ``settings.placement_task_queue`` for ``PlacementWorkflow``
+  alone, so placement's workflow tasks never queue behind a burst of job tasks;
 * a Temporal worker on its own leader task queue (``<control queue>-leader-<holder>``)
   for ``placement_cycle``, which runs on this process's in-memory ``LeaderState``
   only while it holds the leader epoch;
@@ -35,26 +38,22 @@ import os
 import socket
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import asyncpg
 from temporalio.client import Client
-from temporalio.worker import PollerBehaviorAutoscaling
-from temporalio.common import Priority, WorkflowIDConflictPolicy
+from temporalio.common import WorkflowIDConflictPolicy
 
 from activities import store
-from activities.job_activities import JobActivities
 from activities.placement_activities import CycleActivity, ReadLeaderActivity
 from activities.placement_cycle import LeaderState
 from common.db import pool_from_settings
 from common.settings import Settings
 from common.temporal import connect, make_worker
 from control.health import HealthMonitor
+from control.job_workers import JobWorkerChildren, control_queue_worker
 from control.status_forwarder import TaskStatusForwarder
 from workflows import messages as m
-from workflows.burn_in import BurnInWorkflow
-from workflows.job import JobWorkflow
 from workflows.placement import PlacementWorkflow
 
 log = logging.getLogger("gpufleet.control")
@@ -147,6 +146,7 @@ class ControlProcess:
         self.heartbeats: Any = None
         self.health: HealthMonitor | None = None
         self._workers: list[Any] = []
+        self.job_workers: JobWorkerChildren | None = None
         self._tasks: list[asyncio.Task] = []
         self._waker: _Waker | None = None
         self._listen_conn: asyncpg.Connection | None = None
@@ -213,24 +213,20 @@ class ControlProcess:
         else:
             self.grpc_addr = f"{s.control_grpc_host}:{s.control_grpc_port}"
 
-        control = make_worker(
+        workers = []
+        if s.control_job_workers == 0:
+            workers.append(control_queue_worker(self.client, self.pool, s))
+        else:
+            self.job_workers = JobWorkerChildren(s, s.control_job_workers)
+            await self.job_workers.start()
+        placement = make_worker(
             self.client,
-            s.control_task_queue,
-            workflows=[JobWorkflow, PlacementWorkflow, BurnInWorkflow],
-            activities=[*JobActivities(self.pool, s).all(), *ReadLeaderActivity(self.pool, s).all()],
-            max_concurrent_workflow_tasks=100,
-            max_concurrent_local_activities=100,
-            # activations run under the GIL anyway: a few threads, not one per slot
-            # (fewer thread hand-offs per workflow task)
-            workflow_task_executor=ThreadPoolExecutor(max_workers=4, thread_name_prefix="wft"),
-            max_cached_workflows=4000,
-            # new job workflows' first tasks come from the shared (non-sticky) queue: with the
-            # default pollers (one of five non-sticky) they wait seconds in a burst
-            workflow_task_poller_behavior=PollerBehaviorAutoscaling(minimum=2, maximum=40, initial=10),
-            nonsticky_to_sticky_poll_ratio=1.0,
+            s.placement_task_queue,
+            workflows=[PlacementWorkflow],
+            activities=ReadLeaderActivity(self.pool, s).all(),
         )
         leader = make_worker(self.client, self.leader_queue, activities=CycleActivity(self.leader).all())
-        self._workers = [control, leader]
+        self._workers = [*workers, placement, leader]
         for w in self._workers:
             self._tasks.append(asyncio.create_task(w.run(), name=f"worker-{w.task_queue}"))
         await self._ensure_placement_workflow()
@@ -265,6 +261,8 @@ class ControlProcess:
         if self.heartbeats is not None:
             await self.heartbeats.stop()
         await asyncio.gather(*(w.shutdown() for w in self._workers), return_exceptions=True)
+        if self.job_workers is not None:
+            await self.job_workers.stop()
         if self.forwarder is not None:
             await self.forwarder.stop()
         for t in self._tasks:
@@ -354,10 +352,8 @@ class ControlProcess:
                 m.PLACEMENT_WORKFLOW,
                 m.PlacementInput(),
                 id=m.PLACEMENT_WORKFLOW_ID,
-                task_queue=self.settings.control_task_queue,
+                task_queue=self.settings.placement_task_queue,
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                # ahead of the job workflows' tasks on the shared queue (where the server supports it)
-                priority=Priority(priority_key=1),
             )
         except Exception as e:
             log.warning("cannot start the placement workflow: %s", e)

@@ -290,6 +290,8 @@ class LeaderInfo:
     cycle_timeout_s: float = 30.0
     start_timeout_s: float = 5.0
     max_cycles_per_run: int = 500
+    # the placement workflow's own task queue ("" in histories from before it had one)
+    placement_task_queue: str = ""
 
 
 @dataclass(frozen=True)

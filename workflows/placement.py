@@ -80,13 +80,20 @@ class PlacementWorkflow:
             self._cycles += 1
             this_run += 1
             info = workflow.info()
+            # A run on another queue (the control queue, before the placement workflow had
+            # its own) moves over at once. No patch needed: histories from before carry no
+            # placement_task_queue in read_leader's result, so they take the old path.
+            moving = bool(leader.placement_task_queue) and info.task_queue != leader.placement_task_queue
             if (
-                this_run >= leader.max_cycles_per_run
+                moving
+                or this_run >= leader.max_cycles_per_run
                 or info.is_continue_as_new_suggested()
                 or info.get_current_history_length() > HISTORY_LIMIT
             ):
                 await workflow.wait_condition(workflow.all_handlers_finished)
-                workflow.continue_as_new(m.PlacementInput(cycles=self._cycles))
+                workflow.continue_as_new(
+                    m.PlacementInput(cycles=self._cycles), task_queue=leader.placement_task_queue or None
+                )
             if more or self._woken:
                 continue
             try:

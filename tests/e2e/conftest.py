@@ -72,6 +72,8 @@ def e2e_settings(tmp: Path, db_dsn: str, temporal_target: str, **over: Any) -> S
         allocation_resignal_s=1.0,
         api_temporal_timeout_s=5.0,
         db_pool_max=20,
+        # the control plane in one process (tests/e2e/test_job_worker_children.py runs children)
+        control_job_workers=0,
     )
     values.update(over)
     return Settings(**values)

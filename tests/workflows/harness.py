@@ -46,6 +46,8 @@ def scaled_settings(tmp: Path, **overrides: Any) -> Settings:
         placement_cycle_s=0.2,
         leader_renew_s=0.5,
         leader_ttl_s=2.0,
+        # the control plane in one process (tests/e2e/test_job_worker_children.py runs children)
+        control_job_workers=0,
     )
     base.update(overrides)
     return Settings(**base)

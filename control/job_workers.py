@@ -1,0 +1,151 @@
+"""Job workflow workers in child processes of ``control``.
+
+Python runs one thread of workflow code at a time (the GIL). In a burst of submits the
+job workflows' tasks would otherwise share the control process with the leader's
+placement cycle, the heartbeat stream and the health monitor, and placement would wait
+seconds behind them. With ``control_job_workers = N > 0`` the control process starts N
+children (``gpufleet control --job-worker``) that serve the control task queue
+(``JobWorkflow``, ``BurnInWorkflow`` and their local activities); the control process
+itself keeps placement, leadership, heartbeats and health. With 0 it serves the
+queue itself (tests that run the control plane in one process).
+
+A child exits when its parent dies (it never outlives the control process that owns
+it); the parent restarts a child that died, at most once per ``RESTART_AFTER_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import asyncpg
+from temporalio.client import Client
+from temporalio.worker import PollerBehaviorAutoscaling, Worker
+
+from activities.job_activities import JobActivities
+from activities.placement_activities import ReadLeaderActivity
+from common.settings import Settings
+from common.temporal import make_worker
+from workflows.burn_in import BurnInWorkflow
+from workflows.job import JobWorkflow
+from workflows.placement import PlacementWorkflow
+
+log = logging.getLogger("gpufleet.control.jobs")
+
+RESTART_AFTER_S = 2.0
+STOP_GRACE_S = 10.0
+
+
+def control_queue_worker(client: Client, pool: asyncpg.Pool, settings: Settings) -> Worker:
+    """The worker for ``settings.control_task_queue`` (in a child or in control itself)."""
+    return make_worker(
+        client,
+        settings.control_task_queue,
+        # PlacementWorkflow: a run started on this queue by an older version moves to its
+        # own queue at its next cycle (workflows/placement.py)
+        workflows=[JobWorkflow, PlacementWorkflow, BurnInWorkflow],
+        activities=[*JobActivities(pool, settings).all(), *ReadLeaderActivity(pool, settings).all()],
+        max_concurrent_workflow_tasks=100,
+        max_concurrent_local_activities=100,
+        # activations run under the GIL anyway: a few threads, not one per slot
+        # (fewer thread hand-offs per workflow task)
+        workflow_task_executor=ThreadPoolExecutor(max_workers=2, thread_name_prefix="wft"),
+        max_cached_workflows=settings.control_cached_workflows,
+        # new job workflows' first tasks come from the shared (non-sticky) queue: with the
+        # default pollers (one of five non-sticky) they wait seconds in a burst
+        workflow_task_poller_behavior=PollerBehaviorAutoscaling(minimum=2, maximum=40, initial=10),
+        nonsticky_to_sticky_poll_ratio=1.0,
+    )
+
+
+class JobWorkerChildren:
+    """Starts, watches and stops the ``--job-worker`` children of one control process."""
+
+    def __init__(self, settings: Settings, count: int) -> None:
+        self.settings = settings
+        self.count = count
+        self.procs: list[subprocess.Popen | None] = [None] * count
+        self.restarts = 0
+        self._task: asyncio.Task | None = None
+        self._started_at = [0.0] * count
+
+    def _spawn(self, i: int) -> None:
+        env = self.settings.to_env()
+        env["GPUFLEET_PARENT_PID"] = str(os.getpid())
+        self.procs[i] = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "control", "--job-worker", "--log-level",
+             logging.getLevelName(logging.getLogger().getEffectiveLevel())],
+            env=env,
+        )  # fmt: skip
+        self._started_at[i] = time.monotonic()
+
+    async def start(self) -> None:
+        for i in range(self.count):
+            self._spawn(i)
+        self._task = asyncio.create_task(self._watch(), name="job-worker-children")
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            for i, p in enumerate(self.procs):
+                if p is not None and p.poll() is not None and time.monotonic() - self._started_at[i] > RESTART_AFTER_S:
+                    log.warning("job worker %d (pid %d) exited with code %s: restarting it", i, p.pid, p.returncode)
+                    self.restarts += 1
+                    self._spawn(i)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p is not None and p.poll() is None]
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        live = [p for p in self.procs if p is not None and p.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in live:
+            while p.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+async def serve_job_worker(settings: Settings, stop: asyncio.Event) -> None:
+    """A child's life: serve the control task queue until ``stop`` or the parent is gone."""
+    from common.db import pool_from_settings
+    from common.temporal import connect
+
+    parent = int(os.environ.get("GPUFLEET_PARENT_PID", "0")) or os.getppid()
+    pool = await pool_from_settings(settings)
+    client = await connect(settings)
+    worker = control_queue_worker(client, pool, settings)
+    run = asyncio.create_task(worker.run())
+    try:
+        while not stop.is_set() and not run.done():
+            if os.getppid() != parent:
+                log.warning("control process %d is gone: job worker %d exits", parent, os.getpid())
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        if not run.done():
+            await worker.shutdown()
+        await asyncio.gather(run, return_exceptions=True)
+        await pool.close()
+
+
+__all__ = ["JobWorkerChildren", "control_queue_worker", "serve_job_worker"]
