@@ -90,7 +90,9 @@ class TemporalGateway:
     async def start_job(self, job_id: str) -> None:
         """Start ``JobWorkflow`` (workflow id = job id); already started counts as done."""
         try:
-            await self._start_job_workflow(job_id)
+            # The first workflow task waits for the allocation signal (or the delay): a job
+            # placed at once costs one workflow task less (start and allocation in one).
+            await self._start_job_workflow(job_id, start_delay=timedelta(seconds=self.settings.job_start_delay_s))
         except WorkflowAlreadyStartedError:
             return
 
@@ -103,7 +105,7 @@ class TemporalGateway:
             # a closed workflow cannot be re-started under REJECT_DUPLICATE: the job is finished
             raise WorkflowClosed(job_id) from e
 
-    async def _start_job_workflow(self, job_id: str, **signal: Any) -> None:
+    async def _start_job_workflow(self, job_id: str, **options: Any) -> None:
         """Start (or signal-with-start) the job's workflow; Temporal trouble is ControlUnavailable."""
         client = await self.client()
         try:
@@ -115,7 +117,7 @@ class TemporalGateway:
                     task_queue=self.settings.control_task_queue,
                     id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                     rpc_timeout=self.timeout,
-                    **signal,
+                    **options,
                 ),
                 self.settings.api_temporal_timeout_s + 1,
             )
