@@ -106,7 +106,9 @@ def _process_tree(control: Any, temporal: Any) -> dict[str, list[Any]]:
     me = psutil.Process()
     groups: dict[str, list[Any]] = {"bench_api_fleet": [me], "control": [], "temporal": [], "postgres": []}
     if control is not None:
-        groups["control"].append(psutil.Process(control.pid))
+        cp = psutil.Process(control.pid)
+        groups["control"].append(cp)
+        groups["control"].extend(cp.children(recursive=True))  # its job workers
     if temporal.proc is not None:
         groups["temporal"].append(psutil.Process(temporal.proc.pid))
     for p in psutil.process_iter(["name", "username"]):
@@ -132,13 +134,8 @@ def _cpu(groups: dict[str, list[Any]]) -> dict[str, float]:
 
 
 def _settings_env(settings: Any, **over: Any) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
-    for name, value in settings.model_dump(mode="json").items():
-        if value is None:
-            continue
-        env[f"GPUFLEET_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    env = settings.to_env()
     env.update({f"GPUFLEET_{k.upper()}": str(v) for k, v in over.items()})
-    env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
@@ -161,6 +158,58 @@ async def _sample_timeline(client: Any, job_ids: list[str]) -> list[list[str]]:
             line.append(f"{(e.event_time.ToDatetime().timestamp() - t0) * 1000:.0f} {name}")
         out.append(line)
     return out
+
+
+async def _placement_cycles(client: Any) -> dict[str, Any]:
+    """Diagnostics from the PlacementWorkflow's history (every run): how long each cycle
+    activity waited to be picked up, ran, and how many gangs it placed."""
+    from temporalio.api.enums.v1 import EventType
+
+    from workflows.messages import PLACEMENT_WORKFLOW_ID
+
+    waits: list[float] = []
+    runs: list[float] = []
+    placed: list[int] = []
+    gaps: list[float] = []
+    last_done: float | None = None
+    try:
+        async for wf in client.list_workflows(f"WorkflowId = '{PLACEMENT_WORKFLOW_ID}'"):
+            hist = await client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
+            sched: dict[int, float] = {}
+            started: dict[int, float] = {}
+            for e in hist.events:
+                t = e.event_time.ToDatetime().timestamp()
+                if os.environ.get("BENCH_DEBUG_PLACEMENT"):
+                    print(f"{t:.3f} {EventType.Name(e.event_type)}", file=sys.stderr)
+                if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+                    sched[e.event_id] = t
+                    if last_done is not None:
+                        gaps.append((t - last_done) * 1000)
+                elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
+                    a = e.activity_task_started_event_attributes
+                    started[a.scheduled_event_id] = t
+                    waits.append((t - sched.get(a.scheduled_event_id, t)) * 1000)
+                elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+                    a = e.activity_task_completed_event_attributes
+                    runs.append((t - started.get(a.scheduled_event_id, t)) * 1000)
+                    last_done = t
+                    try:
+                        placed.append(int(json.loads(a.result.payloads[0].data).get("placed", 0)))
+                    except Exception:
+                        pass
+    except Exception as e:  # diagnostics only
+        return {"error": str(e)}
+
+    def q(v: list[float]) -> dict[str, Any]:
+        return {"p50": round(_pct(v, 50), 1), "max": round(max(v), 1)} if v else {}
+
+    return {
+        "cycles": len(runs),
+        "pickup_ms": q(waits),
+        "run_ms": q(runs),
+        "between_cycles_ms": q(gaps),
+        "placed_max": max(placed) if placed else None,
+    }
 
 
 async def _lean_baseline(client: Any, pool: Any, jobs: int, rate: float) -> dict[str, Any]:
@@ -387,6 +436,7 @@ async def _bench(
             pstatus = await client.get_workflow_handle(PLACEMENT_WORKFLOW_ID).query("status")
         except Exception as e:  # diagnostics only
             pstatus = {"error": str(e)}
+        cycle_stats = await _placement_cycles(client)
         p = {q: _pct(latencies, q) for q in (50, 95, 99)}
         return {
             "submitted": len(sent),
@@ -413,7 +463,7 @@ async def _bench(
             "breakdown": breakdown,
             "cpu_seconds": {**cpu_s, "wall_s": round(wall, 1)},
             "placement": {"cycles": pstatus.get("cycles"), "failures": pstatus.get("failures"),
-                          "last_cycle": pstatus.get("last")},
+                          "last_cycle": pstatus.get("last"), **cycle_stats},
             "job_states": states,
             "job_events": events,
             "pending": pending,
