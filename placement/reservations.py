@@ -12,7 +12,9 @@ a reserved node still busy, so the gang waits for the first ``nodes_needed`` nod
 free in its blocks, and never holds more than it needs (cached per block version).
 
 Who may use reserved nodes (``may_use``): the owner; jobs of a strictly higher
-class than the owner; and, with backfill, jobs whose max_runtime ends by the
+class than the owner (head-of-line reservations only: nodes cleared by preemption
+are held for their beneficiary whatever the class, or it would preempt again and its
+reclaim would overrun the grace period); and, with backfill, jobs whose max_runtime ends by the
 expected start. Reservations survive across cycles and are dropped when the owner
 is placed or leaves the queue. Preemption reservations hold the nodes being cleared
 for a beneficiary (expected start: now + the victims' grace).
@@ -36,8 +38,8 @@ def may_use(res: Reservation, job: JobSpec, now: float, policy: Policy, class_ru
     only as a last resort)."""
     if res.job_id == job.job_id:
         return True
-    if class_rule and job.rank < res.priority_rank:
-        return True
+    if class_rule and job.rank < res.priority_rank and res.kind is ReservationKind.HEAD_OF_LINE:
+        return True  # nodes cleared by preemption are never taken: the beneficiary would preempt again
     return policy.backfill and now + job.max_runtime_s <= res.expected_start
 
 
@@ -49,7 +51,7 @@ class Exclusions:
     set and the reservation set's version).
     """
 
-    __slots__ = ("state", "job", "now", "policy", "class_rule", "cache", "key")
+    __slots__ = ("state", "job", "now", "policy", "class_rule", "cache", "key", "own_pre")
 
     def __init__(self, state: ClusterState, job: JobSpec, now: float, policy: Policy, class_rule: bool = True) -> None:
         self.state = state
@@ -59,6 +61,10 @@ class Exclusions:
         self.class_rule = class_rule
         self.cache: dict[str, bool] = {}
         own = job.job_id if job.job_id in state._reservations else None
+        # nodes cleared by preemption for this job are its own whatever else holds them
+        # (a gang's head-of-line reservation may have picked them as free soonest)
+        mine = state._reservations.get(job.job_id)
+        self.own_pre = job.job_id if mine is not None and mine.kind is ReservationKind.PREEMPTION else None
         # a new reservation only takes capacity away, and answers are per owner: the key changes
         # only when a reservation goes (or is replaced)
         self.key = (job.gpu_type, job.rank, job.max_runtime_s, own, class_rule, state.res_free_version)
@@ -102,26 +108,30 @@ def node_free_time(state: ClusterState, node: _Node) -> float:
 
 
 def _block_times(state: ClusterState, bid: str, owner: str | None) -> list[float]:
-    return [t for t, _ in _block_node_times(state, bid, owner)]
+    return [t for t, _, _ in _block_node_times(state, bid, owner)]
 
 
-def _block_node_times(
-    state: ClusterState, bid: str, owner: str | None, strict: bool = False
-) -> list[tuple[float, str]]:
-    """(when the node is free, node) for the nodes of a block, soonest first; nodes held by
-    another gang's head-of-line reservation (``strict``: by any other owner) never are (inf)."""
+def _block_node_times(state: ClusterState, bid: str, owner: str | None) -> list[tuple[float, int, str]]:
+    """(when the node is free, 1 if it is being cleared for another job else 0, node) for the
+    nodes of a block, soonest first; nodes held by another gang's head-of-line reservation
+    never are (inf). A node cleared by preemption for another job counts as free at once (it
+    may be a gang's best node), but among equal times an unclaimed node is held first: the
+    beneficiary takes its cleared nodes whatever other reservations hold them."""
     blk = state._blocks[bid]
     node_res = state._node_res
     out = []
     reservations = state._reservations
     for nid in blk.nodes:
         owners = node_res.get(nid)
-        if owners and any(
-            o != owner and (strict or reservations[o].kind is ReservationKind.HEAD_OF_LINE) for o in owners
-        ):
-            out.append((_INF, nid))  # another gang's
-        else:
-            out.append((node_free_time(state, state._nodes[nid]), nid))
+        if owners:
+            others = [o for o in owners if o != owner]
+            if any(reservations[o].kind is ReservationKind.HEAD_OF_LINE for o in others):
+                out.append((_INF, 0, nid))  # another gang's
+                continue
+            if others:
+                out.append((node_free_time(state, state._nodes[nid]), 1, nid))
+                continue
+        out.append((node_free_time(state, state._nodes[nid]), 0, nid))
     out.sort()
     return out
 
@@ -131,7 +141,7 @@ def select_nodes(
 ) -> tuple[tuple[str, ...], float]:
     """The ``k`` nodes of ``blocks`` that free soonest (free ones first, then by id), and when
     the last of them frees (inf if fewer than ``k`` ever will)."""
-    times: list[tuple[float, str]] = []
+    times: list[tuple[float, int, str]] = []
     for b in blocks:
         if b in state._blocks:
             times.extend(_block_node_times(state, b, owner))
@@ -139,7 +149,7 @@ def select_nodes(
     if len(times) < k or k <= 0:
         return (), _INF
     picked = times[:k]
-    return tuple(sorted(n for _, n in picked)), picked[-1][0]
+    return tuple(sorted(n for _, _, n in picked)), picked[-1][0]
 
 
 def refresh_head_of_line(state: ClusterState, res: Reservation, now: float) -> tuple[tuple[str, ...], float]:

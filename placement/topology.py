@@ -70,7 +70,7 @@ def _shape(job: JobSpec, node_gpus: int) -> Shape | str:
 class Search:
     """One job's view of the free capacity: which reservations it may not use, which nodes only."""
 
-    __slots__ = ("state", "ti", "excl", "restrict", "node_res", "any_excl")
+    __slots__ = ("state", "ti", "excl", "restrict", "node_res", "any_excl", "own_pre")
 
     def __init__(
         self,
@@ -85,13 +85,15 @@ class Search:
         self.restrict = restrict  # if set, only these nodes
         self.node_res = state._node_res
         self.any_excl = bool(excl)  # a Search lives within one decision: the set cannot change
+        # the job's own preemption reservation: its nodes are usable whoever else holds them
+        self.own_pre: str | None = getattr(excl, "own_pre", None)
 
     def ok(self, nid: str) -> bool:
         if self.restrict is not None and nid not in self.restrict:
             return False
         if self.any_excl:
             owners = self.node_res.get(nid)
-            if owners:
+            if owners and self.own_pre not in owners:
                 excl = self.excl
                 for o in owners:
                     if o in excl:
@@ -108,7 +110,10 @@ class Search:
             held = self.state._block_res_free.get(bid)
             if held:
                 excl = self.excl
+                own = self.own_pre
                 for owners, c in held.items():
+                    if own is not None and own in owners:
+                        continue
                     for o in owners:
                         if o in excl:
                             n -= c

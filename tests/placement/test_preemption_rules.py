@@ -323,3 +323,25 @@ def test_a_gang_is_not_preempted_to_free_one_node_when_single_node_victims_exist
     # without the excess cost, the gang (one victim, but 4 nodes for 2) would do
     p = cycle(st, queue_of(x), NOW, Policy(victim_excess_cost=False), do_apply=False)
     assert victims(p) == ["gang"]
+
+
+def test_a_higher_class_does_not_take_nodes_cleared_for_a_lower_class_beneficiary() -> None:
+    # "x" (preemptible, below its guarantee) reclaims the borrowed node b0n1; when the victim
+    # is gone, a research job arriving meanwhile must not take that node (x would have to
+    # preempt again and its reclaim would overrun grace + 2 cycles): it preempts for itself
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("me", "h100", 8)
+    st.set_quota("r", "h100", 100)
+    st.set_quota("o", "h100", 0, 100)
+    fill(st, ["b0n0"], team="o", cls="preemptible", borrowed=True, prefix="keep", started_at=NOW - 3600)
+    fill(st, ["b0n1"], team="o", cls="preemptible", borrowed=True, prefix="v", started_at=NOW - 60)
+    q = queue_of(spec("x", team="me", cls="preemptible", gpr=8, submit=NOW))
+    p = cycle(st, q, NOW)
+    assert victims(p) == ["v-b0n1"]
+    q.push(spec("hi", team="r", cls="research", gpr=8, submit=NOW + 10))
+    p = cycle(st, q, NOW + 10)
+    assert victims(p) == ["keep-b0n0"]  # hi preempts for itself, not from x's held node
+    st.release("v-b0n1", NOW + 30)
+    p = cycle(st, q, NOW + 31)
+    assert p.placement("x") is not None and [n.node_id for n in p.placement("x").nodes] == ["b0n1"]
+    assert p.placement("hi") is None

@@ -188,3 +188,29 @@ def test_a_node_of_the_block_that_comes_free_first_joins_the_reservation() -> No
     p = cycle(st, q, 201, pol)
     (res,) = p.reservations
     assert res.nodes == ("b1n0", "b1n1", "b1n3") and res.expected_start == 1600
+
+
+def test_nodes_cleared_for_a_job_stay_its_own_when_a_gangs_reservation_picks_them() -> None:
+    # x reclaims the borrowed node b0n0; the gang G (borrowing: it may not preempt) reserves
+    # the 2 nodes that free soonest, b0n0 (stopping) and b0n1; when the victim is gone x still
+    # starts on b0n0 (it does not preempt again), and G's reservation moves to b0n1 and b0n2
+    st = cluster(blocks=1, nodes=4)
+    st.set_quota("me", "h100", 8)
+    st.set_quota("o", "h100", 0, 100)
+    st.set_quota("g", "h100", 0, 100)
+    fill(st, ["b0n0"], team="o", cls="preemptible", borrowed=True, prefix="v")
+    for n, end in (("b0n1", 1000), ("b0n2", 2000), ("b0n3", 3000)):
+        fill(st, [n], team="run", runtime=end, prefix=f"e{end}")
+    pol = Policy(reserve_min_gpus=16)
+    q = queue_of(spec("x", team="me", cls="preemptible", gpr=8, submit=100))
+    p = cycle(st, q, 100, pol)
+    assert [pr.victim for pr in p.preemptions] == ["v-b0n0"]
+    q.push(spec("G", team="g", replicas=2, gpr=8, pack="block", submit=110))
+    p = cycle(st, q, 110, pol)
+    assert p.reason("G") is PendingReason.RESERVED
+    assert st.reservation("G").nodes == ("b0n0", "b0n1")
+    st.release("v-b0n0", 130)
+    p = cycle(st, q, 131, pol)
+    assert nodes_of(p, "x") == ["b0n0"] and p.preemptions == ()
+    p = cycle(st, q, 132, pol)
+    assert st.reservation("G").nodes == ("b0n1", "b0n2") and st.reservation("G").expected_start == 2000
