@@ -371,6 +371,7 @@ class Simulation:
         if rec.reclaim_at is not None:
             m.reclaimed(rec, now - rec.reclaim_at, rec.reclaim_grace)
             rec.reclaim_at = None
+        rec.reclaim_grace = 0.0
         self._note(
             f"start {job.job_id} attempt={rec.spec.attempt} on {len(pl.nodes)} nodes blocks={list(pl.blocks)}"
             f" borrowed={pl.borrowed}{' backfill' if pl.backfill else ''}"
@@ -392,8 +393,9 @@ class Simulation:
         self.metrics.preempted(rec, pr, now)
         if pr.victim_borrowed and ben.reclaim_at is None:
             ben.reclaim_at = now
-        if pr.victim_borrowed:
-            ben.reclaim_grace = max(ben.reclaim_grace, pr.grace_s)
+        # the bound's grace is that of every victim stopping for it (borrowed or not): it starts
+        # when the last is gone, as the engine's preemption reservation expects (now + max grace)
+        ben.reclaim_grace = max(ben.reclaim_grace, pr.grace_s)
         self._note(f"preempt {pr.victim} for {pr.beneficiary} reason={pr.reason.value} borrowed={pr.victim_borrowed}")
 
     def _release_and_requeue(self, rec: _Rec, *, preempted: bool, front: bool, lost_from: float) -> float:

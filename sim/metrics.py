@@ -14,7 +14,8 @@
 * GPU-hours lost to preemption (GPUs x time since the last checkpoint, or since start
   for a job that cannot checkpoint, up to the end of the grace period) and to failures;
 * borrowed-GPU reclaim time: from the cycle that preempts borrowed work for a job to
-  that job's start; the bound is the victims' grace + 2 cycles;
+  that job's start; the bound is the grace of the victims stopping for it (all of them,
+  borrowed or not: it starts when the last is gone) + 2 cycles;
 * large gangs (>= 1,024 GPUs): blocks spanned vs the fewest blocks that could hold
   them, and max_blocks;
 * preemptions per job; cycles.

@@ -124,6 +124,29 @@ def test_reclaim_preempts_only_borrowed_work() -> None:
     assert res["starved_teams"] == []
 
 
+def test_reclaim_bound_counts_every_victim_the_job_waits_for() -> None:
+    # one block of 2 nodes. Team A (preemptible, guarantee 8) runs a0 guaranteed (grace 60 s)
+    # and a1 borrowed (grace 30 s). B (prod-batch, 16 GPUs) preempts both: it starts when a0
+    # is gone, 60 s later; the bound is that grace + 2 cycles, not the borrowed victim's 30 s
+    wl = workload(
+        [
+            job("a0", "A", 0.0, 10 * HOUR, cls="preemptible", grace_s=60.0),
+            job("a1", "A", 1.0, 10 * HOUR, cls="preemptible", grace_s=30.0),
+            job("b", "B", HOUR, HOUR, gpus=16, cls="prod-batch", pack="block"),
+        ],
+        {"A": (8, 8), "B": (16, 0)},
+        blocks=1,
+        nodes_per_block=2,
+        end=3 * HOUR,
+    )
+    sim, res = simulate(wl)
+    assert {pr.victim for _, pr in preemptions(sim)} == {"a0", "a1"}
+    assert sim.recs["b"].first_start == pytest.approx(HOUR + 60.0)
+    assert res["reclaim"]["count"] == 1
+    assert res["reclaim"]["max_s"] == pytest.approx(60.0)
+    assert res["reclaim"]["over_grace_plus_2_cycles"] == 0
+
+
 def test_preempted_job_without_checkpoints_restarts_from_scratch() -> None:
     # a preemptible-class job that cannot checkpoint is preempted by a prod-batch job
     wl = workload(
