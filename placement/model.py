@@ -346,7 +346,7 @@ class Preemption:
 class Reservation:
     """Capacity held for one job: whole ``blocks`` (head-of-line) or ``nodes`` (preemption).
 
-    Only the owner may use it, plus jobs of a strictly higher class, plus (with
+    Only the owner may use it, plus jobs of a strictly higher class (head-of-line only), plus (with
     backfill) jobs whose max_runtime ends by ``expected_start``.
     """
 
