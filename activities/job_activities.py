@@ -111,6 +111,7 @@ class JobActivities:
             preemptible=bool(ck.get("preemptible", False)),
             grace_s=job_store.spec_grace_s(spec, s.default_grace_s),
             gang_start_timeout_s=s.gang_start_timeout_s,
+            gang_timeout_in_start=True,
             start_task_timeout_s=s.start_task_timeout_s,
             stop_margin_s=s.stop_margin_s,
             max_extensions=s.max_extensions,

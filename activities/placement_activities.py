@@ -2,9 +2,10 @@
 
 * ``read_leader`` (a local activity of the workflow, on any control worker): the
   leader row, plus the cycle's timing settings (recorded in history).
-* ``placement_cycle`` (on the leader's own task queue): one cycle of the leader's
-  in-memory ``LeaderState`` under the given epoch; a process that does not hold
-  that epoch refuses (non-retryable), so a deposed leader never runs a cycle.
+* ``placement_cycle`` (on the leader's own task queue): cycles of the leader's
+  in-memory ``LeaderState`` under the given epoch, one, or (``run_for_s`` > 0) as many
+  as fall due in that time, heartbeating; a process that does not hold that epoch
+  refuses (non-retryable), so a deposed leader never runs a cycle.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class ReadLeaderActivity:
             start_timeout_s=max(2.0, 2 * s.leader_renew_s),
             max_cycles_per_run=MAX_CYCLES_PER_RUN,
             placement_task_queue=s.placement_task_queue,
+            cycles_per_activity_s=s.placement_cycles_per_activity_s,
+            heartbeat_timeout_s=max(2.0, 2 * s.leader_renew_s),
         )
         if row is None:
             return m.LeaderInfo(live=False, **timing)
@@ -62,6 +65,8 @@ class CycleActivity:
     @activity.defn(name=m.ACT_PLACEMENT_CYCLE)
     async def placement_cycle(self, req: m.CycleInput) -> m.CycleResult:
         try:
+            if req.run_for_s > 0:
+                return await self.leader.run_cycles(req.epoch, req.run_for_s, req.cycle_s, heartbeat=activity.heartbeat)
             return await self.leader.run_cycle(req.epoch)
         except NotLeader as e:
             raise ApplicationError(str(e), type="NotLeader", non_retryable=True) from e

@@ -28,18 +28,21 @@ The engine's public names used here: ``ClusterState``, ``JobQueue``, ``JobSpec``
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import math
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from collections.abc import Callable
 from typing import Any
 
 import asyncpg
 from temporalio.client import Client
 
 from activities import job_signals, job_store, store
+from activities.change_feed import ChangeFeed
 from activities.job_activities import master_addr_for, master_port_for, node_queue
 from activities.store import GangPlacement, StaleEpoch
 from common.settings import Settings
@@ -175,7 +178,7 @@ class LeaderState:
         self.jobs: dict[str, _Job] = {}
         self.nodes: dict[str, _Node] = {}
         self.node_leases: dict[str, set[str]] = {}  # live lease ids per node (heartbeat acks confirm them)
-        self.cursor = 0
+        self.feed = ChangeFeed()
         self.resignal: dict[str, _Resignal] = {}
         self.published: dict[str, tuple] = {}
         self.published_res: tuple | None = None
@@ -195,6 +198,9 @@ class LeaderState:
         self.refresh_started_at = 0.0
         self.cycle_done = asyncio.Event()
         self.cycle_done.set()
+        # batched cycles (run_cycles): a change wakes the running batch in-process
+        self.batch_running = False
+        self.wake_event = asyncio.Event()
 
     # ------------------------------------------------------------------ leadership
 
@@ -204,6 +210,7 @@ class LeaderState:
     def drop(self) -> None:
         """Forget everything (leadership lost); the next takeover rebuilds."""
         self.epoch = None
+        self.wake_event.set()  # a running batch ends at once (its next cycle is refused)
         self.cluster = None
         self.queue = JobQueue()
         self.jobs.clear()
@@ -251,7 +258,7 @@ class LeaderState:
         cluster = ClusterState(usage_half_life_s=self.settings.fair_share_half_life_h * 3600.0)
         async with self.pool.acquire() as conn:
             async with conn.transaction(isolation="repeatable_read", readonly=True):
-                self.cursor = await conn.fetchval("SELECT coalesce(max(seq), 0) FROM changes")
+                self.feed = await ChangeFeed.start(conn)
                 nodes = await conn.fetch(
                     "SELECT n.node_id, n.block_id, n.gpu_type, n.gpus, n.state, n.task_queue, n.agent_addr"
                     " FROM nodes n ORDER BY n.node_id"
@@ -351,13 +358,9 @@ class LeaderState:
     async def refresh(self) -> int:
         """Apply the changes recorded since the last refresh; return how many."""
         assert self.cluster is not None
-        rows = await self.pool.fetch(
-            "SELECT seq, kind, subject FROM changes WHERE seq > $1 ORDER BY seq LIMIT 20000", self.cursor
-        )
+        rows = await self.feed.read(self.pool)
         if not rows and not self._dirty_jobs:
             return 0
-        if rows:
-            self.cursor = rows[-1]["seq"]
         kinds: dict[str, set[str]] = {"job": set(self._dirty_jobs), "node": set(), "allocation": set(), "quota": set()}
         self._dirty_jobs.clear()
         for r in rows:
@@ -508,6 +511,49 @@ class LeaderState:
                 more=stats.placed > 0 and len(self.queue) > 0,
             )
 
+    async def run_cycles(
+        self, epoch: int, run_for_s: float, cycle_s: float, heartbeat: Callable[..., None] = lambda *_: None
+    ) -> m.CycleResult:
+        """Cycle for ``run_for_s``: every ``cycle_s``, at once while placeable work is left
+        or when ``wake()`` is called (at most one per ``placement_wake_min_s``). Each cycle
+        is the same as ``run_cycle`` (epoch-checked writes); ``heartbeat`` gets each result.
+        Returns the last cycle's figures with ``cycles`` and the total ``placed``."""
+        deadline = time.monotonic() + run_for_s
+        cycles = placed = preempted = 0
+        last: m.CycleResult | None = None
+        self.batch_running = True
+        try:
+            while True:
+                self.wake_event.clear()
+                started = time.monotonic()
+                last = await self.run_cycle(epoch)
+                cycles += 1
+                placed += last.placed
+                preempted += last.preempted
+                heartbeat(last)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                if not last.more:
+                    try:
+                        await asyncio.wait_for(self.wake_event.wait(), min(cycle_s, remaining))
+                    except asyncio.TimeoutError:
+                        pass
+                pause = started + self.settings.placement_wake_min_s - time.monotonic()
+                if pause > 0:
+                    await asyncio.sleep(pause)
+        finally:
+            self.batch_running = False
+        assert last is not None
+        return dataclasses.replace(last, cycles=cycles, placed=placed, preempted=preempted)
+
+    def wake(self) -> bool:
+        """Wake a running batch of cycles; False when none runs (signal the workflow instead)."""
+        if not self.batch_running:
+            return False
+        self.wake_event.set()
+        return True
+
     async def _cycle(self, epoch: int) -> CycleStats:
         cluster = self.cluster
         assert cluster is not None
@@ -590,9 +636,11 @@ class LeaderState:
             # the change sequence is read only forward (a new leader starts from its max):
             # keep a margin for slow readers, drop the rest
             await self.pool.execute(
-                "DELETE FROM changes WHERE seq <= $1 AND at < now() - make_interval(secs => $2)",
-                self.cursor,
+                "DELETE FROM changes WHERE seq <= $1 AND at < now() - make_interval(secs => $2)"
+                " AND seq <> ALL($3::bigint[])",  # a gap's row, committed late, is still to be read
+                self.feed.cursor,
                 CHANGES_KEPT_S,
+                list(self.feed.gaps),
             )
         return stats
 

@@ -162,7 +162,7 @@ async def _sample_timeline(client: Any, job_ids: list[str]) -> list[list[str]]:
 
 async def _placement_cycles(client: Any) -> dict[str, Any]:
     """Diagnostics from the PlacementWorkflow's history (every run): how long each cycle
-    activity waited to be picked up, ran, and how many gangs it placed."""
+    activity (a batch of cycles) waited to be picked up, ran, and how many gangs it placed."""
     from temporalio.api.enums.v1 import EventType
 
     from workflows.messages import PLACEMENT_WORKFLOW_ID
@@ -200,6 +200,15 @@ async def _placement_cycles(client: Any) -> dict[str, Any]:
     except Exception as e:  # diagnostics only
         return {"error": str(e)}
 
+    running: Any = None
+    try:  # a batch of cycles still running reports its last cycle in its heartbeat
+        desc = await client.get_workflow_handle(PLACEMENT_WORKFLOW_ID).describe()
+        for pa in desc.raw_description.pending_activities:
+            if pa.heartbeat_details.payloads:
+                running = json.loads(pa.heartbeat_details.payloads[-1].data)
+    except Exception:
+        pass
+
     def q(v: list[float]) -> dict[str, Any]:
         return {"p50": round(_pct(v, 50), 1), "max": round(max(v), 1)} if v else {}
 
@@ -209,6 +218,7 @@ async def _placement_cycles(client: Any) -> dict[str, Any]:
         "run_ms": q(runs),
         "between_cycles_ms": q(gaps),
         "placed_max": max(placed) if placed else None,
+        "running_batch_last_cycle": running,
     }
 
 

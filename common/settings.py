@@ -90,10 +90,14 @@ class Settings(BaseSettings):
     start_task_timeout_s: float = Field(60.0, description="one StartTask/StopTask activity try (the gang timeout bounds all tries)")
     stop_margin_s: float = Field(10.0, description="after a stop's grace period, how long to wait for the agents' exit reports")
     job_start_delay_s: float = Field(
-        10.0, ge=0,
+        300.0, ge=0,
         description="a new job workflow's first task waits this long unless a signal (allocation, cancel) comes first",
     )
     allocation_resignal_s: float = Field(5.0, description="retry an allocation or preemption signal that Temporal did not accept after this (doubling)")
+    placement_cycles_per_activity_s: float = Field(
+        60.0, ge=0,
+        description="one placement cycle activity runs cycles for this long, woken in-process (0: one cycle each)",
+    )
     placement_wake_min_s: float = Field(0.1, description="least time between two wake-ups of the placement workflow")
     leader_cycle_timeout_s: float = Field(30.0, description="one placement cycle activity's limit on the leader")
 

@@ -83,6 +83,8 @@ class _Waker:
         self.skipped = 0
 
     def poke(self) -> None:
+        if self.leader.wake():
+            return  # a batch of cycles runs here: woken in-process, no signal needed
         self._poked_at = time.monotonic()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._send())
@@ -350,7 +352,7 @@ class ControlProcess:
         try:
             await self.client.start_workflow(
                 m.PLACEMENT_WORKFLOW,
-                m.PlacementInput(),
+                m.PlacementInput(task_queue=self.settings.placement_task_queue),
                 id=m.PLACEMENT_WORKFLOW_ID,
                 task_queue=self.settings.placement_task_queue,
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,

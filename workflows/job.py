@@ -253,8 +253,10 @@ class JobWorkflow:
         self._state = m.STARTING
         deadline = workflow.now() + timedelta(seconds=snap.gang_start_timeout_s)
         # The gang start timeout is carried by each StartTask's schedule-to-close (no timer:
-        # one timer less per job in history and on the server).
-        no_timer = workflow.patched("gang-timeout-in-start-activities")
+        # one timer less per job in history and on the server). New snapshots say so, which
+        # spares new runs the patch marker and its search-attribute upsert (a visibility
+        # write per job); runs recorded before take the patched() path they recorded.
+        no_timer = snap.gang_timeout_in_start or workflow.patched("gang-timeout-in-start-activities")
         for r in self._ranks.values():
             self._start_tasks.append(asyncio.create_task(self._start_rank(r, deadline if no_timer else None)))
         timed_out = False

@@ -206,6 +206,9 @@ class JobSnapshot:
     stop_margin_s: float = 10.0
     max_extensions: int = 2
     max_extension_fraction: float = 0.25
+    # StartTask carries the gang start timeout (no gang timer). Snapshots recorded before
+    # this field lack it and fall back to the workflow.patched marker (workflows/job.py).
+    gang_timeout_in_start: bool = False
     # set when the job already holds a live gang (a new run found it STARTING or later)
     allocation: Allocation | None = None
 
@@ -273,6 +276,7 @@ class ExtendJob:
 @dataclass(frozen=True)
 class PlacementInput:
     cycles: int = 0  # cycles run by earlier runs (continue-as-new)
+    task_queue: str = ""  # the queue this run was started on ("": before the placement queue)
 
 
 @dataclass(frozen=True)
@@ -292,12 +296,18 @@ class LeaderInfo:
     max_cycles_per_run: int = 500
     # the placement workflow's own task queue ("" in histories from before it had one)
     placement_task_queue: str = ""
+    # run cycles inside one cycle activity for this long, woken in-process (0: one cycle
+    # per activity, as histories from before recorded)
+    cycles_per_activity_s: float = 0.0
+    heartbeat_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True)
 class CycleInput:
     epoch: int
     cycle: int
+    run_for_s: float = 0.0  # > 0: keep cycling this long (every cycle_s, or at once when woken)
+    cycle_s: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -311,6 +321,7 @@ class CycleResult:
     failed_commits: int = 0
     duration_ms: float = 0.0
     more: bool = False  # something is still placeable: run again without waiting
+    cycles: int = 1  # cycles this activity ran (the last one's figures above, placed: all)
 
 
 @dataclass(frozen=True)

@@ -61,29 +61,37 @@ class PlacementWorkflow:
             )
             self._leader = leader
             more = False
+            ran = 1
             if leader.live:
+                # Batched (cycles_per_activity_s > 0): the leader cycles inside one activity,
+                # woken in-process, so a cycle costs no Temporal round trip; a dead leader is
+                # noticed by the heartbeat timeout. Histories from before have 0 here.
+                batch = leader.cycles_per_activity_s
                 try:
                     self._last = await workflow.execute_activity(
                         m.ACT_PLACEMENT_CYCLE,
-                        m.CycleInput(epoch=leader.epoch, cycle=self._cycles),
+                        m.CycleInput(epoch=leader.epoch, cycle=self._cycles, run_for_s=batch, cycle_s=leader.cycle_s),
                         result_type=m.CycleResult,
                         task_queue=leader.task_queue,
                         schedule_to_start_timeout=timedelta(seconds=leader.start_timeout_s),
-                        start_to_close_timeout=timedelta(seconds=leader.cycle_timeout_s),
+                        start_to_close_timeout=timedelta(seconds=leader.cycle_timeout_s + batch),
+                        heartbeat_timeout=timedelta(seconds=leader.heartbeat_timeout_s) if batch else None,
                         retry_policy=RetryPolicy(maximum_attempts=1),
                     )
-                    more = self._last.more
+                    more = self._last.more or batch > 0
+                    ran = self._last.cycles if batch else 1
                 except ActivityError as e:
                     # the leader died, was deposed, or the cycle failed: the next cycle re-reads the row
                     self._failures += 1
                     workflow.logger.warning("placement cycle under epoch %s failed: %s", leader.epoch, e.cause or e)
-            self._cycles += 1
+            self._cycles += ran
             this_run += 1
             info = workflow.info()
             # A run on another queue (the control queue, before the placement workflow had
             # its own) moves over at once. No patch needed: histories from before carry no
-            # placement_task_queue in read_leader's result, so they take the old path.
-            moving = bool(leader.placement_task_queue) and info.task_queue != leader.placement_task_queue
+            # placement_task_queue in read_leader's result, so they take the old path. (The
+            # queue comes from the input, not workflow.info(): a replayer reports its own.)
+            moving = bool(leader.placement_task_queue) and inp.task_queue != leader.placement_task_queue
             if (
                 moving
                 or this_run >= leader.max_cycles_per_run
@@ -92,7 +100,8 @@ class PlacementWorkflow:
             ):
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 workflow.continue_as_new(
-                    m.PlacementInput(cycles=self._cycles), task_queue=leader.placement_task_queue or None
+                    m.PlacementInput(cycles=self._cycles, task_queue=leader.placement_task_queue),
+                    task_queue=leader.placement_task_queue or None,
                 )
             if more or self._woken:
                 continue

@@ -74,6 +74,7 @@ def e2e_settings(tmp: Path, db_dsn: str, temporal_target: str, **over: Any) -> S
         db_pool_max=20,
         # the control plane in one process (tests/e2e/test_job_worker_children.py runs children)
         control_job_workers=0,
+        placement_cycles_per_activity_s=2.0,  # batches that end often enough for failover tests
     )
     values.update(over)
     return Settings(**values)

@@ -48,6 +48,7 @@ def scaled_settings(tmp: Path, **overrides: Any) -> Settings:
         leader_ttl_s=2.0,
         # the control plane in one process (tests/e2e/test_job_worker_children.py runs children)
         control_job_workers=0,
+        placement_cycles_per_activity_s=2.0,  # batches that end often enough for failover tests
     )
     base.update(overrides)
     return Settings(**base)

@@ -271,3 +271,23 @@ async def test_a_gang_committed_without_a_signal_is_signalled_by_the_leader(clus
         placements=[store.GangPlacement(0, stand.nodes[0], (5,), False)],
     )
     assert (await stand.result(job, timeout=30)).state == "SUCCEEDED"
+
+
+async def test_a_placement_run_left_on_the_control_queue_moves_to_its_own_queue(cluster):
+    from workflows import messages as m
+
+    stand, start = cluster
+    # as a version before the placement queue started it: on the control queue, no queue in its input
+    await stand.client.start_workflow(
+        m.PLACEMENT_WORKFLOW, m.PlacementInput(), id=PLACEMENT_WORKFLOW_ID, task_queue=stand.settings.control_task_queue
+    )
+    c1 = await start("c1")
+    await leading(c1)
+    h = stand.client.get_workflow_handle(PLACEMENT_WORKFLOW_ID)
+
+    async def moved():
+        return (await h.describe()).task_queue == stand.settings.placement_task_queue
+
+    await eventually(moved, timeout=20, what="the placement workflow on its own queue")
+    job = await stand.submit("p-moved", command=[PY, "-c", "pass"])
+    assert (await stand.result(job)).state == "SUCCEEDED"
