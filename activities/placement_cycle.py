@@ -188,7 +188,9 @@ class LeaderState:
         self.last_cycle_ms = 0.0
         self._next_sweep = 0.0
         self._next_prune = time.monotonic() + PRUNE_EVERY_S
-        self._sem = asyncio.Semaphore(64)
+        # signals in flight: a burst of concurrent writes overruns the embedded server's single
+        # SQLite writer (persistence deadlines, then retries seconds later); a few at a time flow
+        self._sem = asyncio.Semaphore(8)
         self._dirty_jobs: set[str] = set()
         self._needs_rebuild = False
         self._signals_in_flight: set[asyncio.Task] = set()

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import asyncpg
@@ -51,15 +52,16 @@ def control_queue_worker(client: Client, pool: asyncpg.Pool, settings: Settings)
         # own queue at its next cycle (workflows/placement.py)
         workflows=[JobWorkflow, PlacementWorkflow, BurnInWorkflow],
         activities=[*JobActivities(pool, settings).all(), *ReadLeaderActivity(pool, settings).all()],
-        max_concurrent_workflow_tasks=100,
-        max_concurrent_local_activities=100,
+        # a few tasks at a time: more only queue as concurrent writes on the server
+        max_concurrent_workflow_tasks=20,
+        max_concurrent_local_activities=50,
         # activations run under the GIL anyway: a few threads, not one per slot
         # (fewer thread hand-offs per workflow task)
         workflow_task_executor=ThreadPoolExecutor(max_workers=2, thread_name_prefix="wft"),
         max_cached_workflows=settings.control_cached_workflows,
         # new job workflows' first tasks come from the shared (non-sticky) queue: with the
         # default pollers (one of five non-sticky) they wait seconds in a burst
-        workflow_task_poller_behavior=PollerBehaviorAutoscaling(minimum=2, maximum=40, initial=10),
+        workflow_task_poller_behavior=PollerBehaviorAutoscaling(minimum=2, maximum=10, initial=5),
         nonsticky_to_sticky_poll_ratio=1.0,
     )
 
@@ -75,9 +77,16 @@ class JobWorkerChildren:
         self._task: asyncio.Task | None = None
         self._started_at = [0.0] * count
 
+    def _ready_file(self, i: int) -> Path:
+        return self.settings.state_dir / "control" / f"job-worker-{os.getpid()}-{i}.ready"
+
     def _spawn(self, i: int) -> None:
         env = self.settings.to_env()
         env["GPUFLEET_PARENT_PID"] = str(os.getpid())
+        ready = self._ready_file(i)
+        ready.parent.mkdir(parents=True, exist_ok=True)
+        ready.unlink(missing_ok=True)
+        env["GPUFLEET_JOB_WORKER_READY_FILE"] = str(ready)
         self.procs[i] = subprocess.Popen(
             [sys.executable, "-m", "cli.main", "control", "--job-worker", "--log-level",
              logging.getLevelName(logging.getLogger().getEffectiveLevel())],
@@ -85,10 +94,19 @@ class JobWorkerChildren:
         )  # fmt: skip
         self._started_at[i] = time.monotonic()
 
-    async def start(self) -> None:
+    async def start(self, ready_timeout_s: float = 60.0) -> None:
+        """Start the children and wait until each serves the queue (or has died, or the
+        timeout passed: the watcher keeps restarting it; placement does not wait)."""
         for i in range(self.count):
             self._spawn(i)
         self._task = asyncio.create_task(self._watch(), name="job-worker-children")
+        deadline = time.monotonic() + ready_timeout_s
+        for i, p in enumerate(self.procs):
+            while not self._ready_file(i).exists() and p is not None and p.poll() is None:
+                if time.monotonic() > deadline:
+                    log.warning("job worker %d is not serving after %.0f s", i, ready_timeout_s)
+                    return
+                await asyncio.sleep(0.05)
 
     async def _watch(self) -> None:
         while True:
@@ -132,6 +150,11 @@ async def serve_job_worker(settings: Settings, stop: asyncio.Event) -> None:
     client = await connect(settings)
     worker = control_queue_worker(client, pool, settings)
     run = asyncio.create_task(worker.run())
+    await asyncio.sleep(0)  # the worker's pollers are started
+    ready = os.environ.get("GPUFLEET_JOB_WORKER_READY_FILE")
+    if ready:
+        Path(ready).touch()
+    log.info("job worker %d serves %s", os.getpid(), settings.control_task_queue)
     try:
         while not stop.is_set() and not run.done():
             if os.getppid() != parent:
@@ -146,6 +169,8 @@ async def serve_job_worker(settings: Settings, stop: asyncio.Event) -> None:
             await worker.shutdown()
         await asyncio.gather(run, return_exceptions=True)
         await pool.close()
+        if ready:
+            Path(ready).unlink(missing_ok=True)
 
 
 __all__ = ["JobWorkerChildren", "control_queue_worker", "serve_job_worker"]
