@@ -31,6 +31,7 @@ from temporalio.worker import PollerBehaviorAutoscaling, Worker
 
 from activities.job_activities import JobActivities
 from activities.placement_activities import ReadLeaderActivity
+from common.aio import cancel_and_wait
 from common.settings import Settings
 from common.temporal import make_worker
 from workflows.burn_in import BurnInWorkflow
@@ -122,12 +123,7 @@ class JobWorkerChildren:
         return [p.pid for p in self.procs if p is not None and p.poll() is None]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         live = [p for p in self.procs if p is not None and p.poll() is None]
         for p in live:
             p.send_signal(signal.SIGTERM)

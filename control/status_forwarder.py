@@ -16,6 +16,7 @@ from collections import defaultdict
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
+from common.aio import cancel_and_wait
 from common.contracts import TaskState, TaskStatus
 from workflows.messages import SIGNAL_TASK_STATUS, TaskStatusBatch
 
@@ -59,13 +60,8 @@ class TaskStatusForwarder:
             self._task = asyncio.create_task(self._loop(), name="task-status-forwarder")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         await self.flush()
 
     async def flush(self) -> None:
