@@ -291,3 +291,26 @@ async def test_a_placement_run_left_on_the_control_queue_moves_to_its_own_queue(
     await eventually(moved, timeout=20, what="the placement workflow on its own queue")
     job = await stand.submit("p-moved", command=[PY, "-c", "pass"])
     assert (await stand.result(job)).state == "SUCCEEDED"
+
+
+async def test_a_change_wakes_the_running_batch_of_cycles_in_process(cluster):
+    stand, start = cluster
+    # the periodic cycle is far away: only a wake-up can place the job in time
+    stand.settings.placement_cycle_s = 60.0
+    stand.settings.placement_cycles_per_activity_s = 120.0
+    c1 = await start("c1")
+    await leading(c1)
+    await eventually(lambda: _now(c1.leader.batch_running), timeout=10, what="a batch of cycles running")
+    signals_before = c1._waker.sent
+    job = await stand.submit("p-woken", command=[PY, "-c", "pass"])
+
+    async def allocated():
+        return await stand.pool.fetchval("SELECT 1 FROM job_events WHERE job_id = $1 AND event = 'allocated'", job)
+
+    await eventually(allocated, timeout=5, what="the job allocated by a woken cycle")
+    assert c1._waker.sent == signals_before  # woken in-process, no signal to the workflow
+    assert (await stand.result(job)).state == "SUCCEEDED"
+
+
+async def _now(value):
+    return value
