@@ -518,21 +518,46 @@ def run(
     settle_s: float = 120.0,
     keep: bool = False,
     baseline: bool = True,
+    repeat: int = 1,
 ) -> dict:
-    """Run the benchmark; returns the JSON-ready result (see the module docstring)."""
+    """Run the benchmark ``repeat`` times, each on a fresh stack; returns the JSON-ready
+    result of the run with the median p95, with every run's figures under ``runs`` (this
+    machine is shared and noisy: one run says little). The lean baseline runs once, in
+    the last repetition."""
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    root = Path(tempfile.mkdtemp(prefix="gpufleet-bench-e2e-"))
-    log_dir = root / "logs"
-    log_dir.mkdir(parents=True)
-    try:
-        result = asyncio.run(_bench(root, jobs, rate, job_seconds, settle_s, log_dir, baseline))
-        result["logs"] = str(log_dir) if keep else None
-        return result
-    finally:
-        if not keep:
-            shutil.rmtree(root, ignore_errors=True)
+    results: list[dict] = []
+    for i in range(max(1, repeat)):
+        root = Path(tempfile.mkdtemp(prefix="gpufleet-bench-e2e-"))
+        log_dir = root / "logs"
+        log_dir.mkdir(parents=True)
+        try:
+            last = i == max(1, repeat) - 1
+            result = asyncio.run(_bench(root, jobs, rate, job_seconds, settle_s, log_dir, baseline and last))
+            result["logs"] = str(log_dir) if keep else None
+            results.append(result)
+        finally:
+            if not keep:
+                shutil.rmtree(root, ignore_errors=True)
+    if len(results) == 1:
+        return results[0]
+    ranked = sorted(results, key=lambda r: float("inf") if r.get("p95_ms") is None else r["p95_ms"])
+    median = dict(ranked[len(ranked) // 2])  # the upper median when even: never the best run
+    base = results[-1].get("baseline")
+    errors = sum(r["errors"] for r in results)
+    p95 = median.get("p95_ms")
+    median.update(
+        runs=[{k: r.get(k) for k in ("p50_ms", "p95_ms", "p99_ms", "errors", "cpu_seconds")} for r in results],
+        repeat=len(results),
+        errors=errors,
+        baseline=base,
+        p95_vs_baseline=round(p95 / base["p95_ms"], 2) if base and base.get("p95_ms") and p95 else None,
+        must_met=bool(p95 is not None and p95 <= 5000 and not errors),
+        target_met=bool(p95 is not None and p95 <= 2000 and not errors),
+        reported="the run with the median p95 of all runs; errors summed over all runs",
+    )
+    return median
 
 
 if __name__ == "__main__":  # python -m cli.bench_e2e [jobs] [rate]

@@ -182,14 +182,16 @@ def bench_e2e(
     job_seconds: float = typer.Option(300.0, help="how long each job runs"),
     settle_s: float = typer.Option(120.0, help="wait this long at most for the last job to run"),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="also run DESIGN.md's lean workflow"),
+    repeat: int = typer.Option(1, min=1, max=20, help="runs on fresh stacks; the run with the median p95 is reported"),
     as_json: bool = typer.Option(True, "--json/--no-json", help="print one JSON object"),
 ) -> None:
     """Submit -> RUNNING latency on the embedded stack with a simulated fleet that has room."""
     from common.temporal import hard_exit
 
     result = _call(
-        "cli.bench_e2e", "run", jobs=jobs, rate=rate, job_seconds=job_seconds, settle_s=settle_s, baseline=baseline
-    )
+        "cli.bench_e2e", "run", jobs=jobs, rate=rate, job_seconds=job_seconds, settle_s=settle_s, baseline=baseline,
+        repeat=repeat,
+    )  # fmt: skip
     _print_json(result)
     hard_exit(0)
 
