@@ -25,6 +25,10 @@ def serve(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings()
+    if job_worker:
+        from control.job_workers import settings_for_child
+
+        settings = settings_for_child() or settings
     code = 0
     try:
         if not settings.database_url:

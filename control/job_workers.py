@@ -41,6 +41,13 @@ from workflows.placement import PlacementWorkflow
 log = logging.getLogger("gpufleet.control.jobs")
 
 RESTART_AFTER_S = 2.0
+SETTINGS_FILE_ENV = "GPUFLEET_JOB_WORKER_SETTINGS_FILE"
+
+
+def settings_for_child() -> Settings | None:
+    """In a job-worker child: the parent's settings from the file it named, else None."""
+    path = os.environ.get(SETTINGS_FILE_ENV)
+    return Settings.model_validate_json(Path(path).read_text()) if path else None
 STOP_GRACE_S = 10.0
 
 
@@ -77,12 +84,25 @@ class JobWorkerChildren:
         self.restarts = 0
         self._task: asyncio.Task | None = None
         self._started_at = [0.0] * count
+        self._settings_path: Path | None = None
 
     def _ready_file(self, i: int) -> Path:
         return self.settings.state_dir / "control" / f"job-worker-{os.getpid()}-{i}.ready"
 
+    def _settings_file(self) -> Path:
+        """This process's settings for its children, as a file (0600: it holds tokens and
+        agent credentials; a cluster's credentials would not fit in one environment variable)."""
+        path = self.settings.state_dir / "control" / f"job-worker-{os.getpid()}.settings.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.settings.model_dump_json())
+        return path
+
     def _spawn(self, i: int) -> None:
-        env = self.settings.to_env()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+        env["PYTHONUNBUFFERED"] = "1"
+        env[SETTINGS_FILE_ENV] = str(self._settings_path)
         env["GPUFLEET_PARENT_PID"] = str(os.getpid())
         ready = self._ready_file(i)
         ready.parent.mkdir(parents=True, exist_ok=True)
@@ -98,6 +118,7 @@ class JobWorkerChildren:
     async def start(self, ready_timeout_s: float = 60.0) -> None:
         """Start the children and wait until each serves the queue (or has died, or the
         timeout passed: the watcher keeps restarting it; placement does not wait)."""
+        self._settings_path = self._settings_file()
         for i in range(self.count):
             self._spawn(i)
         self._task = asyncio.create_task(self._watch(), name="job-worker-children")
@@ -134,6 +155,8 @@ class JobWorkerChildren:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        if self._settings_path is not None:
+            self._settings_path.unlink(missing_ok=True)
 
 
 async def serve_job_worker(settings: Settings, stop: asyncio.Event) -> None:

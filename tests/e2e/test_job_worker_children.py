@@ -52,3 +52,16 @@ async def test_job_workflows_run_in_a_restarted_child_and_stop_with_control(stac
 
     await children.stop()
     assert not _alive(second)
+
+
+def test_children_get_settings_from_a_private_file_not_the_environment(tmp_path, monkeypatch):
+    """A cluster's agent credentials would not fit in one environment variable (128 KiB)."""
+    from common.settings import Settings
+    from control.job_workers import SETTINGS_FILE_ENV, JobWorkerChildren, settings_for_child
+
+    settings = Settings(state_dir=tmp_path, agent_credentials={f"node-{i:05d}": "c" * 40 for i in range(5000)})
+    path = JobWorkerChildren(settings, 1)._settings_file()
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.stat().st_size > 128 * 1024
+    monkeypatch.setenv(SETTINGS_FILE_ENV, str(path))
+    assert settings_for_child() == settings
