@@ -18,7 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import logging
+
 import asyncpg
+
+from common.settings import get_settings
+from placement.lifecycle import allowed_change
+
+log = logging.getLogger("gpufleet.store")
 
 
 class StoreError(Exception):
@@ -49,6 +56,12 @@ class JobStateConflict(StoreError):
     """The job is not in the state (or attempt) the write expects."""
 
     code = "job_state_conflict"
+
+
+class InvalidJobTransition(StoreError):
+    """A job state change that placement.lifecycle's table has no edge for."""
+
+    code = "invalid_job_transition"
 
 
 class UnknownSubject(StoreError):
@@ -99,6 +112,12 @@ async def write_job_event(
     reason: str | None = None,
     detail: dict[str, Any] | None = None,
 ) -> None:
+    if from_state and to_state and from_state != to_state and not allowed_change(from_state, to_state):
+        # every state change writes its job event: this is where the lifecycle table is checked
+        msg = f"job {job_id}: {from_state} -> {to_state} ({event}) is not in placement.lifecycle.TRANSITIONS"
+        if get_settings().strict_job_transitions:
+            raise InvalidJobTransition(msg)
+        log.error(msg)
     await conn.execute(
         "INSERT INTO job_events (job_id, attempt, event, from_state, to_state, reason, detail, actor)"
         " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",

@@ -89,6 +89,10 @@ class Settings(BaseSettings):
     failure_window_s: float = Field(24 * 3600.0, description="window in which max_failed_attempts are counted")
     start_task_timeout_s: float = Field(60.0, description="one StartTask/StopTask activity try (the gang timeout bounds all tries)")
     stop_margin_s: float = Field(10.0, description="after a stop's grace period, how long to wait for the agents' exit reports")
+    strict_job_transitions: bool = Field(
+        False,
+        description="a job state change outside placement.lifecycle's table fails (the tests set it) instead of being logged",
+    )
     job_start_delay_s: float = Field(
         300.0, ge=0,
         description="a new job workflow's first task waits this long unless a signal (allocation, cancel) comes first",

@@ -6,7 +6,9 @@ Stable names (the Postgres mirror and the workflows import these):
   ``CANCELLING``, ``SUCCEEDED``, ``FAILED``, ``CANCELLED``, ``TIMED_OUT``.
 * ``JobEvent`` values: ``allocate``, ``all_started``, ``start_timeout``,
   ``rank_failed``, ``node_failed``, ``preempt``, ``stopped``, ``cancel``,
-  ``exit_ok``, ``exit_fail``, ``runtime_expired``, ``reject``.
+  ``exit_ok``, ``exit_fail``, ``runtime_expired``, ``reject``, ``cancel_stopped``.
+* ``STATE_CHANGES`` / ``allowed_change(from, to)``: the (from, to) pairs of the table
+  (``activities.store.write_job_event`` checks every state change against them).
 * ``TRANSITIONS``: ``{(state, event): new_state}``; any pair not in it is invalid.
 * ``transition(state, event) -> JobState`` raises ``InvalidTransition``.
 * ``TERMINAL``: states with no way out; ``ACTIVE``: states that hold GPUs.
@@ -50,6 +52,7 @@ class JobEvent(str, Enum):
     EXIT_FAIL = "exit_fail"  # the job failed by itself (no retries left)
     RUNTIME_EXPIRED = "runtime_expired"  # max_runtime timer fired
     REJECT = "reject"  # admission: the job can never run (invalid shape, unknown GPU type)
+    CANCEL_STOPPED = "cancel_stopped"  # every rank is gone (or never started) and a cancel is pending
 
     def __str__(self) -> str:
         return self.value
@@ -66,6 +69,9 @@ TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
     (S.STARTING, E.RANK_FAILED): S.QUEUED,  # failed attempt: whole gang released, front of its class
     (S.STARTING, E.NODE_FAILED): S.QUEUED,  # a node died during start: released, front of its class
     (S.STARTING, E.CANCEL): S.CANCELLING,  # stop the ranks already started
+    (S.STARTING, E.CANCEL_STOPPED): S.CANCELLED,  # cancelled before the workflow started any rank (or a failed start stopped them)
+    (S.STARTING, E.PREEMPT): S.PREEMPTING,  # a victim still starting: its started ranks get StopTask
+    (S.STARTING, E.EXIT_FAIL): S.FAILED,  # a rank failed by itself before the gang was up, no retries left
     (S.RUNNING, E.EXIT_OK): S.SUCCEEDED,  # finished
     (S.RUNNING, E.EXIT_FAIL): S.FAILED,  # the job's own failure
     (S.RUNNING, E.RANK_FAILED): S.QUEUED,  # failed attempt: whole gang released, front of its class
@@ -73,12 +79,14 @@ TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
     (S.RUNNING, E.PREEMPT): S.PREEMPTING,  # StopTask with grace sent; it checkpoints
     (S.RUNNING, E.CANCEL): S.CANCELLING,  # StopTask sent
     (S.RUNNING, E.RUNTIME_EXPIRED): S.TIMED_OUT,  # max_runtime reached; ranks are stopped
+    (S.RUNNING, E.CANCEL_STOPPED): S.CANCELLED,  # a failed attempt's ranks were stopped while a cancel waited
     (S.PREEMPTING, E.STOPPED): S.QUEUED,  # attempt + 1, original submit time, resumes from checkpoint
     (S.PREEMPTING, E.EXIT_OK): S.SUCCEEDED,  # it finished during its grace period
     (S.PREEMPTING, E.EXIT_FAIL): S.QUEUED,  # crashed while checkpointing: still re-queued (last good checkpoint)
     (S.PREEMPTING, E.NODE_FAILED): S.QUEUED,  # a node died during the grace period: released and re-queued
     (S.PREEMPTING, E.CANCEL): S.CANCELLING,  # user cancel wins over re-queue
     (S.PREEMPTING, E.RUNTIME_EXPIRED): S.TIMED_OUT,  # its time ran out while stopping
+    (S.PREEMPTING, E.CANCEL_STOPPED): S.CANCELLED,  # stopped for the preemption while a cancel waited: no re-queue
     (S.CANCELLING, E.STOPPED): S.CANCELLED,  # every rank stopped
     (S.CANCELLING, E.EXIT_OK): S.SUCCEEDED,  # it finished before the stop landed
     (S.CANCELLING, E.EXIT_FAIL): S.CANCELLED,  # exited under SIGTERM: the cancel stands
@@ -87,6 +95,14 @@ TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
 }
 
 TERMINAL: frozenset[JobState] = frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED, S.TIMED_OUT})
+
+# (from, to) pairs of the table: what a store write may do to a job's state
+STATE_CHANGES: frozenset[tuple[JobState, JobState]] = frozenset((a, b) for (a, _), b in TRANSITIONS.items())
+
+
+def allowed_change(from_state: JobState | str, to_state: JobState | str) -> bool:
+    """Whether some event moves a job from ``from_state`` to ``to_state``."""
+    return (JobState(from_state), JobState(to_state)) in STATE_CHANGES
 ACTIVE: frozenset[JobState] = frozenset({S.STARTING, S.RUNNING, S.PREEMPTING, S.CANCELLING})
 
 

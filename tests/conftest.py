@@ -17,7 +17,10 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from common.db import create_pool, migrate
+# every job state change the tests make must be an edge of placement.lifecycle's table
+os.environ.setdefault("GPUFLEET_STRICT_JOB_TRANSITIONS", "true")
+
+from common.db import create_pool, migrate  # noqa: E402
 from tests.support import dsn_with_db
 
 TEMPLATE_DB = "gpufleet_template"

@@ -76,3 +76,20 @@ def test_active_states_hold_gpus() -> None:
 def test_unknown_names_raise_value_error() -> None:
     with pytest.raises(ValueError):
         transition("NOPE", "allocate")
+
+
+def test_the_edges_the_store_writes_beyond_design() -> None:
+    # a victim still starting is preempted; a cancel pending when the ranks are gone stands
+    assert transition(S.STARTING, E.PREEMPT) is S.PREEMPTING
+    assert transition(S.STARTING, E.EXIT_FAIL) is S.FAILED
+    for state in (S.STARTING, S.RUNNING, S.PREEMPTING):
+        assert transition(state, E.CANCEL_STOPPED) is S.CANCELLED
+
+
+def test_allowed_change_is_the_table_projected_on_states() -> None:
+    from placement.lifecycle import STATE_CHANGES, allowed_change
+
+    assert allowed_change("QUEUED", "STARTING") and allowed_change(S.PREEMPTING, S.QUEUED)
+    assert not allowed_change("QUEUED", "RUNNING")  # never without STARTING
+    assert not allowed_change("SUCCEEDED", "QUEUED")  # terminal
+    assert STATE_CHANGES == {(a, b) for (a, _), b in TRANSITIONS.items()}
