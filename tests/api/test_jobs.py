@@ -9,7 +9,7 @@ import pytest
 from activities import store
 from tests.api.conftest import ADMIN, ALPHA, BETA, auth, new_key, submit
 from tests.foundation.builders import gang
-from tests.support import eventually
+from tests.support import eventually, force_job_state
 from workflows.messages import JOB_WORKFLOW, JobInput
 
 
@@ -87,7 +87,7 @@ async def test_other_team_cannot_see_a_job_and_unknown_is_404(client):
 async def test_list_pages_with_opaque_cursors_and_filters(client, pool):
     ids = [(await submit(client, name=f"n{i}")).json()["job_id"] for i in range(5)]
     beta = (await submit(client, token=BETA, team="beta")).json()["job_id"]
-    await pool.execute("UPDATE jobs SET state = 'RUNNING' WHERE job_id = $1", ids[0])
+    await force_job_state(pool, "UPDATE jobs SET state = 'RUNNING' WHERE job_id = $1", ids[0])
     seen, cursor = [], None
     while True:
         params = {"limit": 2} | ({"cursor": cursor} if cursor else {})
@@ -142,7 +142,7 @@ async def test_explain_reads_what_placement_published(client, pool):
     assert e["pending_reason"] == "reserved" and e["queue_position"] == 2 and e["waiting_for"]["jobs_ahead"] == 1
     assert e["expected_start"].startswith("2030-01-01") and "reservation" in e["message"]
     assert "2030-01-01" in e["message"] and "blocks b0,b1" in e["message"]
-    await pool.execute("UPDATE jobs SET state = 'FAILED', exit_code = 3 WHERE job_id = $1", job_id)
+    await force_job_state(pool, "UPDATE jobs SET state = 'FAILED', exit_code = 3 WHERE job_id = $1", job_id)
     e = (await client.get(f"/v1/jobs/{job_id}/explain", headers=auth(ALPHA))).json()
     assert e["pending"] is False and e["message"] == "the job finished: FAILED (exit code 3)"
 
@@ -164,7 +164,7 @@ async def test_cancel_signals_the_workflow_and_audits(client, pool, temporal_env
 
 async def test_cancel_of_a_finished_job_is_409_and_writes_nothing(client, pool):
     job_id = (await submit(client)).json()["job_id"]
-    await pool.execute("UPDATE jobs SET state = 'SUCCEEDED' WHERE job_id = $1", job_id)
+    await force_job_state(pool, "UPDATE jobs SET state = 'SUCCEEDED' WHERE job_id = $1", job_id)
     r = await client.delete(f"/v1/jobs/{job_id}", headers=auth(ALPHA, new_key()))
     assert r.status_code == 409
     err = r.json()["error"]
@@ -198,7 +198,7 @@ async def test_extend_asks_the_workflow(client, pool, worker):
     await pool.execute("UPDATE jobs SET extensions = 2 WHERE job_id = $1", job_id)
     r = await client.post(f"/v1/jobs/{job_id}:extend", json={"by": "1h"}, headers=auth(ALPHA, new_key()))
     assert r.status_code == 409 and r.json()["error"]["code"] == "extension_too_many"
-    await pool.execute("UPDATE jobs SET state = 'CANCELLED' WHERE job_id = $1", job_id)
+    await force_job_state(pool, "UPDATE jobs SET state = 'CANCELLED' WHERE job_id = $1", job_id)
     r = await client.post(f"/v1/jobs/{job_id}:extend", json={"by": "1h"}, headers=auth(ALPHA, new_key()))
     assert r.status_code == 409 and r.json()["error"]["code"] == "job_terminal"
 

@@ -9,6 +9,7 @@ from activities import store
 from tests.api.agent_server import AgentLogServer
 from tests.api.conftest import ALPHA, BETA, auth, submit
 from tests.foundation.builders import gang
+from tests.support import force_job_state
 
 
 @pytest.fixture
@@ -88,7 +89,7 @@ async def test_logs_of_an_earlier_attempt(client, pool, agent):
     job_id = (await submit(client)).json()["job_id"]
     [a1] = await place(pool, job_id, ["b0-n0"], agent.addr)
     await store.release_job(pool, job_id, 1, reason="preempted", actor="test")
-    await pool.execute("UPDATE jobs SET state = 'QUEUED', attempt = 2 WHERE job_id = $1", job_id)
+    await force_job_state(pool, "UPDATE jobs SET state = 'QUEUED', attempt = 2 WHERE job_id = $1", job_id)
     [a2] = await place(pool, job_id, ["b1-n1"], agent.addr, attempt=2)
     agent.logs[a1] = b"attempt one\n"
     agent.logs[a2] = b"attempt two\n"

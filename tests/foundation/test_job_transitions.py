@@ -1,25 +1,40 @@
-"""Every job state change writes its job event, and that is where the lifecycle table is
-checked: a change with no edge fails (strict, as the tests run) and writes nothing."""
+"""The job state table (placement/lifecycle.py) guards every state change twice: the
+store's job event write checks it (strict in the tests), and Postgres refuses a change
+with no edge (db/migrations/0006, whose rows must equal the table's pairs)."""
 
 from __future__ import annotations
 
+import asyncpg
 import pytest
 
 from activities import job_store, store
 from common.settings import get_settings
+from placement.lifecycle import STATE_CHANGES
 from tests.foundation.builders import queued_job, team
 
 
-async def test_a_state_change_outside_the_table_is_refused(pool):
+async def test_the_postgres_mirror_is_the_table(pool):
+    rows = await pool.fetch("SELECT from_state, to_state FROM job_state_changes")
+    assert {(r["from_state"], r["to_state"]) for r in rows} == {(a.value, b.value) for a, b in STATE_CHANGES}
+
+
+async def test_postgres_refuses_a_state_change_with_no_edge(pool):
+    async with pool.acquire() as conn:
+        await team(conn, "alpha", 8)
+        job = await queued_job(conn, "j-db", "alpha")
+        with pytest.raises(asyncpg.CheckViolationError, match="QUEUED -> RUNNING"):
+            await conn.execute("UPDATE jobs SET state = 'RUNNING' WHERE job_id = $1", job)
+        await conn.execute("UPDATE jobs SET state = 'STARTING' WHERE job_id = $1", job)  # an edge
+        assert await conn.fetchval("SELECT state FROM jobs WHERE job_id = $1", job) == "STARTING"
+
+
+async def test_the_job_event_write_refuses_a_change_with_no_edge(pool):
     assert get_settings().strict_job_transitions  # tests/conftest.py
     async with pool.acquire() as conn:
         await team(conn, "alpha", 8)
         job = await queued_job(conn, "j-table", "alpha")
         with pytest.raises(store.InvalidJobTransition):
-            async with conn.transaction():
-                await conn.execute("UPDATE jobs SET state = 'RUNNING' WHERE job_id = $1", job)
-                await store.write_job_event(conn, job, 1, "running", "QUEUED", "RUNNING", "test")
-        assert await conn.fetchval("SELECT state FROM jobs WHERE job_id = $1", job) == "QUEUED"
+            await store.write_job_event(conn, job, 1, "running", "QUEUED", "RUNNING", "test")
         assert await conn.fetchval("SELECT count(*) FROM job_events WHERE job_id = $1", job) == 0
 
 

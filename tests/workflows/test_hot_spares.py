@@ -14,6 +14,7 @@ from activities.placement_cycle import LeaderState, policy_from_settings
 from activities.store import StaleEpoch
 from tests.foundation.builders import queued_job, small_cluster, team
 from tests.workflows.harness import scaled_settings
+from tests.support import force_job_state
 
 
 class NoTemporal:
@@ -74,7 +75,7 @@ async def test_leader_publishes_hot_spares_on_change_only(pool, leader, monkeypa
     assert len(writes) == 1
 
     # the gang ends: its spares go back to the pool, and the published rows with them
-    await pool.execute("UPDATE jobs SET state = 'SUCCEEDED' WHERE job_id = 'big'")
+    await force_job_state(pool, "UPDATE jobs SET state = 'SUCCEEDED' WHERE job_id = 'big'")
     await store.release_job(pool, "big", 1, reason="done", actor="test")
     await state.run_cycle(epoch)
     assert await published(pool) == {}
