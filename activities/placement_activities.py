@@ -39,14 +39,17 @@ class ReadLeaderActivity:
             "SELECT epoch, holder, task_queue, expires_at > now() AS live FROM leader WHERE scope = $1",
             req.scope or s.leader_scope,
         )
+        # a leader that misses two renewals is presumed gone: its cycle activity is not
+        # picked up (schedule-to-start) or stops heartbeating within this
+        leader_gone_s = max(2.0, 2 * s.leader_renew_s)
         timing = dict(
             cycle_s=s.placement_cycle_s,
             cycle_timeout_s=s.leader_cycle_timeout_s,
-            start_timeout_s=max(2.0, 2 * s.leader_renew_s),
+            start_timeout_s=leader_gone_s,
             max_cycles_per_run=MAX_CYCLES_PER_RUN,
             placement_task_queue=s.placement_task_queue,
             cycles_per_activity_s=s.placement_cycles_per_activity_s,
-            heartbeat_timeout_s=max(2.0, 2 * s.leader_renew_s),
+            heartbeat_timeout_s=leader_gone_s,
         )
         if row is None:
             return m.LeaderInfo(live=False, **timing)

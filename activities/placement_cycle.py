@@ -33,9 +33,9 @@ import gc
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from collections.abc import Callable
 from typing import Any
 
 import asyncpg

@@ -47,6 +47,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+async def _open_loop(n: int, rate: float, one: Any) -> None:
+    """Call ``one(i)`` for i < n at ``rate`` per second, open loop: a slow call never
+    delays the next one; returns when every call has finished."""
+    start = time.monotonic()
+    tasks = []
+    for i in range(n):
+        delay = start + i / rate - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -179,8 +192,6 @@ async def _placement_cycles(client: Any) -> dict[str, Any]:
             started: dict[int, float] = {}
             for e in hist.events:
                 t = e.event_time.ToDatetime().timestamp()
-                if os.environ.get("BENCH_DEBUG_PLACEMENT"):
-                    print(f"{t:.3f} {EventType.Name(e.event_type)}", file=sys.stderr)
                 if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
                     sched[e.event_id] = t
                     if last_done is not None:
@@ -257,14 +268,7 @@ async def _lean_baseline(client: Any, pool: Any, jobs: int, rate: float) -> dict
                 return
             lat.append((time.monotonic() - t0) * 1000.0)
 
-        start = time.monotonic()
-        tasks = []
-        for i in range(jobs):
-            delay = start + i / rate - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i)))
-        await asyncio.gather(*tasks)
+        await _open_loop(jobs, rate, one)
     return {
         "what": "lean job workflow (3 local activities, 1 signal, 1 node activity), same server, same rate",
         "workflows": len(lat),
@@ -388,13 +392,7 @@ async def _bench(
         procs = _process_tree(control, temporal)
         cpu0 = _cpu(procs)
         start = time.monotonic()
-        tasks = []
-        for i in range(jobs):
-            delay = start + i / rate - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(submit(i)))
-        await asyncio.gather(*tasks)
+        await _open_loop(jobs, rate, submit)
         submit_s = time.monotonic() - start
 
         running: dict[str, float] = {}

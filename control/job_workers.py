@@ -169,7 +169,7 @@ async def serve_job_worker(settings: Settings, stop: asyncio.Event) -> None:
     client = await connect(settings)
     worker = control_queue_worker(client, pool, settings)
     run = asyncio.create_task(worker.run())
-    await asyncio.sleep(0)  # the worker's pollers are started
+    await asyncio.sleep(0)  # let the worker start its pollers (it is connected to Temporal and Postgres)
     ready = os.environ.get("GPUFLEET_JOB_WORKER_READY_FILE")
     if ready:
         Path(ready).touch()
