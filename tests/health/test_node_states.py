@@ -184,6 +184,7 @@ class AgentMessages(RuleBasedStateMachine):
         self.last_hb: float | None = None
         self.newest: tuple[str, int] | None = None
         self.live = {"j.a1.r0"}
+        self.reboots = 0
 
     def _deliver(self, msg: pb.Heartbeat) -> None:
         entry = self.table.offer("n1", msg)
@@ -224,8 +225,13 @@ class AgentMessages(RuleBasedStateMachine):
         if (m.boot_id, m.seq) != before:
             assert self.newest == before, "an old or duplicate heartbeat replaced a newer one"
 
+    # The table remembers the last RETIRED_BOOTS boots of a node (bounded memory): a message
+    # delayed across more agent restarts than that cannot arrive (each boot streams on a new
+    # connection; the old one is closed), so the model stays within it.
+    @precondition(lambda self: self.reboots < HeartbeatTable.RETIRED_BOOTS)
     @rule()
     def reboot(self):
+        self.reboots += 1
         self.boot = f"b{len(self.sent) + 2}"
 
     @rule(dt=st.floats(0.1, 120.0))
