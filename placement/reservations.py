@@ -32,11 +32,14 @@ _INF = float("inf")
 _NEG = float("-inf")
 
 
-def may_use(res: Reservation, job: JobSpec, now: float, policy: Policy, class_rule: bool = True) -> bool:
+def may_use(
+    res: Reservation, job: JobSpec, now: float, policy: Policy, class_rule: bool = True, owner_rule: bool = True
+) -> bool:
     """May ``job`` use nodes held by ``res``? ``class_rule`` False leaves out the higher-class
     exception (the engine tries without it first, so a higher class takes reserved nodes
-    only as a last resort)."""
-    if res.job_id == job.job_id:
+    only as a last resort). ``owner_rule`` False judges ``res`` as someone else's even if
+    ``job`` owns it (``Exclusions`` is shared by equal jobs and decides ownership itself)."""
+    if owner_rule and res.job_id == job.job_id:
         return True
     if class_rule and job.rank < res.priority_rank and res.kind is ReservationKind.HEAD_OF_LINE:
         return True  # nodes cleared by preemption are never taken: the beneficiary would preempt again
@@ -51,7 +54,7 @@ class Exclusions:
     set and the reservation set's version).
     """
 
-    __slots__ = ("state", "job", "now", "policy", "class_rule", "cache", "key", "own_pre")
+    __slots__ = ("state", "job", "now", "policy", "class_rule", "cache", "key", "own", "own_pre")
 
     def __init__(self, state: ClusterState, job: JobSpec, now: float, policy: Policy, class_rule: bool = True) -> None:
         self.state = state
@@ -61,6 +64,7 @@ class Exclusions:
         self.class_rule = class_rule
         self.cache: dict[str, bool] = {}
         own = job.job_id if job.job_id in state._reservations else None
+        self.own = own
         # nodes cleared by preemption for this job are its own whatever else holds them
         # (a gang's head-of-line reservation may have picked them as free soonest)
         mine = state._reservations.get(job.job_id)
@@ -70,13 +74,18 @@ class Exclusions:
         self.key = (job.gpu_type, job.rank, job.max_runtime_s, own, class_rule, state.res_free_version)
 
     def __contains__(self, owner: object) -> bool:
+        if owner == self.own:
+            return False
         got = self.cache.get(owner)  # type: ignore[arg-type]
         if got is None:
             res = self.state._reservations.get(owner)  # type: ignore[arg-type]
             if res is None:
                 return False  # not (yet) an owner: not cached, it may reserve later this cycle
+            # the object is shared by every job with an equal key: a reservation its first
+            # user made later in the cycle is another job's to all the others (seen: a job
+            # placed on the free GPUs a reclaim had just counted on; the reclaim overran)
             got = res.gpu_type == self.job.gpu_type and not may_use(
-                res, self.job, self.now, self.policy, self.class_rule
+                res, self.job, self.now, self.policy, self.class_rule, owner_rule=False
             )
             self.cache[owner] = got  # type: ignore[index]
         return got

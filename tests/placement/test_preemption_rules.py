@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from placement import PendingReason, Policy, PreemptReason, plan
 
-from .helpers import HOUR, cluster, cycle, fill, occupy, queue_of, spec
+from .helpers import HOUR, cluster, cycle, fill, nodes_of, occupy, queue_of, spec
 
 NOW = 10 * HOUR
 
@@ -345,3 +345,32 @@ def test_a_higher_class_does_not_take_nodes_cleared_for_a_lower_class_beneficiar
     p = cycle(st, q, NOW + 31)
     assert p.placement("x") is not None and [n.node_id for n in p.placement("x").nodes] == ["b0n1"]
     assert p.placement("hi") is None
+
+
+
+def test_free_gpus_a_reclaim_counts_on_are_not_given_to_a_like_job_in_the_same_cycle() -> None:
+    # "x" (a whole node, below its guarantee) finds the one free node held for gang "g", then
+    # reclaims b0n0: its 4 free GPUs plus those of borrowed "v". "y", of the same class and
+    # max_runtime as x (equal jobs share reservation exclusions within a cycle), is looked at
+    # after x and must not take b0n0's free GPUs: x would preempt again and overrun its bound
+    st = cluster(blocks=1, nodes=3)
+    st.set_quota("me", "h100", 8)
+    st.set_quota("other", "h100", 8)
+    st.set_quota("o", "h100", 0, 100)
+    st.set_quota("w", "h100", 8)
+    st.set_quota("big", "h100", 0, 100)
+    occupy(st, spec("v", team="o", cls="preemptible", gpr=4, runtime=100 * HOUR), {"b0n0": (0, 1, 2, 3)},
+           started_at=NOW - 60, borrowed=True)
+    occupy(st, spec("w", team="w", cls="prod-batch", gpr=8, runtime=2 * HOUR), ["b0n2"], started_at=NOW - HOUR)
+    policy = Policy(reserve_min_gpus=16)
+    q = queue_of(spec("g", team="big", cls="prod-batch", replicas=2, gpr=8, pack="block", submit=NOW))
+    cycle(st, q, NOW, policy)
+    assert st.reservation("g") is not None and "b0n1" in st.reservation("g").nodes
+    q.push(spec("x", team="me", cls="preemptible", gpr=8, submit=NOW + 1, runtime=24 * HOUR))
+    q.push(spec("y", team="other", cls="preemptible", gpr=4, submit=NOW + 2, runtime=24 * HOUR))
+    p = cycle(st, q, NOW + 3, policy)
+    assert victims(p) == ["v"]
+    assert p.placement("y") is None
+    st.release("v", NOW + 33)
+    p = cycle(st, q, NOW + 34, policy)
+    assert nodes_of(p, "x") == ["b0n0"]
