@@ -30,6 +30,7 @@ from placement import quota as quota_mod
 from placement.model import (
     DEFAULT_POLICY,
     SERVING_RANK,
+    PreemptReason,
     JobSpec,
     NodeHealth,
     Pack,
@@ -47,6 +48,7 @@ from placement.model import (
 from placement.ordering import JobQueue, iter_order
 from placement.reservations import (
     Exclusions,
+    evictable_for,
     expected_start,
     make_head_of_line,
     plan_head_of_line,
@@ -97,6 +99,7 @@ class _Cycle:
         self.excl_cache: dict[tuple, Exclusions] = {}
         self.lower_res: dict[tuple[str, int], int] = {}
         self.excl_version = -1
+        self.evictable_placement = False  # the last _try_place used evictable backfill
 
     # ------------------------------------------------------------------ cycle
 
@@ -212,18 +215,30 @@ class _Cycle:
             room = max(room, q.borrow_limit - (used - gused))
         return room
 
-    def _excl(self, job: JobSpec, class_rule: bool = True) -> Exclusions:
+    def _excl(self, job: JobSpec, class_rule: bool = True, evictably: bool = False) -> Exclusions:
         """Reservation owners whose nodes ``job`` may not use (shared per cycle by equal jobs)."""
         state = self.state
         if state.res_free_version != self.excl_version:
             self.excl_cache.clear()
             self.excl_version = state.res_free_version
         own = job.job_id if job.job_id in state._reservations else None
-        key = (job.gpu_type, job.rank, job.max_runtime_s, class_rule, own)
+        key = (job.gpu_type, job.rank, job.max_runtime_s, class_rule, own, evictably)
         ex = self.excl_cache.get(key)
         if ex is None:
-            ex = self.excl_cache[key] = Exclusions(state, job, self.now, self.policy, class_rule)
+            ex = self.excl_cache[key] = Exclusions(state, job, self.now, self.policy, class_rule, evictably)
         return ex
+
+    def _evictable_reservation(self, job: JobSpec) -> bool:
+        """Is there a head-of-line reservation of the job's type it could backfill evictably?"""
+        for r in self.state._reservations.values():
+            if (
+                r.evicts_backfill
+                and r.kind is ReservationKind.HEAD_OF_LINE
+                and r.gpu_type == job.gpu_type
+                and job.rank >= r.priority_rank
+            ):
+                return True
+        return False
 
     def _lower_class_reservation(self, job: JobSpec) -> bool:
         """Does some reservation of the job's type belong to a lower class (usable as a last resort)?"""
@@ -298,7 +313,7 @@ class _Cycle:
         if try_free:
             fail, placed = self._try_place(job, ti, shape, borrowed, restrict, own_spares)
             if placed is not None:
-                if borrowed and not serving and shape.whole and policy.guarantee_gangs_first:
+                if borrowed and not serving and shape.whole and policy.guarantee_gangs_first and not self.evictable_placement:
                     placed = self._guarantee_gang(job, shape, placed)
                 self._commit(job, placed, own_res)
                 return
@@ -309,10 +324,21 @@ class _Cycle:
         if state._awaiting.get(job.job_id):
             self._pend(job, PendingReason.PREEMPTING)
             return
+        if (
+            own_res is not None
+            and own_res.evicts_backfill
+            and own_res.kind is ReservationKind.HEAD_OF_LINE
+            and self._evict_backfill(job, ti, shape, own_res)
+        ):
+            self._pend(job, PendingReason.PREEMPTING, "stopping backfill on its reserved nodes")
+            return
         mode = None
         if not borrowed:
             mode = Mode(job.rank, False, job.team)
-        elif serving:
+        elif serving or (
+            policy.borrowed_gangs_reclaim_lower and shape.whole and shape.charge >= policy.reserve_min_gpus
+        ):
+            # beyond its guarantee: only borrowed work of lower classes (prod-serving: of any class)
             mode = Mode(job.rank, True, job.team)
         if mode is not None and policy.preemption and self._preempt(job, ti, shape, mode):
             self._pend(job, PendingReason.PREEMPTING)
@@ -346,6 +372,7 @@ class _Cycle:
         own_spares: bool,
     ) -> tuple[PendingReason | None, Placement | None]:
         state, policy, now = self.state, self.policy, self.now
+        self.evictable_placement = False
         if shape.whole:
             if ti.free_nodes < shape.nodes:
                 return PendingReason.CAPACITY, None
@@ -358,6 +385,7 @@ class _Cycle:
         tkey = (
             job.gpu_type, job.gpus_per_replica, job.replicas, t.pack, t.max_blocks, job.rank,
             job.max_runtime_s, restrict, state.res_free_version,
+            borrowed if policy.evictable_backfill else None,
         )
         if not own and not own_spares:
             hit = self.try_memo.get(tkey)
@@ -372,6 +400,11 @@ class _Cycle:
                 fail2, placed = self._search(job, ti, shape, borrowed, restrict, own_spares, loose)
                 if placed is None and fail is PendingReason.RESERVATION:
                     fail = fail2
+        if placed is None and borrowed and policy.evictable_backfill and self._evictable_reservation(job):
+            # borrowed work may run on a reservation's nodes until their owner is ready for them
+            ev = self._excl(job, evictably=True)
+            _, placed = self._search(job, ti, shape, borrowed, restrict, own_spares, ev)
+            self.evictable_placement = placed is not None
         if placed is None and not own and not own_spares:
             self.try_memo[tkey] = fail  # type: ignore[assignment]
         return fail, placed
@@ -519,7 +552,7 @@ class _Cycle:
             return False
         self.searches_left -= 1
         search = Search(state, ti, excl)
-        use_free = not (mode.borrowed_only and not policy.serving_borrows_idle)
+        use_free = not (mode.borrowed_only and job.rank == SERVING_RANK and not policy.serving_borrows_idle)
         limit = max(self.victims_left, shape.nodes if shape.whole else 8) if reclaim else self.victims_left
         if shape.whole:
             # shared by every team: built without the own-team rule (a superset of the nodes this
@@ -551,8 +584,54 @@ class _Cycle:
             priority_rank=job.rank,
             expected_start=now + choice.grace_s,
             created_at=now,
+            team=job.team,
         )
         state.add_reservation(res)
+        return True
+
+    def _evict_backfill(self, job: JobSpec, ti: _TypeIndex, shape: Shape, res: Reservation) -> bool:
+        """The owner of a head-of-line reservation whose nodes are all free or held only by its
+        evictable backfill stops that backfill (a reclaim) and holds the nodes until it is gone."""
+        state, now = self.state, self.now
+        nodes = res.nodes
+        if len(nodes) < shape.nodes:
+            return False
+        search = Search(state, ti, self._excl(job))
+        running = state._running
+        victims: set[str] = set()
+        for nid in nodes:
+            node = state._nodes.get(nid)
+            if node is None or node.health is not NodeHealth.READY or node.spare_of is not None or not search.ok(nid):
+                return False
+            for jid in node.jobs:
+                rj = running[jid]
+                if not evictable_for(rj, res) or rj.started_at >= now:
+                    return False  # still busy (or stopping for another job): wait
+                victims.add(jid)
+        if not victims:
+            return False  # all free: the placement search decides
+        grace = 0.0
+        for vid in sorted(victims):
+            rj = running[vid]
+            self.preemptions.append(Preemption(vid, job.job_id, PreemptReason.RECLAIM, rj.spec.grace_s, True))
+            state.mark_preempting(vid, job.job_id)
+            grace = max(grace, rj.spec.grace_s)
+        self.victims_left = max(0, self.victims_left - len(victims))
+        state.add_reservation(
+            Reservation(
+                job_id=job.job_id,
+                gpu_type=job.gpu_type,
+                kind=ReservationKind.PREEMPTION,
+                blocks=res.blocks,
+                nodes=nodes,
+                nodes_needed=shape.nodes,
+                gpus=shape.charge,
+                priority_rank=job.rank,
+                expected_start=now + grace,
+                created_at=now,
+                team=job.team,
+            )
+        )
         return True
 
     # ------------------------------------------------------------------ reservations
@@ -587,7 +666,9 @@ class _Cycle:
                 self.reserve_memo.add(mkey)
                 return False
             start = max(raw, now)
-        state.add_reservation(make_head_of_line(job, blocks, shape.nodes, shape.charge, start, now, nodes))
+        state.add_reservation(
+            make_head_of_line(job, blocks, shape.nodes, shape.charge, start, now, nodes, policy.evictable_backfill)
+        )
         return True
 
     # ------------------------------------------------------------------ prod-serving replicas

@@ -20,6 +20,7 @@ from __future__ import annotations
 from placement import quota as quota_mod
 from placement.model import SERVING_RANK, NodeHealth, Pack, Plan, Policy, ReservationKind
 from placement.ordering import JobQueue
+from placement.reservations import evictable_for
 from placement.state import ClusterState, indices_of, mask_of
 from placement.topology import job_shape
 
@@ -293,14 +294,19 @@ def check_plan(state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy,
             shape = job_shape(ben, ti.node_gpus)
             charge = shape.charge if not isinstance(shape, str) else 0
             ben_borrowed = quota_mod.classify(state, ben, charge, policy)
-            if ben_borrowed:
-                if ben.rank != SERVING_RANK:
+            evicted = evictable_for(rj, state._reservations.get(pr.beneficiary))
+            if evicted:
+                pass  # backfill on the beneficiary's reserved nodes, stopped when it is ready
+            elif ben_borrowed:
+                if ben.rank != SERVING_RANK and not (
+                    policy.borrowed_gangs_reclaim_lower and rj.borrowed and rj.rank > ben.rank
+                ):
                     errs.append(f"{pr.beneficiary}: borrows yet preempts {pr.victim}")
                 elif not rj.borrowed:
                     errs.append(f"{pr.beneficiary}: prod-serving beyond guarantee takes non-borrowed {pr.victim}")
             if not (rj.rank > ben.rank or (rj.rank == ben.rank and rj.borrowed)):
                 errs.append(f"{pr.victim} (rank {rj.rank}) is not lower class or same-class borrowed for {pr.beneficiary}")
-            if rj.team == ben.team and (rj.rank == ben.rank or ben_borrowed):
+            if rj.team == ben.team and (rj.rank == ben.rank or ben_borrowed) and not evicted:
                 errs.append(f"{pr.beneficiary}: reclaims its own team's borrowed {pr.victim}")
             if rj.gpu_type != ben.gpu_type:
                 errs.append(f"{pr.victim}: other GPU type than {pr.beneficiary}")

@@ -235,6 +235,13 @@ class Policy:
     * ``victim_excess_cost``: victim choice for whole nodes counts every node a victim
       set frees beyond the need like one more victim (a gang is not preempted to make
       room for a few nodes). False: fewest victims per node freed, as before.
+    * ``evictable_backfill``: borrowed work (any team's) of the owner's class or lower,
+      may run on a head-of-line reservation's nodes whatever its max_runtime, when it finds
+      no other room; the owner stops it (a reclaim, its grace) once the rest of its nodes
+      are free, so reserved nodes do not idle while a gang drains.
+    * ``borrowed_gangs_reclaim_lower``: a whole-node job of >= ``reserve_min_gpus`` beyond
+      its team's guarantee may reclaim borrowed work of lower classes (never guaranteed
+      work), before it reserves and drains.
     """
 
     lookahead: int = 2000
@@ -261,6 +268,8 @@ class Policy:
     guarantee_gangs_first: bool = True
     tight_reservations: bool = True
     victim_excess_cost: bool = True
+    evictable_backfill: bool = True
+    borrowed_gangs_reclaim_lower: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -272,7 +281,12 @@ class Policy:
 DEFAULT_POLICY = Policy()
 
 # gpufleet's own refinements (placement/README.md): the baselines run without them
-_NO_REFINEMENTS: dict[str, Any] = {"guarantee_gangs_first": False, "victim_excess_cost": False}
+_NO_REFINEMENTS: dict[str, Any] = {
+    "guarantee_gangs_first": False,
+    "victim_excess_cost": False,
+    "evictable_backfill": False,
+    "borrowed_gangs_reclaim_lower": False,
+}
 
 PRESETS: dict[str, Policy] = {
     # the policy DESIGN.md describes
@@ -360,6 +374,8 @@ class Reservation:
     priority_rank: int
     expected_start: float
     created_at: float
+    team: str = ""  # the owner's team
+    evicts_backfill: bool = False  # head-of-line: borrowed work may backfill and is evicted when ready
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,24 +25,34 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable
 
-from placement.model import JobSpec, NodeHealth, Pack, Policy, Reservation, ReservationKind
-from placement.state import ClusterState, _Node, _TypeIndex
+from placement.model import SERVING_RANK, JobSpec, NodeHealth, Pack, Policy, Reservation, ReservationKind
+from placement.state import ClusterState, RunningJob, _Node, _TypeIndex
 
 _INF = float("inf")
 _NEG = float("-inf")
 
 
 def may_use(
-    res: Reservation, job: JobSpec, now: float, policy: Policy, class_rule: bool = True, owner_rule: bool = True
+    res: Reservation,
+    job: JobSpec,
+    now: float,
+    policy: Policy,
+    class_rule: bool = True,
+    owner_rule: bool = True,
+    evictably: bool = False,
 ) -> bool:
     """May ``job`` use nodes held by ``res``? ``class_rule`` False leaves out the higher-class
     exception (the engine tries without it first, so a higher class takes reserved nodes
     only as a last resort). ``owner_rule`` False judges ``res`` as someone else's even if
-    ``job`` owns it (``Exclusions`` is shared by equal jobs and decides ownership itself)."""
+    ``job`` owns it (``Exclusions`` is shared by equal jobs and decides ownership itself).
+    ``evictably``: ``job`` is placed borrowed and accepts being stopped when the owner is
+    ready (``may_backfill_evictably``; the engine tries this last)."""
     if owner_rule and res.job_id == job.job_id:
         return True
     if class_rule and job.rank < res.priority_rank and res.kind is ReservationKind.HEAD_OF_LINE:
         return True  # nodes cleared by preemption are never taken: the beneficiary would preempt again
+    if evictably and may_backfill_evictably(res, job, True):
+        return True
     return policy.backfill and now + job.max_runtime_s <= res.expected_start
 
 
@@ -54,14 +64,23 @@ class Exclusions:
     set and the reservation set's version).
     """
 
-    __slots__ = ("state", "job", "now", "policy", "class_rule", "cache", "key", "own", "own_pre")
+    __slots__ = ("state", "job", "now", "policy", "class_rule", "evictably", "cache", "key", "own", "own_pre")
 
-    def __init__(self, state: ClusterState, job: JobSpec, now: float, policy: Policy, class_rule: bool = True) -> None:
+    def __init__(
+        self,
+        state: ClusterState,
+        job: JobSpec,
+        now: float,
+        policy: Policy,
+        class_rule: bool = True,
+        evictably: bool = False,
+    ) -> None:
         self.state = state
         self.job = job
         self.now = now
         self.policy = policy
         self.class_rule = class_rule
+        self.evictably = evictably
         self.cache: dict[str, bool] = {}
         own = job.job_id if job.job_id in state._reservations else None
         self.own = own
@@ -71,7 +90,10 @@ class Exclusions:
         self.own_pre = job.job_id if mine is not None and mine.kind is ReservationKind.PREEMPTION else None
         # a new reservation only takes capacity away, and answers are per owner: the key changes
         # only when a reservation goes (or is replaced)
-        self.key = (job.gpu_type, job.rank, job.max_runtime_s, own, class_rule, state.res_free_version)
+        self.key = (
+            job.gpu_type, job.rank, job.max_runtime_s, own, class_rule, state.res_free_version,
+            evictably,
+        )
 
     def __contains__(self, owner: object) -> bool:
         if owner == self.own:
@@ -85,7 +107,7 @@ class Exclusions:
             # user made later in the cycle is another job's to all the others (seen: a job
             # placed on the free GPUs a reclaim had just counted on; the reclaim overran)
             got = res.gpu_type == self.job.gpu_type and not may_use(
-                res, self.job, self.now, self.policy, self.class_rule, owner_rule=False
+                res, self.job, self.now, self.policy, self.class_rule, owner_rule=False, evictably=self.evictably
             )
             self.cache[owner] = got  # type: ignore[index]
         return got
@@ -100,8 +122,37 @@ class Exclusions:
         return hash(self.key)
 
 
-def node_free_time(state: ClusterState, node: _Node) -> float:
-    """When the node will be entirely free (-inf: now; inf: never, e.g. not ready)."""
+def evictable_for(rj: RunningJob, res: Reservation | None) -> bool:
+    """Is ``rj`` evictable backfill of ``res``: borrowed work of the owner's class or lower
+    (the owner's own team's too: the gang comes first in its queue), started while the
+    reservation stood, which the owner stops when the rest of its nodes are free
+    (``Policy.evictable_backfill``)?"""
+    return (
+        res is not None
+        and res.evicts_backfill
+        and res.kind is ReservationKind.HEAD_OF_LINE
+        and rj.borrowed
+        and rj.preempting_for is None
+        and rj.rank != SERVING_RANK
+        and rj.rank >= res.priority_rank
+        and rj.started_at >= res.created_at
+    )
+
+
+def may_backfill_evictably(res: Reservation, job: JobSpec, borrowed: bool) -> bool:
+    """May ``job`` (placed ``borrowed``) run on ``res``'s nodes until the owner needs them?"""
+    return (
+        borrowed
+        and res.evicts_backfill
+        and res.kind is ReservationKind.HEAD_OF_LINE
+        and job.rank != SERVING_RANK
+        and job.rank >= res.priority_rank
+    )
+
+
+def node_free_time(state: ClusterState, node: _Node, res: Reservation | None = None) -> float:
+    """When the node will be entirely free (-inf: now; inf: never, e.g. not ready), for
+    ``res`` if given (its evictable backfill counts as gone)."""
     if node.health is not NodeHealth.READY or node.spare_of is not None:
         return _INF
     t = _NEG
@@ -110,6 +161,8 @@ def node_free_time(state: ClusterState, node: _Node) -> float:
         rj = running[jid]
         if rj.preempting_for is not None:
             continue  # stopping within its grace period
+        if res is not None and evictable_for(rj, res):
+            continue  # backfill the owner stops when it is ready
         e = rj.end_time
         if e > t:
             t = e
@@ -130,6 +183,9 @@ def _block_node_times(state: ClusterState, bid: str, owner: str | None) -> list[
     node_res = state._node_res
     out = []
     reservations = state._reservations
+    mine = reservations.get(owner) if owner is not None else None
+    if mine is not None and not mine.evicts_backfill:
+        mine = None
     for nid in blk.nodes:
         owners = node_res.get(nid)
         if owners:
@@ -138,9 +194,9 @@ def _block_node_times(state: ClusterState, bid: str, owner: str | None) -> list[
                 out.append((_INF, 0, nid))  # another gang's
                 continue
             if others:
-                out.append((node_free_time(state, state._nodes[nid]), 1, nid))
+                out.append((node_free_time(state, state._nodes[nid], mine), 1, nid))
                 continue
-        out.append((node_free_time(state, state._nodes[nid]), 0, nid))
+        out.append((node_free_time(state, state._nodes[nid], mine), 0, nid))
     out.sort()
     return out
 
@@ -270,6 +326,7 @@ def make_head_of_line(
     start: float,
     now: float,
     nodes: tuple[str, ...] = (),
+    evicts_backfill: bool = False,
 ) -> Reservation:
     return Reservation(
         job_id=job.job_id,
@@ -282,4 +339,6 @@ def make_head_of_line(
         priority_rank=job.rank,
         expected_start=start,
         created_at=now,
+        team=job.team,
+        evicts_backfill=evicts_backfill,
     )

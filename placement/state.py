@@ -812,6 +812,8 @@ class ClusterState:
             a.gused -= rj.charge
         rj.borrowed = not rj.borrowed
         self._victim_add(rj)
+        for nid in rj.held:  # node free times of reservations that may evict borrowed work change
+            self._blocks[self._nodes[nid].block].version += 1
 
     def mark_preempting(self, victim: str, beneficiary: str) -> None:
         """A victim was told to stop for ``beneficiary``; it holds its GPUs until ``release``.

@@ -9,7 +9,8 @@ Eligible victims (``eligible``) for a preemptor of class rank ``r``:
 * normal mode (the preemptor is within its team's guarantee): jobs of a lower class
   (rank > r), or borrowed jobs of the same class of *another* team (a team never
   reclaims its own borrowed work: it would only trade its work for its work);
-* borrowed-only mode (prod-serving beyond its guarantee): borrowed jobs only (of
+* borrowed-only mode (prod-serving beyond its guarantee, or a gang beyond it with
+  ``Policy.borrowed_gangs_reclaim_lower``): borrowed jobs of lower classes only (of
   other teams);
 * a job preempted ``daily_preemption_budget`` times in ``preemption_window_s`` is a
   victim only if it is borrowed.
@@ -56,7 +57,7 @@ def categories(mode: Mode) -> list[tuple[int, bool]]:
 
 def _categories(mode: Mode) -> list[tuple[int, bool]]:
     if mode.borrowed_only:
-        return [(r, True) for r in range(SERVING_RANK + 1, 4)]
+        return [(r, True) for r in range(mode.rank + 1, 4)]
     cats = [(mode.rank, True)] if mode.rank != SERVING_RANK else []
     for r in range(mode.rank + 1, 4):
         cats.append((r, False))
@@ -72,7 +73,7 @@ def eligible(rj: RunningJob, mode: Mode, now: float, policy: Policy) -> bool:
     if not rj.borrowed and now - rj.started_at < policy.preemption_protect_s:
         return False
     if mode.borrowed_only:
-        if not rj.borrowed:
+        if not rj.borrowed or rj.rank <= mode.rank:
             return False
     elif not (rj.rank > mode.rank or (rj.rank == mode.rank and rj.borrowed)):
         return False

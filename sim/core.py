@@ -319,6 +319,8 @@ class Simulation:
             self._preempt(pr)
         # head-of-line reservations: made, kept until the owner starts, or dropped while it waits
         hol = {r.job_id for r in p.reservations if r.kind is ReservationKind.HEAD_OF_LINE}
+        # an owner stopping the evictable backfill on its nodes holds them as a preemption reservation
+        hol |= {r.job_id for r in p.reservations if r.kind is ReservationKind.PREEMPTION and r.job_id in self.hol}
         for jid in hol - self.hol:
             m.reservation_made(jid, now)
         for jid in self.hol - hol:

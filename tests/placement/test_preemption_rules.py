@@ -362,7 +362,7 @@ def test_free_gpus_a_reclaim_counts_on_are_not_given_to_a_like_job_in_the_same_c
     occupy(st, spec("v", team="o", cls="preemptible", gpr=4, runtime=100 * HOUR), {"b0n0": (0, 1, 2, 3)},
            started_at=NOW - 60, borrowed=True)
     occupy(st, spec("w", team="w", cls="prod-batch", gpr=8, runtime=2 * HOUR), ["b0n2"], started_at=NOW - HOUR)
-    policy = Policy(reserve_min_gpus=16)
+    policy = Policy(reserve_min_gpus=16, borrowed_gangs_reclaim_lower=False)  # g reserves, never preempts
     q = queue_of(spec("g", team="big", cls="prod-batch", replicas=2, gpr=8, pack="block", submit=NOW))
     cycle(st, q, NOW, policy)
     assert st.reservation("g") is not None and "b0n1" in st.reservation("g").nodes
@@ -374,3 +374,36 @@ def test_free_gpus_a_reclaim_counts_on_are_not_given_to_a_like_job_in_the_same_c
     st.release("v", NOW + 33)
     p = cycle(st, q, NOW + 34, policy)
     assert nodes_of(p, "x") == ["b0n0"]
+
+
+def test_a_borrowing_gang_reclaims_only_borrowed_work_of_lower_classes() -> None:
+    # "gang" (prod-batch, 2 nodes, beyond its guarantee) may take back borrowed research
+    # work, never guaranteed lower-class work nor borrowed prod-batch work of another team
+    st = cluster(blocks=2, nodes=2)
+    st.set_quota("me", "h100", 0, 100)
+    st.set_quota("lender", "h100", 0, 100)
+    fill(st, ["b0n0"], team="low", cls="research", prefix="guar", started_at=NOW - 2 * HOUR)
+    fill(st, ["b0n1"], team="lender", cls="prod-batch", prefix="same", borrowed=True)
+    fill(st, ["b1n0", "b1n1"], team="lender", cls="research", prefix="borr", borrowed=True)
+    q = queue_of(spec("gang", team="me", cls="prod-batch", replicas=2, gpr=8, pack="block", max_blocks=1))
+    p = cycle(st, q, NOW, Policy(reserve_min_gpus=16))
+    assert victims(p) == ["borr-b1n0", "borr-b1n1"]
+    assert all(pr.victim_borrowed and pr.reason is PreemptReason.RECLAIM for pr in p.preemptions)
+    # with the refinement off, a borrowing gang never preempts
+    st2 = cluster(blocks=2, nodes=2)
+    st2.set_quota("me", "h100", 0, 100)
+    st2.set_quota("lender", "h100", 0, 100)
+    fill(st2, ["b1n0", "b1n1"], team="lender", cls="research", prefix="borr", borrowed=True)
+    fill(st2, ["b0n0", "b0n1"], team="lender", cls="research", prefix="b2", borrowed=True)
+    p = cycle(st2, queue_of(spec("gang", team="me", cls="prod-batch", replicas=2, gpr=8)), NOW,
+              Policy(reserve_min_gpus=16, borrowed_gangs_reclaim_lower=False))
+    assert p.preemptions == ()
+
+
+def test_a_borrowing_small_job_never_preempts() -> None:
+    st = cluster(blocks=1, nodes=1)
+    st.set_quota("me", "h100", 0, 100)
+    st.set_quota("lender", "h100", 0, 100)
+    fill(st, ["b0n0"], team="lender", cls="preemptible", borrowed=True)
+    p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW)
+    assert p.preemptions == ()

@@ -214,3 +214,39 @@ def test_nodes_cleared_for_a_job_stay_its_own_when_a_gangs_reservation_picks_the
     assert nodes_of(p, "x") == ["b0n0"] and p.preemptions == ()
     p = cycle(st, q, 132, pol)
     assert st.reservation("G").nodes == ("b0n1", "b0n2") and st.reservation("G").expected_start == 2000
+
+
+def test_borrowed_work_of_another_team_backfills_evictably_and_is_stopped_when_the_owner_is_ready() -> None:
+    st = setup()
+    st.set_quota("o", "h100", 0, 1000)  # borrows only
+    st.set_quota("w", "h100", 8)  # guaranteed
+    q = queue_of(
+        gang(),
+        spec("bf", team="o", gpr=8, runtime=10 * HOUR, submit=1),
+        spec("g2", team="w", gpr=8, runtime=10 * HOUR, submit=2),
+    )
+    p = cycle(st, q, 100, POL)
+    # long borrowed work of another team runs on a reserved node; long guaranteed work does not
+    assert p.placement("bf") is not None and p.placement("bf").backfill and p.placement("bf").borrowed
+    assert p.placement("bf").blocks == ("b0",)
+    assert p.reason("g2") is PendingReason.RESERVATION
+    st.release("e1000-b0n0", 1000)
+    st.release("e3000-b0n1", 3000)
+    p = cycle(st, q, 3001, POL)
+    # the rest of its nodes are free: the owner stops the backfill (a reclaim) and holds the nodes
+    assert [(pr.victim, pr.beneficiary, pr.reason.value) for pr in p.preemptions] == [("bf", "gang", "reclaim")]
+    assert p.reason("gang") is PendingReason.PREEMPTING
+    assert st.reservation("gang").kind is ReservationKind.PREEMPTION
+    p = cycle(st, q, 3010, POL)
+    assert p.placement("g2") is None or "b0" not in p.placement("g2").blocks
+    st.release("bf", 3031)
+    p = cycle(st, q, 3032, POL)
+    assert p.placement("gang") is not None and p.placement("gang").blocks == ("b0",)
+
+
+def test_without_evictable_backfill_long_borrowed_work_waits() -> None:
+    st = setup()
+    st.set_quota("o", "h100", 0, 1000)
+    q = queue_of(gang(), spec("bf", team="o", gpr=8, runtime=10 * HOUR, submit=1))
+    p = cycle(st, q, 100, Policy(reserve_min_gpus=32, evictable_backfill=False))
+    assert p.reason("bf") is PendingReason.RESERVATION
