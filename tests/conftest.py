@@ -16,6 +16,13 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+from hypothesis import settings as hypothesis_settings
+
+# CI runs property tests derandomized (a red run is repeatable, never a fresh random example);
+# by hand they draw new examples each run. GPUFLEET_HYPOTHESIS_PROFILE=ci picks the CI one.
+hypothesis_settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+hypothesis_settings.register_profile("dev", print_blob=True)
+hypothesis_settings.load_profile(os.environ.get("GPUFLEET_HYPOTHESIS_PROFILE", "dev"))
 
 # every job state change the tests make must be an edge of placement.lifecycle's table
 os.environ.setdefault("GPUFLEET_STRICT_JOB_TRANSITIONS", "true")
