@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.foundation.test_up import ROOT, free_port, read_until, start, stop
+from tests.support import OutputReader
 
 pytestmark = pytest.mark.e2e
 
@@ -95,25 +94,11 @@ class Cli:
                 self.argv("logs", job_id, "-f"), cwd=ROOT, env=_env(),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )  # fmt: skip
-            lines: queue.Queue[str | None] = queue.Queue()
-
-            def pump(p=proc, q=lines) -> None:
-                for line in p.stdout:
-                    q.put(line)
-                q.put(None)
-
-            threading.Thread(target=pump, daemon=True).start()
             try:
-                while time.monotonic() < deadline:
-                    try:
-                        line = lines.get(timeout=0.2)
-                    except queue.Empty:
-                        continue
-                    if line is None:
-                        break
-                    out.append(line)
-                    if marker in line:
-                        return "".join(out)
+                found, got = OutputReader(proc.stdout).until(marker, deadline)
+                out.extend(got)
+                if found:
+                    return "".join(out)
             finally:
                 if proc.poll() is None:
                     proc.terminate()

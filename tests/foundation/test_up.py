@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support import OutputReader
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.e2e
@@ -55,32 +57,17 @@ def start(state: Path, ports: dict[str, int]) -> subprocess.Popen:
 
 
 def read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
-    """Read the child's output until ``marker`` appears (a reader thread: no blocking past the deadline)."""
-    import queue
-    import threading
-
-    if not hasattr(proc, "_lines"):
-        proc._lines = queue.Queue()  # type: ignore[attr-defined]
-
-        def pump() -> None:
-            for line in proc.stdout:
-                proc._lines.put(line)  # type: ignore[attr-defined]
-            proc._lines.put(None)  # type: ignore[attr-defined]
-
-        threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    out: list[str] = []
-    while time.monotonic() < deadline:
-        try:
-            line = proc._lines.get(timeout=0.2)  # type: ignore[attr-defined]
-        except queue.Empty:
-            continue
-        if line is None:
-            break
-        out.append(line)
-        if marker in line:
-            return "".join(out)
+    """Read the child's output until ``marker`` appears (no blocking past the deadline)."""
+    found, out = _reader(proc).until(marker, time.monotonic() + timeout)
+    if found:
+        return "".join(out)
     raise AssertionError(f"no {marker!r} within {timeout}s; output:\n{''.join(out)}")
+
+
+def _reader(proc: subprocess.Popen) -> OutputReader:
+    if not hasattr(proc, "_reader"):
+        proc._reader = OutputReader(proc.stdout)  # type: ignore[attr-defined]
+    return proc._reader  # type: ignore[attr-defined]
 
 
 def stop(proc: subprocess.Popen) -> str:
@@ -94,16 +81,7 @@ def stop(proc: subprocess.Popen) -> str:
 
 
 def read_rest(proc: subprocess.Popen) -> str:
-    out = []
-    while True:
-        try:
-            line = proc._lines.get(timeout=5)  # type: ignore[attr-defined]
-        except Exception:
-            break
-        if line is None:
-            break
-        out.append(line)
-    return "".join(out)
+    return _reader(proc).rest()
 
 
 def test_make_up_brings_the_platform_up_and_down(state_root):
