@@ -573,20 +573,7 @@ class _Cycle:
             rj = state.running(vid)
             self.preemptions.append(Preemption(vid, job.job_id, reason_for(rj, mode), rj.spec.grace_s, rj.borrowed))
             state.mark_preempting(vid, job.job_id)
-        res = Reservation(
-            job_id=job.job_id,
-            gpu_type=job.gpu_type,
-            kind=ReservationKind.PREEMPTION,
-            blocks=choice.blocks,
-            nodes=choice.nodes,
-            nodes_needed=shape.nodes,
-            gpus=shape.charge,
-            priority_rank=job.rank,
-            expected_start=now + choice.grace_s,
-            created_at=now,
-            team=job.team,
-        )
-        state.add_reservation(res)
+        self._hold_cleared(job, shape, choice.blocks, choice.nodes, choice.grace_s)
         return True
 
     def _evict_backfill(self, job: JobSpec, ti: _TypeIndex, shape: Shape, res: Reservation) -> bool:
@@ -617,12 +604,21 @@ class _Cycle:
             state.mark_preempting(vid, job.job_id)
             grace = max(grace, rj.spec.grace_s)
         self.victims_left = max(0, self.victims_left - len(victims))
-        state.add_reservation(
+        self._hold_cleared(job, shape, res.blocks, nodes, grace)
+        return True
+
+    def _hold_cleared(
+        self, job: JobSpec, shape: Shape, blocks: tuple[str, ...], nodes: tuple[str, ...], grace: float
+    ) -> None:
+        """Hold the nodes being cleared for ``job`` (a preemption reservation) until its victims,
+        given ``grace`` to stop, are gone."""
+        now = self.now
+        self.state.add_reservation(
             Reservation(
                 job_id=job.job_id,
                 gpu_type=job.gpu_type,
                 kind=ReservationKind.PREEMPTION,
-                blocks=res.blocks,
+                blocks=blocks,
                 nodes=nodes,
                 nodes_needed=shape.nodes,
                 gpus=shape.charge,
@@ -632,7 +628,6 @@ class _Cycle:
                 team=job.team,
             )
         )
-        return True
 
     # ------------------------------------------------------------------ reservations
 
