@@ -89,6 +89,8 @@ class Platform:
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
     postgres: EmbeddedPostgres | None = None
     temporal: EmbeddedTemporal | None = None
+    stop_signal: int | None = field(default=None, init=False)
+    catching: bool = field(default=False, init=False)
 
     def start(self) -> dict[str, str]:
         s = self.settings
@@ -152,16 +154,22 @@ class Platform:
         self._tokens = tokens
         return urls
 
-    def watch(self) -> int:
-        """Block until a signal or a child dies; return the exit code to use."""
-        stop = {"sig": None}
+    def catch_signals(self) -> None:
+        """From now on SIGINT / SIGTERM ask ``watch`` to return (installed before the ready
+        banner: a Ctrl-C right after it must still stop the children, the dev server too)."""
 
         def on_signal(signum, _frame):
-            stop["sig"] = signum
+            self.stop_signal = signum
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
-        while stop["sig"] is None:
+        self.catching = True
+
+    def watch(self) -> int:
+        """Block until a signal or a child dies; return the exit code to use."""
+        if not self.catching:
+            self.catch_signals()
+        while self.stop_signal is None:
             for name, proc in self.children.items():
                 if proc.poll() is not None:
                     print(f"gpufleet up: {name} exited with code {proc.returncode}; stopping", file=sys.stderr)
@@ -190,9 +198,10 @@ def run(settings: Settings) -> int:
     platform = Platform(settings)
     try:
         urls = platform.start()
-    except PlatformError:
+    except BaseException:  # PlatformError, or Ctrl-C while starting: leave nothing running
         platform.stop()
         raise
+    platform.catch_signals()
     print("gpufleet is up")
     for k, v in urls.items():
         print(f"  {k:<12} {v}")

@@ -96,6 +96,21 @@ def test_make_up_brings_the_platform_up_and_down(state_root):
         assert httpx.get(f"http://127.0.0.1:{ports['ui']}/", timeout=10).status_code == 200
     finally:
         tail = stop(proc)
+    assert_stopped(proc, tail, ports)
+    # state survives: a second start reuses the same tokens and database; Ctrl-C right after
+    # the banner stops everything too (a signal before the handler was set once left the
+    # Temporal dev server, in its own session, running)
+    tokens = (state_root / "state" / "tokens.json").read_text()
+    proc = start(state_root / "state", ports)
+    try:
+        read_until(proc, "Ctrl-C stops everything", 180)
+    finally:
+        tail = stop(proc)
+    assert_stopped(proc, tail, ports)
+    assert (state_root / "state" / "tokens.json").read_text() == tokens
+
+
+def assert_stopped(proc: subprocess.Popen, tail: str, ports: dict[str, int]) -> None:
     assert proc.returncode == 0, tail
     assert "stopped" in tail
     # every child is gone: the ports are free again
@@ -103,11 +118,3 @@ def test_make_up_brings_the_platform_up_and_down(state_root):
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
-    # state survives: a second start reuses the same tokens and database
-    tokens = (state_root / "state" / "tokens.json").read_text()
-    proc = start(state_root / "state", ports)
-    try:
-        read_until(proc, "Ctrl-C stops everything", 180)
-    finally:
-        stop(proc)
-    assert (state_root / "state" / "tokens.json").read_text() == tokens
