@@ -90,7 +90,6 @@ class Platform:
     postgres: EmbeddedPostgres | None = None
     temporal: EmbeddedTemporal | None = None
     stop_signal: int | None = field(default=None, init=False)
-    catching: bool = field(default=False, init=False)
 
     def start(self) -> dict[str, str]:
         s = self.settings
@@ -163,12 +162,9 @@ class Platform:
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
-        self.catching = True
 
     def watch(self) -> int:
-        """Block until a signal or a child dies; return the exit code to use."""
-        if not self.catching:
-            self.catch_signals()
+        """Block until a signal (``catch_signals`` first) or a child dies; return the exit code to use."""
         while self.stop_signal is None:
             for name, proc in self.children.items():
                 if proc.poll() is not None:

@@ -60,6 +60,7 @@ from placement.topology import Search, Shape, choose_spares, find_placement, fin
 from placement.victims import ClearableIndex, Mode, eligible_upper_bound, find_small, find_whole, reason_for
 
 _INF = float("inf")
+_NO_RANK = 4  # below every class rank (0-3): no such reservation
 _NO_EXCL: frozenset[str] = frozenset()
 
 
@@ -98,6 +99,7 @@ class _Cycle:
         self.lane_cache: dict[tuple[str, str], int] = {}
         self.excl_cache: dict[tuple, Exclusions] = {}
         self.lower_res: dict[tuple[str, int], int] = {}
+        self.evict_res: dict[tuple[str, int], int] = {}  # highest class (lowest rank) evictably backfillable
         self.excl_version = -1
         self.evictable_placement = False  # the last _try_place used evictable backfill
 
@@ -229,16 +231,21 @@ class _Cycle:
         return ex
 
     def _evictable_reservation(self, job: JobSpec) -> bool:
-        """Is there a head-of-line reservation of the job's type it could backfill evictably?"""
-        for r in self.state._reservations.values():
-            if (
-                r.evicts_backfill
-                and r.kind is ReservationKind.HEAD_OF_LINE
-                and r.gpu_type == job.gpu_type
-                and job.rank >= r.priority_rank
-            ):
-                return True
-        return False
+        """Is there a head-of-line reservation of the job's type it could backfill evictably?
+        (Asked for every borrowed job that found no room: the answer is kept per reservation set.)"""
+        state = self.state
+        key = (job.gpu_type, state.res_version)
+        got = self.evict_res.get(key)
+        if got is None:
+            got = self.evict_res[key] = min(
+                (
+                    r.priority_rank
+                    for r in state._reservations.values()
+                    if r.gpu_type == job.gpu_type and r.evicts_backfill and r.kind is ReservationKind.HEAD_OF_LINE
+                ),
+                default=_NO_RANK,
+            )
+        return got <= job.rank
 
     def _lower_class_reservation(self, job: JobSpec) -> bool:
         """Does some reservation of the job's type belong to a lower class (usable as a last resort)?"""

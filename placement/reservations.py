@@ -51,7 +51,7 @@ def may_use(
         return True
     if class_rule and job.rank < res.priority_rank and res.kind is ReservationKind.HEAD_OF_LINE:
         return True  # nodes cleared by preemption are never taken: the beneficiary would preempt again
-    if evictably and may_backfill_evictably(res, job, True):
+    if evictably and may_backfill_evictably(res, job):
         return True
     return policy.backfill and now + job.max_runtime_s <= res.expected_start
 
@@ -139,11 +139,10 @@ def evictable_for(rj: RunningJob, res: Reservation | None) -> bool:
     )
 
 
-def may_backfill_evictably(res: Reservation, job: JobSpec, borrowed: bool) -> bool:
-    """May ``job`` (placed ``borrowed``) run on ``res``'s nodes until the owner needs them?"""
+def may_backfill_evictably(res: Reservation, job: JobSpec) -> bool:
+    """May ``job``, placed borrowed, run on ``res``'s nodes until the owner needs them?"""
     return (
-        borrowed
-        and res.evicts_backfill
+        res.evicts_backfill
         and res.kind is ReservationKind.HEAD_OF_LINE
         and job.rank != SERVING_RANK
         and job.rank >= res.priority_rank
