@@ -242,6 +242,9 @@ class Policy:
     * ``borrowed_gangs_reclaim_lower``: a whole-node job of >= ``reserve_min_gpus`` beyond
       its team's guarantee may reclaim borrowed work of lower classes (never guaranteed
       work), before it reserves and drains.
+    * ``guaranteed_gangs_reserve_first``: when every head-of-line slot of a GPU type is
+      taken, a gang that runs guaranteed takes the slot of a same-class gang that would
+      run borrowed (the queue already puts a team below its guarantee first).
     """
 
     lookahead: int = 2000
@@ -270,6 +273,7 @@ class Policy:
     victim_excess_cost: bool = True
     evictable_backfill: bool = True
     borrowed_gangs_reclaim_lower: bool = True
+    guaranteed_gangs_reserve_first: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -286,6 +290,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "victim_excess_cost": False,
     "evictable_backfill": False,
     "borrowed_gangs_reclaim_lower": False,
+    "guaranteed_gangs_reserve_first": False,
 }
 
 PRESETS: dict[str, Policy] = {

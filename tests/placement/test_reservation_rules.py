@@ -250,3 +250,20 @@ def test_without_evictable_backfill_long_borrowed_work_waits() -> None:
     q = queue_of(gang(), spec("bf", team="o", gpr=8, runtime=10 * HOUR, submit=1))
     p = cycle(st, q, 100, Policy(reserve_min_gpus=32, evictable_backfill=False))
     assert p.reason("bf") is PendingReason.RESERVATION
+
+
+def test_a_guaranteed_gang_takes_the_slot_of_a_borrowing_gang_of_its_class() -> None:
+    """One head-of-line slot per type: a gang beyond its team's guarantee holds it until a
+    same-class gang that runs guaranteed needs it; the borrowing gang never takes it back."""
+    for on in (True, False):
+        pol = Policy(reserve_min_gpus=32, guaranteed_gangs_reserve_first=on)
+        st = setup()
+        st.set_quota("over", "h100", 0, 1000)  # everything it runs is borrowed
+        q = queue_of(spec("bgang", team="over", replicas=4, gpr=8, pack="block", max_blocks=1))
+        assert [r.job_id for r in cycle(st, q, 100, pol).reservations] == ["bgang"]
+        q.push(gang(submit=150))
+        p = cycle(st, q, 200, pol)
+        assert [r.job_id for r in p.reservations] == (["gang"] if on else ["bgang"])
+        p = cycle(st, q, 300, pol)
+        assert [r.job_id for r in p.reservations] == (["gang"] if on else ["bgang"])
+        assert p.reason("bgang" if on else "gang") is not PendingReason.RESERVED
