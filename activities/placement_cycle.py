@@ -103,7 +103,11 @@ def spec_from_row(row: Any, default_grace_s: float) -> JobSpec:
         gpu_type=row["gpu_type"],
         replicas=row["replicas"],
         gpus_per_replica=row["gpus_per_replica"],
-        topology=Topology(pack=topo.get("pack", "any"), max_blocks=topo.get("max_blocks")),
+        topology=Topology(
+            pack=topo.get("pack", "any"),
+            max_blocks=topo.get("max_blocks"),
+            max_blocks_wait_s=topo.get("max_blocks_wait_seconds"),
+        ),
         max_runtime_s=float(row["max_runtime_s"]),
         preemptible=bool(ck.get("preemptible", False)),
         grace_s=job_store.spec_grace_s(spec, default_grace_s),

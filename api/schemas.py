@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, StringConstraints, model_validator
 
 PRIORITY_CLASSES = ("prod-serving", "prod-batch", "research", "preemptible")
 JOB_STATES = (
@@ -76,6 +76,20 @@ class Topology(BaseModel):
     model_config = ConfigDict(extra="forbid")
     pack: Literal["block", "node", "any"] = Field("any", description="block: fewest blocks; node: one node; any")
     max_blocks: int | None = Field(None, ge=1, le=10_000, description="with pack=block, the most blocks the job may span")
+    max_blocks_wait_seconds: float | None = Field(
+        None,
+        ge=0,
+        le=30 * 86_400,
+        allow_inf_nan=False,
+        description="how long (from submit) to wait for max_blocks before taking the fewest blocks free;"
+        " unset: max_blocks is a hard limit",
+    )
+
+    @model_validator(mode="after")
+    def _wait_needs_a_limit(self) -> Topology:
+        if self.max_blocks_wait_seconds is not None and (self.pack != "block" or self.max_blocks is None):
+            raise ValueError("max_blocks_wait_seconds needs pack=block and max_blocks")
+        return self
 
 
 class Checkpoint(BaseModel):

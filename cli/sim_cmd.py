@@ -45,6 +45,12 @@ def sim(
     ),
     failure_rate: float = typer.Option(2e-5, "--failure-rate", help="GPU/node faults per GPU-hour (0: none)"),
     load_scale: float = typer.Option(1.0, "--load-scale", help="seed: multiply every job's run time"),
+    one_block_wait: float = typer.Option(
+        300.0,
+        "--one-block-wait",
+        help="seed: seconds a medium job asking for one block waits for it before it takes the fewest"
+        " blocks it can (Slurm's max_switch_wait); -1: one block is a hard limit",
+    ),
     nodes: Optional[int] = typer.Option(None, "--nodes", help="cluster nodes (default 3,000)"),
     block_nodes: int = typer.Option(32, "--block-nodes", help="nodes per network block"),
     gpus_per_node: int = typer.Option(8, "--gpus-per-node"),
@@ -104,6 +110,7 @@ def sim(
                     block_nodes=block_nodes,
                     gpus_per_node=gpus_per_node,
                     load_scale=load_scale,
+                    one_block_wait_s=one_block_wait if one_block_wait >= 0 else None,
                 )
             )
         else:

@@ -286,6 +286,7 @@ class _Cycle:
 
     def _decide(self, job: JobSpec) -> None:
         state, policy = self.state, self.policy
+        job = job.as_placed_at(self.now)  # past its max_blocks_wait_s: no block limit
         ti = state._types.get(job.gpu_type)
         if ti is None:
             self._pend(job, PendingReason.GPU_TYPE)

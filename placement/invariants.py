@@ -70,7 +70,9 @@ def check_state(state: ClusterState, strict_quota: bool = True, respect_topology
                 errs.append(f"{jid}: replica {r} uses GPUs it does not hold")
         if not missing:
             held = {n: indices_of(m) for n, m in rj.held.items()}
-            errs.extend(_shape_errors(state, jid, rj.spec, sorted(rj.held), held, respect_topology))
+            errs.extend(
+                _shape_errors(state, jid, rj.spec, sorted(rj.held), held, respect_topology, rj.started_at)
+            )
     # indexes
     for t, ti in state._types.items():
         buckets = [[] for _ in range(ti.node_gpus + 1)]
@@ -166,7 +168,9 @@ def _shape_errors(
     node_ids: list[str],
     held: dict[str, tuple[int, ...]],
     respect_topology: bool = True,
+    placed_at: float | None = None,
 ) -> list[str]:
+    """``placed_at``: when the job was placed (its max_blocks may have lapsed by then)."""
     errs = []
     ti = state._types.get(spec.gpu_type)
     if ti is None:
@@ -186,13 +190,11 @@ def _shape_errors(
             errs.append(f"{jid}: holds {sum(len(g) for g in held.values())} GPUs, needs {shape.total}")
     if spec.topology.pack is Pack.NODE and len(node_ids) > 1:
         errs.append(f"{jid}: pack=node on {len(node_ids)} nodes")
-    if (
-        respect_topology
-        and spec.topology.pack is Pack.BLOCK
-        and spec.topology.max_blocks
-        and len(blocks) > spec.topology.max_blocks
-    ):
-        errs.append(f"{jid}: {len(blocks)} blocks > max_blocks {spec.topology.max_blocks}")
+    limit = spec.topology.max_blocks
+    if placed_at is not None:
+        limit = spec.topology.max_blocks_at(placed_at - spec.submit_time)
+    if respect_topology and spec.topology.pack is Pack.BLOCK and limit and len(blocks) > limit:
+        errs.append(f"{jid}: {len(blocks)} blocks > max_blocks {limit}")
     return errs
 
 
@@ -253,7 +255,7 @@ def check_plan(state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy,
             for s in p.slots:
                 if len(s.gpus) != spec.gpus_per_replica or not set(s.gpus) <= set(held.get(s.node_id, ())):
                     errs.append(f"{p.job_id}: replica {s.replica} slot wrong")
-            errs.extend(_shape_errors(state, p.job_id, spec, sorted(held), held, respect_topology))
+            errs.extend(_shape_errors(state, p.job_id, spec, sorted(held), held, respect_topology, now))
             key = (spec.team, spec.gpu_type)
             if p.borrowed:
                 badd[key] = badd.get(key, 0) + p.gpus

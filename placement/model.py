@@ -19,7 +19,7 @@ Stable names other packages rely on (do not rename without changing them too):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, NamedTuple
 
@@ -129,14 +129,27 @@ class AllocationConflict(PlacementError):
 
 @dataclass(frozen=True, slots=True)
 class Topology:
+    """``max_blocks_wait_s``: how long (from submit) a ``pack=block`` job waits for
+    ``max_blocks``; after that it takes the fewest blocks it can (Slurm's
+    ``--switches=N@max-time``). None: ``max_blocks`` is a hard limit."""
+
     pack: Pack = Pack.ANY
     max_blocks: int | None = None
+    max_blocks_wait_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.pack, Pack):
             object.__setattr__(self, "pack", Pack(self.pack))
         if self.max_blocks is not None and self.max_blocks < 1:
             raise ValueError("max_blocks must be >= 1")
+        if self.max_blocks_wait_s is not None and not self.max_blocks_wait_s >= 0:
+            raise ValueError("max_blocks_wait_s must be >= 0")
+
+    def max_blocks_at(self, waited_s: float) -> int | None:
+        """The block limit for a job that has waited ``waited_s`` since submit."""
+        if self.max_blocks_wait_s is not None and waited_s >= self.max_blocks_wait_s:
+            return None
+        return self.max_blocks
 
 
 _ANY = Topology()
@@ -185,6 +198,14 @@ class JobSpec:
     @property
     def total_gpus(self) -> int:
         return self.replicas * self.gpus_per_replica
+
+    def as_placed_at(self, now: float) -> JobSpec:
+        """The job as the engine places it at ``now``: past its ``max_blocks_wait_s`` its
+        topology has no block limit (itself otherwise)."""
+        t = self.topology
+        if t.max_blocks is None or t.max_blocks_wait_s is None or t.max_blocks_at(now - self.submit_time) is not None:
+            return self
+        return replace(self, topology=Topology(t.pack, None))
 
     @property
     def rank(self) -> int:

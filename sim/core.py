@@ -123,7 +123,7 @@ class _Rec:
 
 
 def job_spec(job: SimJob) -> JobSpec:
-    topo = Topology(Pack(job.pack), job.max_blocks)
+    topo = Topology(Pack(job.pack), job.max_blocks, job.max_blocks_wait_s)
     return JobSpec(
         job_id=job.job_id,
         team=job.team,

@@ -12,7 +12,9 @@ from it, one per stream, so changing one stream leaves the others as they were).
   - ~30% arrive in hyper-parameter sweeps submitted at 50/s (100-600 jobs each,
     preemptible or research, 1-8 GPUs);
   - other small jobs (<= 8 GPUs) so that ~90% of all submissions use <= 8 GPUs;
-  - medium jobs (16-512 GPUs, whole nodes, mostly one block);
+  - medium jobs (16-512 GPUs, whole nodes, half of them asking for one block, which they
+    wait for at most ``one_block_wait_s``, like Slurm's ``--switches=1`` with its default
+    ``max_switch_wait`` of 300 s);
   - a few dozen large gangs/day (1,024-8,192 GPUs, pack=block with a max_blocks a
     little above the minimum), holding most GPU-hours;
   - prod-serving: long-lived services running from the start, plus daytime scale-ups
@@ -58,6 +60,9 @@ class SeedConfig:
     serving_scaleups_per_day: float = 150.0
     serving_base_gpus: int = 2000
     load_scale: float = 1.0  # multiplies every duration (a quick way to try a busier or quieter day)
+    # how long a medium job asking for one block waits for it before it takes the fewest
+    # blocks it can: Slurm's default max_switch_wait; None makes one block a hard limit
+    one_block_wait_s: float | None = 300.0
 
 
 # name, guarantee (24,000-GPU cluster), role. Serving guarantees cover the services and
@@ -241,6 +246,7 @@ def seed_workload(cfg: SeedConfig | None = None) -> Workload:
             gpus_per_replica=G,
             pack=pack,
             max_blocks=mb,
+            max_blocks_wait_s=cfg.one_block_wait_s if mb else None,
             checkpoint_s=r.uniform(20, 60) * 60 if r.random() < 0.8 else None,
             grace_s=60.0,
             kind="medium",

@@ -124,6 +124,7 @@ class SimJob:
     gpu_type: str = "h100"
     pack: str = "any"
     max_blocks: int | None = None
+    max_blocks_wait_s: float | None = None  # None: max_blocks is a hard limit
     checkpoint_s: float | None = None
     grace_s: float = 30.0
     kind: str = ""

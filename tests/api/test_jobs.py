@@ -249,3 +249,21 @@ async def test_replayed_submit_starts_a_workflow_that_never_started(client, pool
     assert r.status_code == 202 and r.json()["job_id"] == job_id
     # already started (and closed) counts as started
     await eventually(lambda: pool.fetchval("SELECT workflow_started FROM jobs WHERE job_id = $1", job_id))
+
+
+async def test_a_block_limit_with_a_wait_is_stored_and_reaches_the_engine(client, pool):
+    from activities.placement_cycle import spec_from_row
+
+    topo = {"pack": "block", "max_blocks": 1, "max_blocks_wait_seconds": 300}
+    r = await submit(client, topology=topo)
+    assert r.status_code == 202, r.text
+    row = await pool.fetchrow("SELECT * FROM jobs WHERE job_id = $1", r.json()["job_id"])
+    assert row["spec"]["topology"] == topo
+    spec = spec_from_row(row, 30.0)
+    assert spec.topology.max_blocks == 1 and spec.topology.max_blocks_wait_s == 300
+    before = await pool.fetchval("SELECT count(*) FROM jobs")
+    for bad in ({"pack": "block", "max_blocks_wait_seconds": 300}, {"pack": "any", "max_blocks": 1, "max_blocks_wait_seconds": 1}):
+        r = await submit(client, topology=bad)
+        assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", r.text
+        assert "max_blocks_wait_seconds" in r.text
+    assert await pool.fetchval("SELECT count(*) FROM jobs") == before

@@ -46,6 +46,7 @@ def spec(
     max_blocks: int | None = None,
     submit: float = 0.0,
     runtime: float = 10 * HOUR,
+    max_blocks_wait_s: float | None = None,
     **kw,
 ) -> JobSpec:
     return JobSpec(
@@ -55,7 +56,7 @@ def spec(
         gpu_type=gpu_type,
         replicas=replicas,
         gpus_per_replica=gpr,
-        topology=Topology(Pack(pack), max_blocks),
+        topology=Topology(Pack(pack), max_blocks, max_blocks_wait_s),
         max_runtime_s=runtime,
         submit_time=submit,
         **kw,

@@ -72,6 +72,7 @@ def job_specs(draw, sc: Scenario, prefix: str, submit_max: float = 4 * HOUR) -> 
         gpr, reps = draw(st.sampled_from([3, g // 2, g])), draw(st.integers(1, 5))
     pack = draw(st.sampled_from([Pack.ANY, Pack.BLOCK, Pack.BLOCK, Pack.NODE]))
     max_blocks = draw(st.sampled_from([None, 1, 2])) if pack is Pack.BLOCK else None
+    blocks_wait = draw(st.sampled_from([None, None, 0.0, 900.0])) if max_blocks else None
     n_pre = draw(st.integers(0, 4))
     return JobSpec(
         job_id=f"{prefix}{draw(st.integers(0, 10**6))}",
@@ -80,7 +81,7 @@ def job_specs(draw, sc: Scenario, prefix: str, submit_max: float = 4 * HOUR) -> 
         gpu_type=t,
         replicas=reps,
         gpus_per_replica=gpr,
-        topology=Topology(pack, max_blocks),
+        topology=Topology(pack, max_blocks, blocks_wait),
         max_runtime_s=draw(st.sampled_from([600.0, HOUR, 4 * HOUR, 48 * HOUR])),
         preemptible=draw(st.booleans()),
         grace_s=draw(st.sampled_from([0.0, 30.0, 300.0])),

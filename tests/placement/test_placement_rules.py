@@ -8,6 +8,7 @@ from placement import (
     PendingReason,
     Policy,
     apply_event,
+    check_state,
     fail_node,
     plan,
     requeue_spec,
@@ -67,6 +68,24 @@ def test_max_blocks_honoured() -> None:
     q = queue_of(spec("two", replicas=4, gpr=8, pack="block", max_blocks=2))
     p = cycle(st, q, 100)
     assert len(blocks_of(p, "two")) == 2
+
+
+def test_max_blocks_lapses_after_its_wait() -> None:
+    """``max_blocks_wait_s`` (Slurm's --switches=N@max-time): the job waits that long from
+    submit for max_blocks, then takes the fewest blocks it can; without it the limit holds."""
+    for wait, placed_at_400 in ((300.0, True), (None, False)):
+        st = cluster(blocks=3, nodes=4)
+        big_quota(st, "t")
+        fill(st, ["b0n0", "b0n1", "b1n0", "b1n1", "b2n0", "b2n1", "b2n2"])  # 2, 2 and 1 free nodes
+        q = queue_of(spec("two", replicas=4, gpr=8, pack="block", max_blocks=1, max_blocks_wait_s=wait, submit=100))
+        p = cycle(st, q, 399)
+        assert p.reason("two") is PendingReason.TOPOLOGY
+        p = cycle(st, q, 400)
+        if placed_at_400:
+            assert blocks_of(p, "two") == ("b0", "b1")  # the fewest blocks, not three
+            assert check_state(st) == []  # the running job's lapsed limit is not a violation
+        else:
+            assert p.reason("two") is PendingReason.TOPOLOGY
 
 
 def test_pack_node_puts_every_replica_on_one_node() -> None:

@@ -31,7 +31,7 @@ def test_cli_seed_writes_json_plots_and_table(tmp_path: Path) -> None:
     r = CliRunner().invoke(
         _app(),
         [
-            "--workload", "seed", "--days", "0.02", "--nodes", "64", "--warmup-h", "0.2", "--seed", "2",
+            "--workload", "seed", "--days", "0.02", "--nodes", "64", "--warmup-h", "0.2", "--seed", "2", "--one-block-wait", "120",
             "--json", str(out), "--plots", str(tmp_path / "plots"), "--table", str(tmp_path / "t.md"), "--quiet",
         ],
     )  # fmt: skip

@@ -71,3 +71,11 @@ def test_fault_rate_matches_the_model() -> None:
     assert all(0 <= f.node_index < 3000 for f in faults)
     assert {f.kind for f in faults} == {"gpu", "node"}
     assert fault_schedule(cl, FailureModel(rate_per_gpu_hour=0), 0, 86400.0, random.Random(1)) == ()
+
+
+def test_one_block_requests_wait_a_bounded_time_and_large_gangs_hold_their_limit(day) -> None:
+    one_block = [j for j in day.jobs if j.max_blocks == 1]
+    assert len(one_block) > 100 and {j.max_blocks_wait_s for j in one_block} == {300.0}
+    assert all(j.max_blocks_wait_s is None for j in day.jobs if j.gpus >= 1024)
+    hard = seed_workload(SeedConfig(days=0.05, seed=1, warmup_h=0.0, one_block_wait_s=None))
+    assert all(j.max_blocks_wait_s is None for j in hard.jobs)
