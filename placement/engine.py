@@ -51,6 +51,7 @@ from placement.reservations import (
     evictable_for,
     expected_start,
     make_head_of_line,
+    owner_borrows,
     plan_head_of_line,
     refresh_head_of_line,
     select_nodes,
@@ -102,6 +103,7 @@ class _Cycle:
         self.evict_res: dict[tuple[str, int], int] = {}  # highest class (lowest rank) evictably backfillable
         self.excl_version = -1
         self.evictable_placement = False  # the last _try_place used evictable backfill
+        self.claim_team: str | None = None  # Exclusions.claim_team for the job being decided
 
     # ------------------------------------------------------------------ cycle
 
@@ -224,10 +226,12 @@ class _Cycle:
             self.excl_cache.clear()
             self.excl_version = state.res_free_version
         own = job.job_id if job.job_id in state._reservations else None
-        key = (job.gpu_type, job.rank, job.max_runtime_s, class_rule, own, evictably)
+        key = (job.gpu_type, job.rank, job.max_runtime_s, class_rule, own, evictably, self.claim_team)
         ex = self.excl_cache.get(key)
         if ex is None:
-            ex = self.excl_cache[key] = Exclusions(state, job, self.now, self.policy, class_rule, evictably)
+            ex = self.excl_cache[key] = Exclusions(
+                state, job, self.now, self.policy, class_rule, evictably, self.claim_team
+            )
         return ex
 
     def _evictable_reservation(self, job: JobSpec) -> bool:
@@ -287,6 +291,7 @@ class _Cycle:
     def _decide(self, job: JobSpec) -> None:
         state, policy = self.state, self.policy
         job = job.as_placed_at(self.now)  # past its max_blocks_wait_s: no block limit
+        self.claim_team = None
         ti = state._types.get(job.gpu_type)
         if ti is None:
             self._pend(job, PendingReason.GPU_TYPE)
@@ -299,6 +304,10 @@ class _Cycle:
             self._pend(job, PendingReason.INVALID, shape)
             return
         borrowed = self._classify(job, shape.charge)
+        wait = policy.claim_borrowed_reservations_after_s
+        self.claim_team = (
+            job.team if wait is not None and borrowed is False and self.now - job.submit_time >= wait else None
+        )
         if borrowed is None:
             if state.reservation(job.job_id) is not None:
                 state.remove_reservation(job.job_id)  # it cannot run now: hold nothing for it
@@ -393,7 +402,7 @@ class _Cycle:
         tkey = (
             job.gpu_type, job.gpus_per_replica, job.replicas, t.pack, t.max_blocks, job.rank,
             job.max_runtime_s, restrict, state.res_free_version,
-            borrowed if policy.evictable_backfill else None,
+            borrowed if policy.evictable_backfill else None, self.claim_team,
         )
         if not own and not own_spares:
             hit = self.try_memo.get(tkey)
@@ -538,7 +547,7 @@ class _Cycle:
         t = job.topology
         fkey = (
             job.gpu_type, mode, job.gpus_per_replica, job.replicas, t.pack, t.max_blocks,
-            job.max_runtime_s, job.job_id in state._reservations, state.res_free_version,
+            job.max_runtime_s, job.job_id in state._reservations, state.res_free_version, self.claim_team,
         )
         if fkey in self.preempt_fail:
             return False
@@ -657,12 +666,12 @@ class _Cycle:
                     policy.guaranteed_gangs_reserve_first
                     and not borrowed
                     and r.priority_rank == job.rank
-                    and self._owner_borrows(r)
+                    and owner_borrows(state, r)
                 )
             ]
             if not weaker:
                 return False
-            weakest = max(weaker, key=lambda r: (r.priority_rank, self._owner_borrows(r), r.created_at, r.job_id))
+            weakest = max(weaker, key=lambda r: (r.priority_rank, owner_borrows(state, r), r.created_at, r.job_id))
             state.remove_reservation(weakest.job_id)
         t = job.topology
         mkey = (job.gpu_type, shape.nodes, t.pack, t.max_blocks)
@@ -685,11 +694,6 @@ class _Cycle:
             make_head_of_line(job, blocks, shape.nodes, shape.charge, start, now, nodes, policy.evictable_backfill)
         )
         return True
-
-    def _owner_borrows(self, res: Reservation) -> bool:
-        """Would the reservation's gang run borrowed if placed now (``_classify``'s rule)?"""
-        state = self.state
-        return state.guaranteed_used(res.team, res.gpu_type) + res.gpus > state.quota(res.team, res.gpu_type).guaranteed
 
     # ------------------------------------------------------------------ prod-serving replicas
 

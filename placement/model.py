@@ -266,6 +266,10 @@ class Policy:
     * ``guaranteed_gangs_reserve_first``: when every head-of-line slot of a GPU type is
       taken, a gang that runs guaranteed takes the slot of a same-class gang that would
       run borrowed (the queue already puts a team below its guarantee first).
+    * ``claim_borrowed_reservations_after_s``: a job that runs guaranteed and has waited
+      this long since submit may use the nodes a borrowing gang of another team holds
+      (head-of-line): borrowed capacity yields to guarantees, the gang's start slips.
+      None: reservations hold against guaranteed work too.
     """
 
     lookahead: int = 2000
@@ -295,6 +299,7 @@ class Policy:
     evictable_backfill: bool = True
     borrowed_gangs_reclaim_lower: bool = True
     guaranteed_gangs_reserve_first: bool = True
+    claim_borrowed_reservations_after_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -312,6 +317,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "evictable_backfill": False,
     "borrowed_gangs_reclaim_lower": False,
     "guaranteed_gangs_reserve_first": False,
+    "claim_borrowed_reservations_after_s": None,
 }
 
 PRESETS: dict[str, Policy] = {

@@ -64,7 +64,9 @@ class Exclusions:
     set and the reservation set's version).
     """
 
-    __slots__ = ("state", "job", "now", "policy", "class_rule", "evictably", "cache", "key", "own", "own_pre")
+    __slots__ = (
+        "state", "job", "now", "policy", "class_rule", "evictably", "claim_team", "cache", "key", "own", "own_pre",
+    )
 
     def __init__(
         self,
@@ -74,6 +76,7 @@ class Exclusions:
         policy: Policy,
         class_rule: bool = True,
         evictably: bool = False,
+        claim_team: str | None = None,
     ) -> None:
         self.state = state
         self.job = job
@@ -81,6 +84,9 @@ class Exclusions:
         self.policy = policy
         self.class_rule = class_rule
         self.evictably = evictably
+        # a guaranteed job's team past Policy.claim_borrowed_reservations_after_s: borrowing
+        # gangs of other teams do not hold their nodes against it
+        self.claim_team = claim_team
         self.cache: dict[str, bool] = {}
         own = job.job_id if job.job_id in state._reservations else None
         self.own = own
@@ -92,7 +98,7 @@ class Exclusions:
         # only when a reservation goes (or is replaced)
         self.key = (
             job.gpu_type, job.rank, job.max_runtime_s, own, class_rule, state.res_free_version,
-            evictably,
+            evictably, claim_team,
         )
 
     def __contains__(self, owner: object) -> bool:
@@ -109,6 +115,14 @@ class Exclusions:
             got = res.gpu_type == self.job.gpu_type and not may_use(
                 res, self.job, self.now, self.policy, self.class_rule, owner_rule=False, evictably=self.evictably
             )
+            if (
+                got
+                and self.claim_team is not None
+                and res.kind is ReservationKind.HEAD_OF_LINE
+                and res.team != self.claim_team
+                and owner_borrows(self.state, res)
+            ):
+                got = False
             self.cache[owner] = got  # type: ignore[index]
         return got
 
@@ -120,6 +134,12 @@ class Exclusions:
 
     def __hash__(self) -> int:
         return hash(self.key)
+
+
+def owner_borrows(state: ClusterState, res: Reservation) -> bool:
+    """Would the reservation's gang run borrowed if placed now (the engine's quota rule:
+    guaranteed usage + the gang > guarantee)?"""
+    return state.guaranteed_used(res.team, res.gpu_type) + res.gpus > state.quota(res.team, res.gpu_type).guaranteed
 
 
 def evictable_for(rj: RunningJob, res: Reservation | None) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from placement import PendingReason, Policy, ReservationKind
 
-from .helpers import HOUR, cluster, cycle, fill, nodes_of, queue_of, spec
+from .helpers import HOUR, blocks_of, cluster, cycle, fill, nodes_of, queue_of, spec
 
 POL = Policy(reserve_min_gpus=32)
 
@@ -267,3 +267,28 @@ def test_a_guaranteed_gang_takes_the_slot_of_a_borrowing_gang_of_its_class() -> 
         p = cycle(st, q, 300, pol)
         assert [r.job_id for r in p.reservations] == (["gang"] if on else ["bgang"])
         assert p.reason("bgang" if on else "gang") is not PendingReason.RESERVED
+
+
+def test_guaranteed_work_that_waited_may_use_a_borrowing_gangs_reserved_nodes() -> None:
+    """A borrowing gang holds b0 (2 nodes free now, 2 at 1000/3000). A guaranteed 1-node job of
+    another team, too long to backfill, waits while younger than the policy's wait, then takes a
+    reserved free node; the gang's own team's guaranteed job never does; nor anyone without the knob."""
+    for wait in (300.0, None):
+        pol = Policy(reserve_min_gpus=32, claim_borrowed_reservations_after_s=wait)
+        st = setup()
+        st.set_quota("over", "h100", 8, 1000)  # the 4-node gang runs borrowed, an 8-GPU job guaranteed
+        st.set_quota("t2", "h100", 100)
+        q = queue_of(spec("bgang", team="over", replicas=4, gpr=8, pack="block", max_blocks=1))
+        p = cycle(st, q, 100, pol)
+        assert [r.job_id for r in p.reservations] == ["bgang"] and p.reservations[0].blocks == ("b0",)
+        q.push(spec("mine", team="over", gpr=8, submit=50))
+        q.push(spec("theirs", team="t2", gpr=8, submit=50))
+        p = cycle(st, q, 200, pol)  # waited 150 s
+        assert p.reason("theirs") is PendingReason.RESERVATION and p.reason("mine") is PendingReason.RESERVATION
+        p = cycle(st, q, 400, pol)  # waited 350 s
+        assert p.reason("mine") is PendingReason.RESERVATION
+        if wait is None:
+            assert p.reason("theirs") is PendingReason.RESERVATION
+        else:
+            assert blocks_of(p, "theirs") == ("b0",) and not p.placement("theirs").borrowed
+            assert [r.job_id for r in p.reservations] == ["bgang"]  # the gang keeps waiting, later
