@@ -85,6 +85,7 @@ def policy_from_settings(settings: Settings) -> Policy:
         hot_spare_fraction=settings.hot_spare_fraction,
         preemption_protect_s=settings.preemption_protect_s,
         daily_preemption_budget=settings.preemption_daily_budget,
+        claim_borrowed_reservations_after_s=settings.claim_borrowed_reservations_after_s,
     )
 
 

@@ -69,6 +69,11 @@ class Settings(BaseSettings):
     hot_spare_fraction: float = Field(0.015, description="nodes kept free per large reservation for restarts")
     preemption_protect_s: float = Field(1800.0, description="no preemption this soon after a job starts")
     preemption_daily_budget: int = Field(3, description="after this many preemptions in 24 h a job loses only borrowed capacity")
+    claim_borrowed_reservations_after_s: float = Field(
+        300.0,
+        ge=0,
+        description="guaranteed work that waited this long may use nodes a borrowing gang reserved (inf: never)",
+    )
     fair_share_half_life_h: float = Field(84.0, description="half-life of decayed GPU-hour usage (7-day window)")
 
     # --- jobs (DESIGN.md, Job lifecycle) ------------------------------------
