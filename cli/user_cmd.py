@@ -146,9 +146,21 @@ def _code(r: httpx.Response) -> str:
 def _api_error(r: httpx.Response) -> CliError:
     try:
         err = r.json()["error"]
-        return CliError(f"{err['message']} [{err['code']}, HTTP {r.status_code}]", code=err["code"])
+        return CliError(f"{err['message']}{_fields(err.get('details'))} [{err['code']}, HTTP {r.status_code}]", code=err["code"])
     except (ValueError, KeyError, TypeError):
         return CliError(f"HTTP {r.status_code} from the API: {r.text[:200]}", code=f"http_{r.status_code}")
+
+
+def _fields(details: Any) -> str:
+    """A validation error's fields, as ': topology: <why>; replicas: <why>' (nothing otherwise)."""
+    if not isinstance(details, list):
+        return ""
+    parts = []
+    for d in details[:5]:
+        if isinstance(d, dict) and "msg" in d:
+            loc = [str(x) for x in d.get("loc", ()) if str(x) != "body"]
+            parts.append(f"{'.'.join(loc) or 'body'}: {d['msg']}")
+    return (": " + "; ".join(parts)) if parts else ""
 
 
 def _run(fn, *args: Any, **kwargs: Any) -> Any:

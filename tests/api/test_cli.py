@@ -166,6 +166,13 @@ async def test_admin_commands_and_errors(cli_app, server, pool):
         lambda: CliRunner().invoke(cli_app, ["submit", "-f", "-", "--url", server.url, "--token", ALPHA], input=bad)
     )
     assert r.exit_code == 1 and "exceeds_cluster" in r.stderr and "72 h100 GPUs" in r.stderr
+    # a body the schema refuses: which field, and why
+    bad = JOB_YAML.replace("{pack: block, max_blocks: 1}", "{pack: block, max_blocks_wait_seconds: 60}")
+    r = await asyncio.to_thread(
+        lambda: CliRunner().invoke(cli_app, ["submit", "-f", "-", "--url", server.url, "--token", ALPHA], input=bad)
+    )
+    assert r.exit_code == 1 and "validation_error" in r.stderr, r.stderr
+    assert "topology: Value error, max_blocks_wait_seconds needs pack=block and max_blocks" in r.stderr, r.stderr
 
 
 async def test_submit_with_the_same_key_is_replayed(cli_app, server, pool, tmp_path):
