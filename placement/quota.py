@@ -21,12 +21,16 @@ from placement.state import ClusterState
 _INF = float("inf")
 
 
+def beyond_guarantee(state: ClusterState, team: str, gpu_type: str, charge: int) -> bool:
+    """Would ``charge`` more GPUs take the team's guaranteed usage past its guarantee?"""
+    return state.guaranteed_used(team, gpu_type) + charge > state.quota(team, gpu_type).guaranteed
+
+
 def classify(state: ClusterState, job: JobSpec, charge: int, policy: Policy) -> bool | None:
     """False: guaranteed, True: borrowed, None: over quota."""
-    q = state.quota(job.team, job.gpu_type)
-    gused = state.guaranteed_used(job.team, job.gpu_type)
-    if gused + charge <= q.guaranteed:
+    if not beyond_guarantee(state, job.team, job.gpu_type, charge):
         return False
+    q = state.quota(job.team, job.gpu_type)
     if policy.borrowing and state.borrowed_used(job.team, job.gpu_type) + charge <= q.borrow_limit:
         return True
     return None

@@ -26,6 +26,7 @@ from bisect import bisect_right
 from collections.abc import Iterable
 
 from placement.model import SERVING_RANK, JobSpec, NodeHealth, Pack, Policy, Reservation, ReservationKind
+from placement.quota import beyond_guarantee
 from placement.state import ClusterState, RunningJob, _Node, _TypeIndex
 
 _INF = float("inf")
@@ -137,9 +138,8 @@ class Exclusions:
 
 
 def owner_borrows(state: ClusterState, res: Reservation) -> bool:
-    """Would the reservation's gang run borrowed if placed now (the engine's quota rule:
-    guaranteed usage + the gang > guarantee)?"""
-    return state.guaranteed_used(res.team, res.gpu_type) + res.gpus > state.quota(res.team, res.gpu_type).guaranteed
+    """Would the reservation's gang run borrowed if placed now?"""
+    return beyond_guarantee(state, res.team, res.gpu_type, res.gpus)
 
 
 def evictable_for(rj: RunningJob, res: Reservation | None) -> bool:
