@@ -9,8 +9,10 @@
   max_blocks, quota (guaranteed never above the guarantee, borrowed within the
   limit), victim rules (class, prod-serving never, 30-minute protection of guaranteed
   work, never the beneficiary's own team's borrowed work, daily budget except
-  borrowed, borrowed-only beyond a guarantee, no preemption for borrowing), every
-  considered job placed or given a reason.
+  borrowed, borrowed-only beyond a guarantee, no preemption for borrowing), reserved
+  nodes (a reservation that stood through the cycle: nodes cleared by preemption only
+  for their beneficiary, head-of-line nodes only by ``may_use``'s rules or a claim),
+  every considered job placed or given a reason.
 
 Both return a list of human-readable violations (empty when all hold).
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 from placement import quota as quota_mod
 from placement.model import SERVING_RANK, NodeHealth, Pack, Plan, Policy, ReservationKind
 from placement.ordering import JobQueue
-from placement.reservations import evictable_for
+from placement.reservations import evictable_for, may_use, owner_borrows
 from placement.state import ClusterState, indices_of, mask_of
 from placement.topology import job_shape
 
@@ -198,6 +200,46 @@ def _shape_errors(
     return errs
 
 
+def _reserved_node_errors(
+    state: ClusterState, plan: Plan, job_id: str, spec, borrowed: bool, held: dict, policy: Policy
+) -> list[str]:
+    """A placement on nodes another job's reservation held for the whole cycle (before the plan
+    and after it, the same reservation) must be one the rules allow: never nodes cleared by
+    preemption; on a head-of-line reservation's nodes only backfill ending by the expected
+    start, a higher class (last resort), borrowed work that accepts eviction, or guaranteed
+    work that waited past ``claim_borrowed_reservations_after_s`` on a borrowing gang's nodes."""
+    errs: list[str] = []
+    after = {r.job_id: r for r in plan.reservations}
+    now = plan.now
+    mine = state._reservations.get(job_id)
+    own_pre = set(mine.nodes) if mine is not None and mine.kind is ReservationKind.PREEMPTION else set()
+    for nid in held:
+        if nid in own_pre:
+            continue  # cleared for it: its own whatever else picked the node (Search.own_pre)
+        for owner in state._node_res.get(nid, ()):
+            if owner == job_id:
+                continue
+            pre, post = state._reservations.get(owner), after.get(owner)
+            if pre is None or post is None or post.created_at != pre.created_at or nid not in post.nodes:
+                continue  # made, moved or dropped during the cycle: the engine judged another set
+            if post.kind is ReservationKind.PREEMPTION:
+                errs.append(f"{job_id}: uses {nid}, cleared by preemption for {owner}")
+                continue
+            if may_use(post, spec, now, policy, evictably=borrowed):
+                continue
+            wait = policy.claim_borrowed_reservations_after_s
+            if (
+                wait is not None
+                and not borrowed
+                and now - spec.submit_time >= wait
+                and post.team != spec.team
+                and owner_borrows(state, post)
+            ):
+                continue
+            errs.append(f"{job_id}: uses {nid}, reserved for {owner} from {post.expected_start:.0f}")
+    return errs
+
+
 def check_plan(state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy, respect_topology: bool = True) -> list[str]:
     """Check a plan against the state it was made from (before ``apply``)."""
     errs: list[str] = []
@@ -256,6 +298,7 @@ def check_plan(state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy,
                 if len(s.gpus) != spec.gpus_per_replica or not set(s.gpus) <= set(held.get(s.node_id, ())):
                     errs.append(f"{p.job_id}: replica {s.replica} slot wrong")
             errs.extend(_shape_errors(state, p.job_id, spec, sorted(held), held, respect_topology, now))
+            errs.extend(_reserved_node_errors(state, plan, p.job_id, spec, p.borrowed, held, policy))
             key = (spec.team, spec.gpu_type)
             if p.borrowed:
                 badd[key] = badd.get(key, 0) + p.gpus

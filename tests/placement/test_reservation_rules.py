@@ -179,6 +179,32 @@ def test_backfill_onto_reserved_nodes_only_when_it_ends_before_the_expected_star
     assert p.reason("gang") is PendingReason.RESERVED
 
 
+def test_check_plan_refuses_a_placement_the_reservation_rules_forbid() -> None:
+    """The invariant checker judges placements on reserved nodes by the same rules: the plan
+    that backfills "short" onto the gang's node is refused once "short" would run past the
+    gang's expected start, and a node cleared by preemption belongs to its beneficiary."""
+    from dataclasses import replace
+
+    from placement import check_plan, plan
+
+    st = tight_setup()
+    pol = Policy(reserve_min_gpus=24)
+    q = queue_of(spec("gang", team="t", replicas=3, gpr=8, pack="block"))
+    cycle(st, q, 100, pol)
+    st.release("e1500-b1n0", 1500)
+    q.push(spec("short", team="t", gpr=8, runtime=100, submit=1501))
+    p = plan(st, q, pol, 1501)
+    assert nodes_of(p, "short") == ["b1n0"] and check_plan(st, p, q, pol) == []
+    q.remove("short")
+    q.push(spec("short", team="t", gpr=8, runtime=10 * HOUR, submit=1501))
+    assert check_plan(st, p, q, pol) == ["short: uses b1n0, reserved for gang from 1700"]
+    # the same node, held for another job's reclaim instead
+    st.add_reservation(replace(st.reservation("gang"), job_id="x", kind=ReservationKind.PREEMPTION))
+    st.remove_reservation("gang")
+    p = replace(p, reservations=tuple(st.reservations()))
+    assert check_plan(st, p, q, pol) == ["short: uses b1n0, cleared by preemption for x"]
+
+
 def test_a_node_of_the_block_that_comes_free_first_joins_the_reservation() -> None:
     st = tight_setup()
     pol = Policy(reserve_min_gpus=24)
