@@ -2,7 +2,8 @@
 
 * allocation: GPUs held by jobs (running or stopping in their grace period; hot spares
   count as idle) as a share of healthy GPUs (nodes ``ready``), time-weighted, overall
-  and while demand exceeds capacity (held + queued GPUs > healthy GPUs);
+  and while demand exceeds capacity (held + queued GPUs > healthy GPUs), and net of the
+  GPU-hours lost to preemption and failures (work held, then thrown away);
 * idle GPU-hours (healthy, not held) and their cost at ``GPU_HOUR_USD``;
 * queue wait (first start - submit; a job still queued at the end counts with its wait
   so far and is reported as ``censored``) p50/p95/p99 by class and by size bucket;
@@ -476,6 +477,13 @@ class Metrics:
                 "hours_demand_exceeds_capacity": r(self.i_over_time / 3600.0, 3),
                 "healthy_gpu_hours": r(healthy_h, 1),
                 "allocated_gpu_hours": r(alloc_h, 1),
+                # allocation counts work that preemption and failures later throw away; this is
+                # what is left once the GPU-hours to be done again are taken out
+                "healthy_gpu_pct_net_of_lost_work": r(
+                    100.0 * (alloc_h - self.lost_pre_h - self.lost_fail_h) / healthy_h, 2
+                )
+                if self.i_healthy
+                else None,
             },
             "idle": {
                 "gpu_hours": r(idle_h, 1),

@@ -48,6 +48,10 @@ def rows(report: dict) -> list[tuple[str, list[str]]]:
         f" ({p['allocation']['hours_demand_exceeds_capacity']:.1f} h)",
     )
     row(
+        "… net of work lost to preemption and failures",
+        lambda p: _pct(p["allocation"]["healthy_gpu_pct_net_of_lost_work"]),
+    )
+    row(
         "idle GPU-hours (cost at $2)",
         lambda p: f"{_num(p['idle']['gpu_hours'])} (${_num(p['idle']['cost_usd'])})",
     )

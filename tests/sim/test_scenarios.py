@@ -77,6 +77,10 @@ def test_failure_requeues_the_whole_gang_from_its_last_checkpoint() -> None:
     assert ends and float(ends[0].split()[0]) == pytest.approx(3900.0)
     # lost: 32 GPUs x 5 min since the 20-min checkpoint
     assert res["lost_gpu_hours"]["failures"] == pytest.approx(32 * 300 / 3600, abs=0.01)
+    a = res["allocation"]
+    net = 100.0 * (a["allocated_gpu_hours"] - 32 * 300 / 3600) / a["healthy_gpu_hours"]
+    assert a["healthy_gpu_pct_net_of_lost_work"] == pytest.approx(net, abs=0.02)
+    assert a["healthy_gpu_pct_net_of_lost_work"] < a["healthy_gpu_pct"]
     assert res["failures"] == {
         "faults": 1,
         "faults_on_unready_nodes_dropped": 0,
