@@ -86,6 +86,7 @@ def policy_from_settings(settings: Settings) -> Policy:
         preemption_protect_s=settings.preemption_protect_s,
         daily_preemption_budget=settings.preemption_daily_budget,
         claim_borrowed_reservations_after_s=settings.claim_borrowed_reservations_after_s,
+        reclaim_small_borrowed_after_s=settings.reclaim_small_borrowed_after_s,
     )
 
 

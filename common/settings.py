@@ -74,6 +74,11 @@ class Settings(BaseSettings):
         ge=0,
         description="guaranteed work that waited this long may use nodes a borrowing gang reserved (inf: never)",
     )
+    reclaim_small_borrowed_after_s: float = Field(
+        300.0,
+        ge=0,
+        description="guaranteed work that waited this long may reclaim small borrowed jobs of higher classes (inf: never)",
+    )
     fair_share_half_life_h: float = Field(84.0, description="half-life of decayed GPU-hour usage (7-day window)")
 
     # --- jobs (DESIGN.md, Job lifecycle) ------------------------------------

@@ -351,7 +351,8 @@ class _Cycle:
             return
         mode = None
         if not borrowed:
-            mode = Mode(job.rank, False, job.team)
+            wait = policy.reclaim_small_borrowed_after_s
+            mode = Mode(job.rank, False, job.team, wait is not None and self.now - job.submit_time >= wait)
         elif serving or (
             policy.borrowed_gangs_reclaim_lower and shape.whole and shape.charge >= policy.reserve_min_gpus
         ):
@@ -574,7 +575,7 @@ class _Cycle:
         if shape.whole:
             # shared by every team: built without the own-team rule (a superset of the nodes this
             # job may clear; _select re-checks each node with the job's own mode)
-            shared = Mode(mode.rank, mode.borrowed_only)
+            shared = Mode(mode.rank, mode.borrowed_only, "", mode.higher_small)
             ckey = (job.gpu_type, shared)
             index = self.clearable.get(ckey)
             if index is None:

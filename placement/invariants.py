@@ -8,7 +8,8 @@
   type, no GPU twice, gangs all-or-nothing, whole nodes for >= node-size jobs,
   max_blocks, quota (guaranteed never above the guarantee, borrowed within the
   limit), victim rules (class, prod-serving never, 30-minute protection of guaranteed
-  work, never the beneficiary's own team's borrowed work, daily budget except
+  work, small higher-class borrowed work only after the wait, never the
+  beneficiary's own team's borrowed work, daily budget except
   borrowed, borrowed-only beyond a guarantee, no preemption for borrowing), reserved
   nodes (a reservation that stood through the cycle: nodes cleared by preemption only
   for their beneficiary, head-of-line nodes only by ``may_use``'s rules or a claim),
@@ -349,9 +350,17 @@ def check_plan(state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy,
                     errs.append(f"{pr.beneficiary}: borrows yet preempts {pr.victim}")
                 elif not rj.borrowed:
                     errs.append(f"{pr.beneficiary}: prod-serving beyond guarantee takes non-borrowed {pr.victim}")
-            if not (rj.rank > ben.rank or (rj.rank == ben.rank and rj.borrowed)):
+            wait = policy.reclaim_small_borrowed_after_s
+            higher_small = (
+                wait is not None
+                and now - ben.submit_time >= wait
+                and not ben_borrowed
+                and rj.rank != SERVING_RANK
+                and rj.charge < policy.reserve_min_gpus
+            )
+            if not (rj.rank > ben.rank or (rj.borrowed and (rj.rank == ben.rank or higher_small))):
                 errs.append(f"{pr.victim} (rank {rj.rank}) is not lower class or same-class borrowed for {pr.beneficiary}")
-            if rj.team == ben.team and (rj.rank == ben.rank or ben_borrowed) and not evicted:
+            if rj.team == ben.team and (rj.rank <= ben.rank or ben_borrowed) and not evicted:
                 errs.append(f"{pr.beneficiary}: reclaims its own team's borrowed {pr.victim}")
             if rj.gpu_type != ben.gpu_type:
                 errs.append(f"{pr.victim}: other GPU type than {pr.beneficiary}")

@@ -270,6 +270,10 @@ class Policy:
       this long since submit may use the nodes a borrowing gang of another team holds
       (head-of-line): borrowed capacity yields to guarantees, the gang's start slips.
       None: reservations hold against guaranteed work too.
+    * ``reclaim_small_borrowed_after_s``: a job within its team's guarantee that has waited
+      this long since submit may also reclaim other teams' borrowed jobs of *higher* classes
+      (never prod-serving) smaller than ``reserve_min_gpus``. None: only borrowed work of its
+      own class and lower classes (DESIGN.md's victims).
     """
 
     lookahead: int = 2000
@@ -300,6 +304,7 @@ class Policy:
     borrowed_gangs_reclaim_lower: bool = True
     guaranteed_gangs_reserve_first: bool = True
     claim_borrowed_reservations_after_s: float | None = 300.0
+    reclaim_small_borrowed_after_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -318,6 +323,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "borrowed_gangs_reclaim_lower": False,
     "guaranteed_gangs_reserve_first": False,
     "claim_borrowed_reservations_after_s": None,
+    "reclaim_small_borrowed_after_s": None,
 }
 
 PRESETS: dict[str, Policy] = {

@@ -9,6 +9,10 @@ Eligible victims (``eligible``) for a preemptor of class rank ``r``:
 * normal mode (the preemptor is within its team's guarantee): jobs of a lower class
   (rank > r), or borrowed jobs of the same class of *another* team (a team never
   reclaims its own borrowed work: it would only trade its work for its work);
+* normal mode, once the preemptor has waited ``Policy.reclaim_small_borrowed_after_s``:
+  also *small* borrowed jobs (fewer than ``reserve_min_gpus`` GPUs) of *higher* classes
+  of other teams, never prod-serving: borrowed capacity is given back to a team within
+  its guarantee whatever the classes, without stopping a gang across classes;
 * borrowed-only mode (prod-serving beyond its guarantee, or a gang beyond it with
   ``Policy.borrowed_gangs_reclaim_lower``): borrowed jobs of lower classes only (of
   other teams);
@@ -40,15 +44,18 @@ class Mode:
     rank: int  # the preemptor's class rank
     borrowed_only: bool  # prod-serving beyond its guarantee
     team: str = ""  # the preemptor's team: its own borrowed work is never reclaimed for it
+    # within its guarantee and past Policy.reclaim_small_borrowed_after_s: small borrowed
+    # jobs of higher classes too
+    higher_small: bool = False
 
 
-_CATS: dict[tuple[int, bool], list[tuple[int, bool]]] = {}
+_CATS: dict[tuple[int, bool, bool], list[tuple[int, bool]]] = {}
 _SCAN_LIMIT = 4096  # candidates looked at per small-job victim search
 _AFTER_BEST = 16  # and at most this many more once one fits (least GPU-seconds among them)
 
 
 def categories(mode: Mode) -> list[tuple[int, bool]]:
-    key = (mode.rank, mode.borrowed_only)
+    key = (mode.rank, mode.borrowed_only, mode.higher_small)
     got = _CATS.get(key)
     if got is None:
         got = _CATS[key] = _categories(mode)
@@ -59,6 +66,8 @@ def _categories(mode: Mode) -> list[tuple[int, bool]]:
     if mode.borrowed_only:
         return [(r, True) for r in range(mode.rank + 1, 4)]
     cats = [(mode.rank, True)] if mode.rank != SERVING_RANK else []
+    if mode.higher_small:
+        cats += [(r, True) for r in range(SERVING_RANK + 1, mode.rank)]
     for r in range(mode.rank + 1, 4):
         cats.append((r, False))
         cats.append((r, True))
@@ -75,9 +84,12 @@ def eligible(rj: RunningJob, mode: Mode, now: float, policy: Policy) -> bool:
     if mode.borrowed_only:
         if not rj.borrowed or rj.rank <= mode.rank:
             return False
-    elif not (rj.rank > mode.rank or (rj.rank == mode.rank and rj.borrowed)):
+    elif not (
+        rj.rank > mode.rank
+        or (rj.borrowed and (rj.rank == mode.rank or (mode.higher_small and rj.charge < policy.reserve_min_gpus)))
+    ):
         return False
-    if mode.team and rj.spec.team == mode.team and (mode.borrowed_only or rj.rank == mode.rank):
+    if mode.team and rj.spec.team == mode.team and (mode.borrowed_only or rj.rank <= mode.rank):
         return False  # a reclaim of the team's own borrowed work
     if not rj.borrowed and policy.daily_preemption_budget >= 0:
         if rj.spec.preemptions_since(now - policy.preemption_window_s) >= policy.daily_preemption_budget:
@@ -86,7 +98,7 @@ def eligible(rj: RunningJob, mode: Mode, now: float, policy: Policy) -> bool:
 
 
 def reason_for(rj: RunningJob, mode: Mode) -> PreemptReason:
-    if mode.borrowed_only or rj.rank == mode.rank:
+    if mode.borrowed_only or rj.rank <= mode.rank:
         return PreemptReason.RECLAIM
     return PreemptReason.PRIORITY
 

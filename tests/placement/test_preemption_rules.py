@@ -35,14 +35,47 @@ def test_same_class_victims_only_if_borrowed() -> None:
     assert p.preemptions[0].reason is PreemptReason.RECLAIM
 
 
-def test_higher_class_borrowed_capacity_is_not_a_victim() -> None:
-    st = cluster(blocks=1, nodes=1)
-    st.set_quota("me", "h100", 100)
-    st.set_quota("b", "h100", 0, 100)
-    fill(st, ["b0n0"], team="b", cls="prod-batch", borrowed=True)
-    p = cycle(st, queue_of(spec("x", team="me", cls="research", gpr=8)), NOW)
-    assert p.preemptions == ()
-    assert p.reason("x") is PendingReason.CAPACITY
+def test_small_higher_class_borrowed_jobs_return_to_a_team_that_waited_within_its_guarantee() -> None:
+    """(victim, the preemptor's guarantee, its wait, the knob) -> reclaimed?
+    DESIGN.md's rule alone never takes a higher class. With ``reclaim_small_borrowed_after_s``
+    a job within its team's guarantee that has waited takes back another team's borrowed job
+    of a higher class if it is smaller than ``reserve_min_gpus``; never a gang, guaranteed
+    work, prod-serving, its own team's work, and never for a borrowing preemptor."""
+    pol_on = Policy(reserve_min_gpus=16)  # the victim below is a 2-node, 16-GPU gang when "big"
+    pol_off = Policy(reserve_min_gpus=16, reclaim_small_borrowed_after_s=None)
+    cases = [
+        # victim class, victim borrowed, victim nodes, preemptor's guarantee, waited s, policy, reclaimed
+        ("prod-batch", True, 1, 100, 300, pol_on, True),
+        ("prod-batch", True, 1, 100, 300, pol_off, False),
+        ("prod-batch", True, 1, 100, 299, pol_on, False),  # not waited long enough yet
+        ("prod-batch", True, 2, 100, 300, pol_on, False),  # a gang: never across classes
+        ("prod-batch", False, 1, 100, 300, pol_on, False),  # guaranteed higher class: never
+        ("prod-serving", True, 1, 100, 300, pol_on, False),  # prod-serving: never a victim
+        ("prod-batch", True, 1, 0, 300, pol_on, False),  # the preemptor borrows
+    ]
+    for vcls, vborrowed, vnodes, guarantee, waited, pol, reclaimed in cases:
+        st = cluster(blocks=1, nodes=2)
+        st.set_quota("me", "h100", guarantee, 100)
+        st.set_quota("b", "h100", 0 if vborrowed else 100, 100)
+        where = ["b0n0", "b0n1"][:vnodes]
+        occupy(st, spec("v", team="b", cls=vcls, replicas=vnodes, gpr=8), where, borrowed=vborrowed)
+        if vnodes == 1:
+            fill(st, ["b0n1"], team="g", cls="prod-batch")  # guaranteed: the other node stays busy
+        q = queue_of(spec("x", team="me", cls="research", gpr=8, submit=NOW - waited))
+        p = cycle(st, q, NOW, pol)
+        case = (vcls, vborrowed, vnodes, guarantee, waited, pol is pol_on)
+        if reclaimed:
+            assert victims(p) == ["v"], case
+            assert p.preemptions[0].reason is PreemptReason.RECLAIM, case
+        else:
+            assert p.preemptions == (), case
+    # its own team's borrowed work of a higher class is not taken back for it: the team's
+    # 16-GPU prod-batch job is borrowed (beyond the 8-GPU guarantee), its 8-GPU research job fits
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("me", "h100", 8, 100)
+    occupy(st, spec("own", team="me", cls="prod-batch", replicas=2, gpr=8), ["b0n0", "b0n1"], borrowed=True)
+    p = cycle(st, queue_of(spec("x", team="me", cls="research", gpr=8)), NOW, Policy(reserve_min_gpus=64))
+    assert st.running("own").borrowed and p.preemptions == ()
 
 
 def test_same_class_guaranteed_is_not_a_victim() -> None:

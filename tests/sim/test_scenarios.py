@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from placement import NodeHealth, PreemptReason
+from placement import PRESETS, NodeHealth, PreemptReason
 from sim.failures import Fault
 
 from .helpers import HOUR, job, placement_of, preemptions, simulate, workload
@@ -232,11 +234,18 @@ def test_starvation_is_detected_when_borrowed_capacity_is_not_reclaimed() -> Non
 
 
 def test_borrowed_work_of_a_higher_class_is_not_counted_as_starving_a_lower_class() -> None:
-    # B's job is preemptible: it may not take back A's research capacity (DESIGN.md victims),
-    # so this is not starvation; the looser figure still shows the wait
-    _, res = simulate(_borrow_then_ask("preemptible"))
+    # B's job is preemptible: by DESIGN.md's victims it may not take back A's research
+    # capacity, so this is not starvation; the looser figure still shows the wait
+    design_only = replace(PRESETS["gpufleet"], reclaim_small_borrowed_after_s=None)
+    _, res = simulate(_borrow_then_ask("preemptible"), design_only)
     assert res["starved_teams"] == []
     assert res["teams"]["B"]["longest_below_guarantee_while_any_team_borrows_s"] >= HOUR
+    # ours: after reclaim_small_borrowed_after_s (300 s) B takes back one of A's small
+    # borrowed research jobs, which stops within its 30 s grace
+    sim, res = simulate(_borrow_then_ask("preemptible"))
+    assert sim.recs["b"].first_start == pytest.approx(HOUR + 300.0 + 30.0, abs=2.0)
+    assert res["starved_teams"] == []
+    assert [(pr.victim, pr.reason.value) for _, pr in preemptions(sim) if pr.beneficiary == "b"] == [("a3", "reclaim")]
 
 
 def test_a_backfill_jobs_preemption_keeps_the_gangs_reservation() -> None:
