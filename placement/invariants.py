@@ -334,7 +334,11 @@ def check_plan(state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy,
                 errs.append(f"{pr.victim}: already being preempted")
             if not rj.borrowed and now - rj.started_at < policy.preemption_protect_s:
                 errs.append(f"{pr.victim}: guaranteed, preempted {now - rj.started_at:.0f}s after its start")
-            if not rj.borrowed and rj.spec.preemptions_since(now - policy.preemption_window_s) >= policy.daily_preemption_budget:
+            if (
+                not rj.borrowed
+                and policy.daily_preemption_budget >= 0  # negative: no budget, as victims.eligible reads it
+                and rj.spec.preemptions_since(now - policy.preemption_window_s) >= policy.daily_preemption_budget
+            ):
                 errs.append(f"{pr.victim}: past its daily preemption budget and not borrowed")
             ti = state._types[ben.gpu_type]
             shape = job_shape(ben, ti.node_gpus)

@@ -152,6 +152,12 @@ def test_after_3_preemptions_in_a_day_only_borrowed_capacity_is_lost() -> None:
     fill(st2, ["b0n0"], team="low", cls="preemptible", preemption_times=(NOW - 30 * HOUR,) * 3)
     p = cycle(st2, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW)
     assert victims(p) == ["f-b0n0"]
+    # a negative budget is no budget: the tired job is a victim, and check_plan agrees
+    st3 = cluster(blocks=1, nodes=1)
+    st3.set_quota("me", "h100", 100)
+    fill(st3, ["b0n0"], team="low", cls="preemptible", prefix="tired", preemption_times=hist)
+    p = cycle(st3, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW, Policy(daily_preemption_budget=-1))
+    assert victims(p) == ["tired-b0n0"]
 
 
 def test_fewest_victims() -> None:
