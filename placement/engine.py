@@ -304,10 +304,8 @@ class _Cycle:
             self._pend(job, PendingReason.INVALID, shape)
             return
         borrowed = self._classify(job, shape.charge)
-        wait = policy.claim_borrowed_reservations_after_s
-        self.claim_team = (
-            job.team if wait is not None and borrowed is False and self.now - job.submit_time >= wait else None
-        )
+        claims = borrowed is False and job.waited(self.now, policy.claim_borrowed_reservations_after_s)
+        self.claim_team = job.team if claims else None
         if borrowed is None:
             if state.reservation(job.job_id) is not None:
                 state.remove_reservation(job.job_id)  # it cannot run now: hold nothing for it
@@ -351,8 +349,7 @@ class _Cycle:
             return
         mode = None
         if not borrowed:
-            wait = policy.reclaim_small_borrowed_after_s
-            mode = Mode(job.rank, False, job.team, wait is not None and self.now - job.submit_time >= wait)
+            mode = Mode(job.rank, False, job.team, job.waited(self.now, policy.reclaim_small_borrowed_after_s))
         elif serving or (
             policy.borrowed_gangs_reclaim_lower and shape.whole and shape.charge >= policy.reserve_min_gpus
         ):

@@ -21,7 +21,7 @@ Both return a list of human-readable violations (empty when all hold).
 from __future__ import annotations
 
 from placement import quota as quota_mod
-from placement.model import SERVING_RANK, NodeHealth, Pack, Plan, Policy, ReservationKind
+from placement.model import SERVING_RANK, NodeHealth, Pack, Plan, Policy, Reservation, ReservationKind
 from placement.ordering import JobQueue
 from placement.reservations import evictable_for, may_use, owner_borrows
 from placement.state import ClusterState, indices_of, mask_of
@@ -170,8 +170,8 @@ def _shape_errors(
     spec,
     node_ids: list[str],
     held: dict[str, tuple[int, ...]],
-    respect_topology: bool = True,
-    placed_at: float | None = None,
+    respect_topology: bool,
+    placed_at: float,
 ) -> list[str]:
     """``placed_at``: when the job was placed (its max_blocks may have lapsed by then)."""
     errs = []
@@ -193,16 +193,21 @@ def _shape_errors(
             errs.append(f"{jid}: holds {sum(len(g) for g in held.values())} GPUs, needs {shape.total}")
     if spec.topology.pack is Pack.NODE and len(node_ids) > 1:
         errs.append(f"{jid}: pack=node on {len(node_ids)} nodes")
-    limit = spec.topology.max_blocks
-    if placed_at is not None:
-        limit = spec.topology.max_blocks_at(placed_at - spec.submit_time)
+    limit = spec.topology.max_blocks_at(placed_at - spec.submit_time)
     if respect_topology and spec.topology.pack is Pack.BLOCK and limit and len(blocks) > limit:
         errs.append(f"{jid}: {len(blocks)} blocks > max_blocks {limit}")
     return errs
 
 
 def _reserved_node_errors(
-    state: ClusterState, plan: Plan, job_id: str, spec, borrowed: bool, held: dict, policy: Policy
+    state: ClusterState,
+    after: dict[str, Reservation],
+    now: float,
+    job_id: str,
+    spec,
+    borrowed: bool,
+    held: dict,
+    policy: Policy,
 ) -> list[str]:
     """A placement on nodes another job's reservation held for the whole cycle (before the plan
     and after it, the same reservation) must be one the rules allow: never nodes cleared by
@@ -210,8 +215,6 @@ def _reserved_node_errors(
     start, a higher class (last resort), borrowed work that accepts eviction, or guaranteed
     work that waited past ``claim_borrowed_reservations_after_s`` on a borrowing gang's nodes."""
     errs: list[str] = []
-    after = {r.job_id: r for r in plan.reservations}
-    now = plan.now
     mine = state._reservations.get(job_id)
     own_pre = set(mine.nodes) if mine is not None and mine.kind is ReservationKind.PREEMPTION else set()
     for nid in held:
@@ -228,11 +231,9 @@ def _reserved_node_errors(
                 continue
             if may_use(post, spec, now, policy, evictably=borrowed):
                 continue
-            wait = policy.claim_borrowed_reservations_after_s
             if (
-                wait is not None
-                and not borrowed
-                and now - spec.submit_time >= wait
+                not borrowed
+                and spec.waited(now, policy.claim_borrowed_reservations_after_s)
                 and post.team != spec.team
                 and owner_borrows(state, post)
             ):
@@ -254,6 +255,7 @@ def check_plan(state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy,
         gadd: dict[tuple[str, str], int] = {}
         badd: dict[tuple[str, str], int] = {}
         preempt_for: dict[str, list] = {}
+        res_after = {r.job_id: r for r in plan.reservations}
         for pr in plan.preemptions:
             preempt_for.setdefault(pr.beneficiary, []).append(pr)
         for p in plan.placements:
@@ -299,7 +301,7 @@ def check_plan(state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy,
                 if len(s.gpus) != spec.gpus_per_replica or not set(s.gpus) <= set(held.get(s.node_id, ())):
                     errs.append(f"{p.job_id}: replica {s.replica} slot wrong")
             errs.extend(_shape_errors(state, p.job_id, spec, sorted(held), held, respect_topology, now))
-            errs.extend(_reserved_node_errors(state, plan, p.job_id, spec, p.borrowed, held, policy))
+            errs.extend(_reserved_node_errors(state, res_after, now, p.job_id, spec, p.borrowed, held, policy))
             key = (spec.team, spec.gpu_type)
             if p.borrowed:
                 badd[key] = badd.get(key, 0) + p.gpus
@@ -354,10 +356,8 @@ def check_plan(state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy,
                     errs.append(f"{pr.beneficiary}: borrows yet preempts {pr.victim}")
                 elif not rj.borrowed:
                     errs.append(f"{pr.beneficiary}: prod-serving beyond guarantee takes non-borrowed {pr.victim}")
-            wait = policy.reclaim_small_borrowed_after_s
             higher_small = (
-                wait is not None
-                and now - ben.submit_time >= wait
+                ben.waited(now, policy.reclaim_small_borrowed_after_s)
                 and not ben_borrowed
                 and rj.rank != SERVING_RANK
                 and rj.charge < policy.reserve_min_gpus

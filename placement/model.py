@@ -214,6 +214,10 @@ class JobSpec:
     def preemptions_since(self, since: float) -> int:
         return sum(1 for t in self.preemption_times if t > since)
 
+    def waited(self, now: float, wait_s: float | None) -> bool:
+        """Has it been queued ``wait_s`` since submit by ``now``? (None: a rule that is off.)"""
+        return wait_s is not None and now - self.submit_time >= wait_s
+
 
 @dataclass(frozen=True, slots=True)
 class Quota:
