@@ -62,7 +62,11 @@ def resolve_policy(spec: str) -> tuple[str, Policy]:
             raise ValueError(f"bad policy override {ov!r}: field=value with a field of placement.Policy ({', '.join(known)})")
         cur = getattr(policy, key)
         v = value.strip()
-        if isinstance(cur, bool):
+        if "None" in str(known[key].type) and v.lower() == "none":
+            changes[key] = None  # an optional knob turned off
+        elif cur is None and "float" in str(known[key].type):
+            changes[key] = float(v)  # an optional knob, off in this preset
+        elif isinstance(cur, bool):
             if v.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError(f"{key} takes true or false, not {v!r}")
             changes[key] = v.lower() in ("true", "1", "yes")
