@@ -64,8 +64,8 @@ def resolve_policy(spec: str) -> tuple[str, Policy]:
         v = value.strip()
         if "None" in str(known[key].type) and v.lower() == "none":
             changes[key] = None  # an optional knob turned off
-        elif cur is None and "float" in str(known[key].type):
-            changes[key] = float(v)  # an optional knob, off in this preset
+        elif cur is None:  # an optional knob, off in this preset: its annotation says the type
+            changes[key] = float(v) if "float" in str(known[key].type) else int(v)
         elif isinstance(cur, bool):
             if v.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError(f"{key} takes true or false, not {v!r}")
