@@ -72,6 +72,13 @@ def sim(
         0, "--check-invariants", help="check plan and state invariants every N cycles (0: off; slow)"
     ),
     cycle_interval: float = typer.Option(1.0, "--cycle-interval", help="at most one cycle per this many simulated s"),
+    start_latency: float = typer.Option(
+        0.0,
+        "--start-latency",
+        min=0.0,
+        help="simulated s from placement to running ranks (image pull, checkpoint load): GPUs held, no work;"
+        " every restart pays it again",
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar or table"),
 ) -> None:
     """Simulate policies side by side on the seed workload or a trace (same workload, same faults)."""
@@ -147,7 +154,7 @@ def sim(
             f" offered load {summary['offered_load']}"
         )
     failures = FailureModel(rate_per_gpu_hour=failure_rate) if failure_rate > 0 else None
-    options = SimOptions(cycle_interval_s=cycle_interval, check_every=check_invariants)
+    options = SimOptions(cycle_interval_s=cycle_interval, check_every=check_invariants, start_latency_s=start_latency)
 
     progress = Progress(
         TextColumn("{task.description:<12}"),

@@ -363,11 +363,11 @@ class Simulation:
         if job.checkpoint_s is None:
             rec.saved = 0.0
         remaining = max(0.0, job.work_s - rec.saved)
-        run_for = self.opt.start_latency_s + remaining
-        if run_for <= job.max_runtime_s:
-            self._push(now + run_for, END, rec, (rec.token, "succeeded"))
+        # max_runtime counts from RUNNING (every rank started), as the job workflow's timer does
+        if remaining <= job.max_runtime_s:
+            self._push(rec.work_start + remaining, END, rec, (rec.token, "succeeded"))
         else:
-            self._push(now + job.max_runtime_s, END, rec, (rec.token, "timed_out"))
+            self._push(rec.work_start + job.max_runtime_s, END, rec, (rec.token, "timed_out"))
         if job.checkpoint_s is not None and job.checkpoint_s < remaining:
             self._push(rec.work_start + job.checkpoint_s, CKPT, rec, rec.token)
         if rec.reclaim_at is not None:

@@ -177,6 +177,28 @@ def test_preempted_job_without_checkpoints_restarts_from_scratch() -> None:
     assert res["lost_gpu_hours"]["preemption"] == pytest.approx(8 * (HOUR + 30.0) / 3600, abs=1e-3)
 
 
+def test_start_latency_holds_gpus_without_work_and_a_restart_pays_it_again() -> None:
+    # the scenario above with 2 min from placement to running ranks (image pull, checkpoint load)
+    wl = workload(
+        [
+            job("p", "A", 0.0, 2 * HOUR, cls="preemptible", max_runtime_s=3 * HOUR),
+            job("q", "B", HOUR, 10 * 60, cls="prod-batch"),
+        ],
+        {"A": (0, 8), "B": (8, 0)},
+        blocks=1,
+        nodes_per_block=1,
+        end=6 * HOUR,
+    )
+    sim, res = simulate(wl, start_latency_s=120.0)
+    assert sim.recs["q"].first_start == pytest.approx(HOUR + 30.0)
+    t1, _ = placement_of(sim, "p", 1)
+    assert t1 == pytest.approx(HOUR + 30.0 + 120.0 + 600.0)  # q: latency, then its 10 min of work
+    ends = [line for line in sim.log if "end p succeeded" in line]
+    assert ends and float(ends[0].split()[0]) == pytest.approx(t1 + 120.0 + 2 * HOUR)
+    # the first attempt's GPU time, latency included, is lost
+    assert res["lost_gpu_hours"]["preemption"] == pytest.approx(8 * (HOUR + 30.0) / 3600, abs=1e-3)
+
+
 def test_allocation_and_idle_accounting() -> None:
     # one 8-GPU job on a 64-GPU cluster for the first half of a 2-hour window
     wl = workload([job("a", "x", 0.0, HOUR)], {"x": (64, 0)}, end=2 * HOUR)
@@ -193,6 +215,13 @@ def test_timeout_at_max_runtime() -> None:
     sim, res = simulate(wl)
     assert sim.recs["a"].end_kind == "timed_out"
     assert res["jobs"]["outcomes"] == {"timed_out": 1}
+
+
+def test_max_runtime_counts_from_running_after_the_start_latency() -> None:
+    wl = workload([job("a", "x", 0.0, 2 * HOUR, max_runtime_s=HOUR)], {"x": (64, 0)}, end=3 * HOUR)
+    sim, _ = simulate(wl, start_latency_s=120.0)
+    ends = [line for line in sim.log if "end a timed_out" in line]
+    assert ends and float(ends[0].split()[0]) == pytest.approx(120.0 + HOUR)
 
 
 def test_cycles_only_on_change_and_at_most_once_per_second() -> None:
