@@ -153,9 +153,10 @@ def test_reclaim_bound_counts_every_victim_the_job_waits_for() -> None:
     assert res["reclaim"]["over_grace_plus_2_cycles"] == 0
 
 
-def test_preempted_job_without_checkpoints_restarts_from_scratch() -> None:
-    # a preemptible-class job that cannot checkpoint is preempted by a prod-batch job
-    wl = workload(
+def _one_node_preemptible_then_prod_batch():
+    """One 8-GPU node: team A's preemptible p (2 h, no checkpoints) from 0, team B's
+    prod-batch q (10 min) at 1 h, within B's guarantee: q preempts p."""
+    return workload(
         [
             job("p", "A", 0.0, 2 * HOUR, cls="preemptible", max_runtime_s=3 * HOUR),
             job("q", "B", HOUR, 10 * 60, cls="prod-batch"),
@@ -165,6 +166,11 @@ def test_preempted_job_without_checkpoints_restarts_from_scratch() -> None:
         nodes_per_block=1,
         end=6 * HOUR,
     )
+
+
+def test_preempted_job_without_checkpoints_restarts_from_scratch() -> None:
+    # a preemptible-class job that cannot checkpoint is preempted by a prod-batch job
+    wl = _one_node_preemptible_then_prod_batch()
     sim, res = simulate(wl)
     (_, pr), = preemptions(sim)
     assert pr.victim == "p" and pr.reason is PreemptReason.PRIORITY
@@ -179,16 +185,7 @@ def test_preempted_job_without_checkpoints_restarts_from_scratch() -> None:
 
 def test_start_latency_holds_gpus_without_work_and_a_restart_pays_it_again() -> None:
     # the scenario above with 2 min from placement to running ranks (image pull, checkpoint load)
-    wl = workload(
-        [
-            job("p", "A", 0.0, 2 * HOUR, cls="preemptible", max_runtime_s=3 * HOUR),
-            job("q", "B", HOUR, 10 * 60, cls="prod-batch"),
-        ],
-        {"A": (0, 8), "B": (8, 0)},
-        blocks=1,
-        nodes_per_block=1,
-        end=6 * HOUR,
-    )
+    wl = _one_node_preemptible_then_prod_batch()
     sim, res = simulate(wl, start_latency_s=120.0)
     assert sim.recs["q"].first_start == pytest.approx(HOUR + 30.0)
     t1, _ = placement_of(sim, "p", 1)
