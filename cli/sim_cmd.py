@@ -79,6 +79,13 @@ def sim(
         help="simulated s from placement to running ranks (image pull, checkpoint load): GPUs held, no work;"
         " every restart pays it again",
     ),
+    spread_slowdown: float = typer.Option(
+        0.0,
+        "--spread-slowdown",
+        min=0.0,
+        help="a gang placed in more blocks than its max_blocks runs this much slower (0.1: 10% more time);"
+        " the extra GPU time counts as lost",
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar or table"),
 ) -> None:
     """Simulate policies side by side on the seed workload or a trace (same workload, same faults)."""
@@ -154,7 +161,12 @@ def sim(
             f" offered load {summary['offered_load']}"
         )
     failures = FailureModel(rate_per_gpu_hour=failure_rate) if failure_rate > 0 else None
-    options = SimOptions(cycle_interval_s=cycle_interval, check_every=check_invariants, start_latency_s=start_latency)
+    options = SimOptions(
+        cycle_interval_s=cycle_interval,
+        check_every=check_invariants,
+        start_latency_s=start_latency,
+        spread_slowdown=spread_slowdown,
+    )
 
     progress = Progress(
         TextColumn("{task.description:<12}"),

@@ -10,6 +10,10 @@ the shell's part around ``placement.plan`` / ``placement.apply``:
   since its last checkpoint and is re-queued (attempt + 1, same submit time);
 * **completion**: the attempt's work is done (SUCCEEDED) or its max_runtime is reached
   (TIMED_OUT, per attempt as ``RunningJob.end_time`` assumes);
+* **spread placement** (``SimOptions.spread_slowdown``, off by default): a gang placed in
+  more blocks than its ``max_blocks`` (and than the fewest that hold it) runs that much
+  slower: its collectives cross the oversubscribed links between blocks. The extra GPU
+  time is reported as lost (``Metrics.lost_spread``);
 * **checkpoint**: ``state.set_checkpoint`` (victim choice prefers least lost work);
 * **failure**: ``placement.fail_node``: every gang on the node is released and
   re-queued at the front of its class from its last checkpoint; prod-serving loses
@@ -68,6 +72,8 @@ class SimOptions:
     cycle_interval_s: float = 1.0  # at most one cycle per this much simulated time
     idle_tick_s: float = 60.0  # while jobs wait, run a cycle at least this often (0: never)
     start_latency_s: float = 0.0  # placement committed -> ranks running (work starts)
+    # extra wall time per unit of work for a gang spread beyond its max_blocks: 0.1 = 10% slower
+    spread_slowdown: float = 0.0
     sample_s: float = 300.0  # bucket width of the allocation time series
     check_every: int = 0  # run check_plan / check_state every N cycles (0: never)
     keep_log: bool = False  # record a readable event log (tests)
@@ -97,6 +103,7 @@ class _Rec:
         "reclaim_at",
         "reclaim_grace",
         "end_kind",
+        "pace",
     )
 
     def __init__(self, job: SimJob, spec: JobSpec, charge: int) -> None:
@@ -116,6 +123,7 @@ class _Rec:
         self.reclaim_at: float | None = None
         self.reclaim_grace = 0.0
         self.end_kind = ""
+        self.pace = 1.0  # wall seconds per second of work in this attempt (> 1: spread placement)
 
     def saved_at(self) -> float:
         """When the newest checkpoint of the running attempt was taken (its start if none)."""
@@ -268,6 +276,9 @@ class Simulation:
                     self._mark()
             m.advance(end)
             self.now = end
+            for rec in self.recs.values():
+                if rec.phase in ("running", "stopping"):
+                    self._spread_loss(rec, end)  # still running: its slow part so far
         finally:
             gc.unfreeze()
         self.wall_s = time.perf_counter() - t0
@@ -301,7 +312,7 @@ class Simulation:
         apply(self.state, p, self.queue, now)
         self.cycle_s.append(t1 - t0 + time.perf_counter() - t1)
         if check:
-            errs = check_state(self.state)
+            errs = check_state(self.state, respect_topology=self.policy.topology)
             if errs:
                 raise InvariantViolation(f"{self.name} t={now}: state: {errs[:5]}")
         if self.opt.keep_log:
@@ -362,7 +373,8 @@ class Simulation:
         rec.sigterm_at = None
         if job.checkpoint_s is None:
             rec.saved = 0.0
-        remaining = max(0.0, job.work_s - rec.saved)
+        rec.pace = self._pace(job, pl)
+        remaining = max(0.0, job.work_s - rec.saved) * rec.pace
         # max_runtime counts from RUNNING (every rank started), as the job workflow's timer does
         if remaining <= job.max_runtime_s:
             self._push(rec.work_start + remaining, END, rec, (rec.token, "succeeded"))
@@ -379,11 +391,33 @@ class Simulation:
             f" borrowed={pl.borrowed}{' backfill' if pl.backfill else ''}"
         )
 
+    def _pace(self, job: SimJob, pl) -> float:
+        """Wall seconds per second of work: > 1 for a gang spread beyond what it asked for.
+
+        A gang's ``max_blocks`` says how far it may spread at full speed; the engine may
+        place it wider (a policy without topology, or past ``max_blocks_wait_s``), and then
+        its traffic crosses the links between blocks.
+        """
+        slow = self.opt.spread_slowdown
+        if not slow or job.max_blocks is None:
+            return 1.0
+        allowed = max(job.max_blocks, self.workload.cluster.min_blocks(job.gpu_type, len(pl.nodes)))
+        return 1.0 + slow if len(pl.blocks) > allowed else 1.0
+
     def _progress_saved(self, rec: _Rec) -> float:
         """Work saved by the running attempt's newest checkpoint."""
         if rec.job.checkpoint_s is None or rec.last_ckpt is None:
             return rec.saved
-        return rec.saved + max(0.0, rec.last_ckpt - rec.work_start)
+        return rec.saved + max(0.0, rec.last_ckpt - rec.work_start) / rec.pace
+
+    def _spread_loss(self, rec: _Rec, kept_until: float) -> None:
+        """Charge the slow part of the attempt's kept work, [work_start, kept_until].
+
+        Work thrown away after ``kept_until`` is already lost to preemption or failure.
+        """
+        if rec.pace > 1.0:
+            span = max(0.0, kept_until - max(rec.work_start, 0.0))
+            self.metrics.lost_spread(rec.charge * span * (1.0 - 1.0 / rec.pace) / 3600.0)
 
     def _preempt(self, pr) -> None:
         now = self.now
@@ -404,6 +438,8 @@ class Simulation:
         now = self.now
         saved = self._progress_saved(rec)
         ckpt_at = rec.last_ckpt
+        if rec.job.checkpoint_s is not None and ckpt_at is not None:
+            self._spread_loss(rec, ckpt_at)
         lost_h = rec.charge * max(0.0, now - lost_from) / 3600.0
         rec.saved = saved if rec.job.checkpoint_s is not None else 0.0
         rec.token += 1
@@ -426,6 +462,7 @@ class Simulation:
         if token != rec.token or rec.phase not in ("running", "stopping"):
             return
         self.state.release(rec.job.job_id, self.now)
+        self._spread_loss(rec, self.now)
         rec.phase = "done"
         rec.token += 1
         rec.end_kind = outcome
@@ -451,7 +488,7 @@ class Simulation:
         rec.last_ckpt = now
         self.state.set_checkpoint(rec.job.job_id, now)
         nxt = now + rec.job.checkpoint_s
-        remaining = rec.job.work_s - rec.saved - (now - rec.work_start)
+        remaining = (rec.job.work_s - rec.saved) * rec.pace - (now - rec.work_start)
         if nxt - now < remaining:
             self._push(nxt, CKPT, rec, rec.token)
 

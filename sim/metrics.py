@@ -3,7 +3,8 @@
 * allocation: GPUs held by jobs (running or stopping in their grace period; hot spares
   count as idle) as a share of healthy GPUs (nodes ``ready``), time-weighted, overall
   and while demand exceeds capacity (held + queued GPUs > healthy GPUs), and net of the
-  GPU-hours lost to preemption and failures (work held, then thrown away);
+  GPU-hours lost to preemption and failures (work held, then thrown away) and to spread
+  placement;
 * idle GPU-hours (healthy, not held) and their cost at ``GPU_HOUR_USD``;
 * queue wait (first start - submit; a job still queued at the end counts with its wait
   so far and is reported as ``censored``) p50/p95/p99 by class and by size bucket;
@@ -13,7 +14,9 @@
   ``STARVED_AFTER_S`` of that in a row is starvation. The looser figure (any team
   borrows anything, whatever its class) is reported too;
 * GPU-hours lost to preemption (GPUs x time since the last checkpoint, or since start
-  for a job that cannot checkpoint, up to the end of the grace period) and to failures;
+  for a job that cannot checkpoint, up to the end of the grace period), to failures, and
+  to spread placement (the extra time a gang spread beyond its max_blocks runs, when the
+  run models it: ``SimOptions.spread_slowdown``);
 * borrowed-GPU reclaim time: from the cycle that preempts borrowed work for a job to
   that job's start; the bound is the grace of the victims stopping for it (all of them,
   borrowed or not: it starts when the last is gone) + 2 cycles;
@@ -102,6 +105,7 @@ class Metrics:
         self.reclaims: list[tuple[float, float]] = []  # (time to start, bound)
         self.lost_pre_h = 0.0
         self.lost_fail_h = 0.0
+        self.lost_spread_h = 0.0
         self.outcomes: Counter = Counter()
         self.useful_h = 0.0
         self.large: list[dict] = []
@@ -280,6 +284,11 @@ class Metrics:
         self.stale = True
         if self.t >= 0:
             self.lost_fail_h += h
+
+    def lost_spread(self, h: float) -> None:
+        """GPU-hours a spread gang held beyond what its work needed (measured window only)."""
+        self.stale = True
+        self.lost_spread_h += h
 
     def fault(self, nid: str, f, res) -> None:
         self.stale = True
@@ -477,10 +486,10 @@ class Metrics:
                 "hours_demand_exceeds_capacity": r(self.i_over_time / 3600.0, 3),
                 "healthy_gpu_hours": r(healthy_h, 1),
                 "allocated_gpu_hours": r(alloc_h, 1),
-                # allocation counts work that preemption and failures later throw away; this is
-                # what is left once the GPU-hours to be done again are taken out
+                # allocation counts work that preemption and failures later throw away, and the
+                # extra time of spread gangs; this is what is left once those are taken out
                 "healthy_gpu_pct_net_of_lost_work": r(
-                    100.0 * (alloc_h - self.lost_pre_h - self.lost_fail_h) / healthy_h, 2
+                    100.0 * (alloc_h - self.lost_pre_h - self.lost_fail_h - self.lost_spread_h) / healthy_h, 2
                 )
                 if self.i_healthy
                 else None,
@@ -507,6 +516,7 @@ class Metrics:
             "lost_gpu_hours": {
                 "preemption": r(self.lost_pre_h, 3),
                 "failures": r(self.lost_fail_h, 3),
+                "spread_placement": r(self.lost_spread_h, 3),
             },
             "reclaim": {
                 "count": len(self.reclaims),

@@ -48,7 +48,7 @@ def rows(report: dict) -> list[tuple[str, list[str]]]:
         f" ({p['allocation']['hours_demand_exceeds_capacity']:.1f} h)",
     )
     row(
-        "… net of work lost to preemption and failures",
+        "… net of work lost (preemption, failures, spread placement)",
         lambda p: _pct(p["allocation"]["healthy_gpu_pct_net_of_lost_work"]),
     )
     row(
@@ -99,8 +99,9 @@ def rows(report: dict) -> list[tuple[str, list[str]]]:
         lambda p: f"{len(p['starved_teams'])} ({fmt_s(max((t['max_wait_s'] or 0) for t in p['teams'].values()))})",
     )
     row(
-        "GPU-hours lost: preemption / failures",
-        lambda p: f"{_num(p['lost_gpu_hours']['preemption'])} / {_num(p['lost_gpu_hours']['failures'])}",
+        "GPU-hours lost: preemption / failures / spread placement",
+        lambda p: f"{_num(p['lost_gpu_hours']['preemption'])} / {_num(p['lost_gpu_hours']['failures'])}"
+        f" / {_num(p['lost_gpu_hours']['spread_placement'])}",
     )
     row(
         "borrowed-GPU reclaim: p50 / p99 (n, over grace+2 cycles)",

@@ -32,18 +32,20 @@ def test_cli_seed_writes_json_plots_and_table(tmp_path: Path) -> None:
         _app(),
         [
             "--workload", "seed", "--days", "0.02", "--nodes", "64", "--warmup-h", "0.2", "--seed", "2", "--one-block-wait", "120",
-            "--json", str(out), "--plots", str(tmp_path / "plots"), "--table", str(tmp_path / "t.md"), "--quiet",
+            "--spread-slowdown", "0.2", "--json", str(out), "--plots", str(tmp_path / "plots"), "--table", str(tmp_path / "t.md"), "--quiet",
         ],
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     rep = json.loads(out.read_text())
     assert list(rep["policies"]) == ["ours", "fifo", "kueue-like", "slurm-like"]
+    assert rep["options"]["spread_slowdown"] == 0.2
     ours = rep["policies"]["ours"]
     assert ours["preset"] == "gpufleet"
     for key in ("allocation", "idle", "wait_s", "teams", "lost_gpu_hours", "reclaim", "large_gangs", "preemptions"):
         assert key in ours
     assert set(ours["wait_s"]["by_class"]) == {"prod-serving", "prod-batch", "research", "preemptible"}
     assert set(ours["wait_s"]["by_size"]) == {"<=8", "9-1023", ">=1024"}
+    assert ours["lost_gpu_hours"]["spread_placement"] >= 0
     assert ours["timing"]["cycle_ms"]["p50"] is not None
     assert (tmp_path / "plots" / "allocation.png").stat().st_size > 10_000
     assert (tmp_path / "plots" / "wait_cdf.png").stat().st_size > 10_000
@@ -66,6 +68,8 @@ def test_cli_trace_one_policy_to_stdout() -> None:
 def test_cli_rejects_unknown_policy_and_bad_trace(tmp_path: Path) -> None:
     r = CliRunner().invoke(_app(), ["--policies", "ours,magic", "--quiet"])
     assert r.exit_code != 0 and "magic" in r.output
+    r = CliRunner().invoke(_app(), ["--spread-slowdown", "-0.1", "--quiet"])
+    assert r.exit_code == 2 and "spread-slowdown" in r.output
     bad = tmp_path / "bad.csv"
     bad.write_text("foo,bar\n1,2\n")
     r = CliRunner().invoke(_app(), ["--workload", str(bad), "--quiet"])

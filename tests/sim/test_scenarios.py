@@ -288,3 +288,73 @@ def test_a_backfill_jobs_preemption_keeps_the_gangs_reservation() -> None:
     sim, res = simulate(wl)
     assert any(pr.victim == "e" and pr.beneficiary == "R" for _, pr in preemptions(sim))
     assert res["head_of_line_reservations"]["dropped_while_owner_waits"] == 0
+
+
+def _gang_on_scattered_free_nodes(**gang) -> object:
+    # 2 blocks x 4 nodes filled by eight 1-node jobs; four end at 1 h, leaving free nodes in
+    # both blocks. Gang G (4 nodes, max_blocks=1) arrives at 30 min: a policy without
+    # topology places it on those free nodes at 1 h, across both blocks.
+    fill = [job(f"f{i}", "x", 0.0, HOUR if i in (0, 5, 6, 7) else 8 * HOUR) for i in range(8)]
+    g = job("g", "y", 1800.0, HOUR, gpus=32, pack="block", max_blocks=1, max_runtime_s=3 * HOUR, **gang)
+    return workload([*fill, g], {"x": (64, 0), "y": (32, 0)})
+
+
+def test_spread_gang_runs_slower_and_its_extra_time_counts_as_lost() -> None:
+    wl = _gang_on_scattered_free_nodes()
+    sim, res = simulate(wl, "no_topology_no_reservation", spread_slowdown=0.25)
+    t, pl = placement_of(sim, "g")
+    assert t == HOUR and len(pl.blocks) == 2  # beyond its max_blocks of 1
+    ends = [line for line in sim.log if "end g succeeded" in line]
+    assert ends and float(ends[0].split()[0]) == pytest.approx(HOUR + 1.25 * HOUR)
+    # 32 GPUs x the extra quarter hour
+    assert res["lost_gpu_hours"]["spread_placement"] == pytest.approx(32 * 0.25, abs=1e-3)
+    alloc = res["allocation"]
+    assert alloc["healthy_gpu_pct_net_of_lost_work"] == pytest.approx(
+        100 * (alloc["allocated_gpu_hours"] - 8.0) / alloc["healthy_gpu_hours"], abs=0.01
+    )
+    # off by default: the same placement runs at full speed and nothing is lost
+    sim0, res0 = simulate(wl, "no_topology_no_reservation")
+    assert len(placement_of(sim0, "g")[1].blocks) == 2
+    ends0 = [line for line in sim0.log if "end g succeeded" in line]
+    assert float(ends0[0].split()[0]) == pytest.approx(2 * HOUR)
+    assert res0["lost_gpu_hours"]["spread_placement"] == 0
+
+
+def test_spread_gang_saves_less_work_per_checkpoint_and_is_charged_only_for_kept_work() -> None:
+    # G checkpoints every 10 min of wall time; at pace 1.5 each one saves 400 s of work.
+    # A fault at 25 min into the run loses the 5 min since the 20-min checkpoint.
+    wl = _gang_on_scattered_free_nodes(checkpoint_s=600.0)
+    sim0, _ = simulate(wl, "no_topology_no_reservation", spread_slowdown=0.5)
+    _, pl0 = placement_of(sim0, "g")
+    index = sim0.node_ids.index(pl0.nodes[0].node_id)
+    fault = Fault(time=HOUR + 1500.0, node_index=index, kind="gpu", repair_s=20 * HOUR, burn_in_s=HOUR)
+    sim, res = simulate(wl, "no_topology_no_reservation", faults=(fault,), spread_slowdown=0.5)
+    rec = sim.recs["g"]
+    assert rec.failures == 1 and rec.saved == pytest.approx(800.0)
+    assert res["lost_gpu_hours"]["failures"] == pytest.approx(32 * 300 / 3600, abs=1e-3)
+    t1, pl1 = placement_of(sim, "g", 1)
+    pace1 = 1.5 if len(pl1.blocks) > 1 else 1.0
+    ends = [line for line in sim.log if "end g succeeded" in line]
+    assert ends and float(ends[0].split()[0]) == pytest.approx(t1 + (HOUR - 800.0) * pace1)
+    # the first attempt is charged for its 20 kept minutes only (a third of them is slowness)
+    first = 32 * 1200 * (1 - 1 / 1.5) / 3600
+    second = 32 * (HOUR - 800.0) * (pace1 - 1) / 3600
+    assert res["lost_gpu_hours"]["spread_placement"] == pytest.approx(first + second, abs=1e-3)
+
+
+def test_ours_keeps_the_gang_in_one_block_at_full_speed_unless_it_lets_it_spread() -> None:
+    # ours waits for a whole block (f1-f3 end at 8 h): full speed, nothing lost
+    sim, res = simulate(_gang_on_scattered_free_nodes(), spread_slowdown=0.25)
+    t, pl = placement_of(sim, "g")
+    assert t == 8 * HOUR and len(pl.blocks) == 1
+    ends = [line for line in sim.log if "end g succeeded" in line]
+    assert ends and float(ends[0].split()[0]) == pytest.approx(9 * HOUR)
+    assert res["lost_gpu_hours"]["spread_placement"] == 0
+    # with max_blocks_wait_s the gang accepts any blocks after 10 min: placed across both
+    # at 1 h, it pays the same slowdown as under a policy without topology
+    sim, res = simulate(_gang_on_scattered_free_nodes(max_blocks_wait_s=600.0), spread_slowdown=0.25)
+    t, pl = placement_of(sim, "g")
+    assert t == HOUR and len(pl.blocks) == 2
+    ends = [line for line in sim.log if "end g succeeded" in line]
+    assert ends and float(ends[0].split()[0]) == pytest.approx(HOUR + 1.25 * HOUR)
+    assert res["lost_gpu_hours"]["spread_placement"] == pytest.approx(32 * 0.25, abs=1e-3)
