@@ -161,18 +161,27 @@ def checks(report: dict) -> dict:
         "large_gangs_in_min_blocks_or_max_blocks": lg["in_min_blocks_or_within_max_blocks"] == lg["placements"],
     }
     better_alloc = {}
+    better_net = {}
     better_large = {}
-    ours_alloc = o["allocation"]["healthy_gpu_pct"]
     ours_large = o["wait_s"]["large_gangs"]
     for name, p in pol.items():
         if name == "ours":
             continue
-        better_alloc[name] = ours_alloc is not None and ours_alloc > (p["allocation"]["healthy_gpu_pct"] or 0)
+        better_alloc[name] = _higher(o, p, "healthy_gpu_pct")
+        better_net[name] = _higher(o, p, "healthy_gpu_pct_net_of_lost_work")
         theirs = p["wait_s"]["large_gangs"]
         better_large[name] = _better_wait(ours_large, theirs)
     res["better_allocation_than"] = better_alloc
+    # held GPUs count as allocated even when their work is thrown away or (with
+    # --spread-slowdown) runs slow: this compares what is left of them
+    res["better_allocation_net_of_lost_work_than"] = better_net
     res["better_large_gang_wait_than"] = better_large
     return res
+
+
+def _higher(ours: dict, theirs: dict, key: str) -> bool:
+    mine = ours["allocation"][key]
+    return mine is not None and mine > (theirs["allocation"][key] or 0)
 
 
 def _better_wait(ours: dict, theirs: dict) -> bool:

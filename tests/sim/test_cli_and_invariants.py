@@ -99,3 +99,48 @@ def test_policy_overrides_try_a_change_side_by_side() -> None:
     for bad in ("ours:nonsense=1", "ours:backfill", "ours:backfill=maybe", "magic", "fifo:reclaim_small_borrowed_after_s=x"):
         with pytest.raises(ValueError):
             resolve_policy(bad)
+
+
+def _policy_report(alloc: float, net: float, large_mean: float | None, large_n: int, censored: int) -> dict:
+    wait = {"n": 1, "p95": 30.0}
+    return {
+        "allocation": {
+            "healthy_gpu_pct": alloc,
+            "healthy_gpu_pct_while_demand_exceeds_capacity": 93.0,
+            "healthy_gpu_pct_net_of_lost_work": net,
+        },
+        "wait_s": {
+            "by_class_and_size": {c: {"<=8": wait} for c in ("prod-serving", "prod-batch", "research", "preemptible")},
+            "large_gangs": {"n": large_n, "mean": large_mean, "censored": censored},
+        },
+        "large_gangs": {"placements": 3, "in_min_blocks_or_within_max_blocks": 3},
+        "reclaim": {"over_grace_plus_2_cycles": 0},
+        "starved_teams": [],
+    }
+
+
+def test_checks_compare_ours_with_every_baseline_in_the_same_report() -> None:
+    from sim.run import checks
+
+    rep = {
+        "policies": {
+            "ours": _policy_report(86.0, 83.0, 3600.0, 10, 1),
+            "wasteful": _policy_report(88.0, 78.0, 3000.0, 10, 1),  # more held, less kept, shorter wait
+            "starver": _policy_report(80.0, 80.0, 4000.0, 10, 4),
+            "finisher": _policy_report(80.0, 80.0, 5000.0, 10, 0),  # longer mean, but leaves none waiting
+            "idle": _policy_report(60.0, 60.0, None, 0, 0),  # no large gang at all
+        }
+    }
+    c = checks(rep)
+    assert (c["alloc_floor_90"], c["alloc_target_95"]) == (True, False)
+    assert c["prod_p95_wait_le8_target_120s"] and c["no_team_starved"]
+    assert c["better_allocation_than"] == {"wasteful": False, "starver": True, "finisher": True, "idle": True}
+    assert c["better_allocation_net_of_lost_work_than"] == {
+        "wasteful": True,
+        "starver": True,
+        "finisher": True,
+        "idle": True,
+    }
+    # a lower mean wait and no more gangs left waiting
+    assert c["better_large_gang_wait_than"] == {"wasteful": False, "starver": True, "finisher": False, "idle": True}
+    assert checks({"policies": {"fifo": _policy_report(1, 1, None, 0, 0)}}) == {}
