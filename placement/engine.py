@@ -104,9 +104,6 @@ class _Cycle:
         self.excl_version = -1
         self.evictable_placement = False  # the last _try_place used evictable backfill
         self.claim_team: str | None = None  # Exclusions.claim_team for the job being decided
-        # per GPU type: (class rank, team) of guaranteed work waiting to take back small
-        # borrowed jobs of higher classes (Policy.small_borrowers_yield)
-        self.reclaimers: dict[str, list[tuple[int, str]]] = {}
 
     # ------------------------------------------------------------------ cycle
 
@@ -118,8 +115,6 @@ class _Cycle:
             self.relabels.extend(quota_mod.relabel(state, team, gpu_type))
         self._housekeeping()
         self._replacements()
-        if self.policy.small_borrowers_yield and self.policy.reclaim_small_borrowed_after_s is not None:
-            self.reclaimers = self._waiting_reclaimers()
         limit = self.policy.lookahead
         seen: set[str] = set()
         if limit > 0:
@@ -267,30 +262,6 @@ class _Cycle:
             )
         return got > job.rank
 
-    def _waiting_reclaimers(self) -> dict[str, list[tuple[int, str]]]:
-        """Per GPU type, (class rank, team) of small work that waits past
-        ``reclaim_small_borrowed_after_s`` and would fit what is left of its team's guarantee.
-
-        Read per lane (its oldest job and smallest size), not per job: a few hundred lanes.
-        """
-        state, policy, now = self.state, self.policy, self.now
-        after = policy.reclaim_small_borrowed_after_s
-        assert after is not None
-        out: dict[str, list[tuple[int, str]]] = {}
-        for (rank, team, gpu_type, floor), lane in self.queue.lanes().items():
-            if rank == SERVING_RANK or floor >= policy.reserve_min_gpus:
-                continue
-            if not lane or now - lane[0][0] < after:
-                continue
-            if state.used(team, gpu_type) + floor > state.quota(team, gpu_type).guaranteed:
-                continue
-            out.setdefault(gpu_type, []).append((rank, team))
-        return out
-
-    def _yields_to_reclaim(self, job: JobSpec) -> bool:
-        """Would waiting guaranteed work take this small borrowed job back at once?"""
-        return any(rank > job.rank and team != job.team for rank, team in self.reclaimers.get(job.gpu_type, ()))
-
     def _classify(self, job: JobSpec, charge: int) -> bool | None:
         """``quota.classify``, inlined for the hot loop: False guaranteed, True borrowed, None quota."""
         state = self.state
@@ -342,11 +313,6 @@ class _Cycle:
             self.quota_only = True
             return
         serving = job.rank == SERVING_RANK
-        if borrowed and not serving and shape.charge < policy.reserve_min_gpus and self._yields_to_reclaim(job):
-            # that guaranteed work would take it back at once: leave the capacity to it
-            self._pend(job, PendingReason.QUOTA, "guaranteed work of a lower class waits to reclaim borrowed capacity")
-            self.quota_only = True
-            return
         own_res = state.reservation(job.job_id)
         spare_nodes = state.release_spares(job.job_id) if job.job_id in state._spares else ()
         own_spares = bool(spare_nodes)

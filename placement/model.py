@@ -278,10 +278,6 @@ class Policy:
       this long since submit may also reclaim other teams' borrowed jobs of *higher* classes
       (never prod-serving) smaller than ``reserve_min_gpus``. None: only borrowed work of its
       own class and lower classes (DESIGN.md's victims).
-    * ``small_borrowers_yield``: while such work waits (past ``reclaim_small_borrowed_after_s``,
-      within its guarantee), a job it could take back (another team's, higher class, not
-      prod-serving, < ``reserve_min_gpus``) is not placed borrowed on that GPU type: the
-      capacity goes to the guaranteed work instead of being reclaimed a cycle later.
     """
 
     lookahead: int = 2000
@@ -313,7 +309,6 @@ class Policy:
     guaranteed_gangs_reserve_first: bool = True
     claim_borrowed_reservations_after_s: float | None = 300.0
     reclaim_small_borrowed_after_s: float | None = 300.0
-    small_borrowers_yield: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -333,7 +328,6 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "guaranteed_gangs_reserve_first": False,
     "claim_borrowed_reservations_after_s": None,
     "reclaim_small_borrowed_after_s": None,
-    "small_borrowers_yield": False,
 }
 
 PRESETS: dict[str, Policy] = {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from placement import JobSpec, PendingReason, Policy, PreemptReason, plan
+from placement import PendingReason, Policy, PreemptReason, plan
 
 from .helpers import HOUR, cluster, cycle, fill, nodes_of, occupy, queue_of, spec
 
@@ -76,47 +76,6 @@ def test_small_higher_class_borrowed_jobs_return_to_a_team_that_waited_within_it
     occupy(st, spec("own", team="me", cls="prod-batch", replicas=2, gpr=8), ["b0n0", "b0n1"], borrowed=True)
     p = cycle(st, queue_of(spec("x", team="me", cls="research", gpr=8)), NOW, Policy(reserve_min_gpus=64))
     assert st.running("own").borrowed and p.preemptions == ()
-
-
-def _one_free_node(borrower: JobSpec, waited: float, pol: Policy, mine: bool = False):
-    """b0n0 free, b0n1/b0n2 busy with guaranteed work; team "me" (guarantee 16) queues an
-    8-GPU research job that has waited ``waited``; ``borrower`` is queued ahead of it."""
-    st = cluster(blocks=1, nodes=3)
-    st.set_quota("me", "h100", 16, 100)
-    st.set_quota("b", "h100", 0, 100)
-    fill(st, ["b0n2"], team="g", cls="prod-batch")
-    if mine:
-        occupy(st, spec("mine", team="me", cls="research", gpr=8), ["b0n1"])
-    else:
-        fill(st, ["b0n1"], team="g", cls="prod-batch", prefix="g2")
-    q = queue_of(borrower, spec("x", team="me", cls="research", gpr=8, submit=NOW - waited))
-    return cycle(st, q, NOW, pol)
-
-
-def test_a_small_borrower_leaves_free_capacity_to_guaranteed_work_that_would_take_it_back() -> None:
-    """Prod-batch comes first in class order, but a research job within its team's guarantee
-    that has waited ``reclaim_small_borrowed_after_s`` would reclaim a small borrowed
-    prod-batch job of another team at once. With ``small_borrowers_yield`` the borrower waits
-    (quota) and the research job gets the free node, instead of a preemption a cycle later."""
-    pol_on = Policy(reserve_min_gpus=64)
-    pol_off = Policy(reserve_min_gpus=64, small_borrowers_yield=False)
-    borrower = spec("borrower", team="b", cls="prod-batch", gpr=8, submit=NOW - 10)
-    p = _one_free_node(borrower, 300, pol_on)
-    assert p.reason("borrower") is PendingReason.QUOTA
-    assert nodes_of(p, "x") == ["b0n0"] and p.preemptions == ()
-    # without the knob, or before the reclaim rule applies, class order decides
-    for waited, pol in ((300, pol_off), (299, pol_on)):
-        p = _one_free_node(borrower, waited, pol)
-        assert nodes_of(p, "borrower") == ["b0n0"], (waited, pol is pol_on)
-        assert p.placement("x") is None
-    # a borrowed gang of >= reserve_min_gpus is never reclaimed across classes: it does not yield
-    big = Policy(reserve_min_gpus=8)
-    p = _one_free_node(borrower, 300, big)
-    assert nodes_of(p, "borrower") == ["b0n0"]
-    # a team's own work is never taken back for it: its own borrowed job does not yield
-    own = spec("borrower", team="me", cls="prod-batch", replicas=2, gpr=8, submit=NOW - 10)
-    st_p = _one_free_node(own, 300, pol_on, mine=True)  # "me" uses 8 of 16: 16 more is borrowed
-    assert st_p.reason("borrower") is not PendingReason.QUOTA
 
 
 def test_same_class_guaranteed_is_not_a_victim() -> None:
