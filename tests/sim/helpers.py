@@ -65,5 +65,13 @@ def placement_of(sim: Simulation, job_id: str, attempt: int = 0):
     return None
 
 
+def ended_at(sim: Simulation, job_id: str, outcome: str = "succeeded") -> float | None:
+    """When the run's log first records ``job_id`` ending with ``outcome`` (None if never)."""
+    for line in sim.log:
+        if f"end {job_id} {outcome}" in line:
+            return float(line.split()[0])
+    return None
+
+
 def preemptions(sim: Simulation) -> list:
     return [(p.now, pr) for p in sim.plans for pr in p.preemptions]

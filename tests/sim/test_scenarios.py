@@ -9,7 +9,7 @@ import pytest
 from placement import PRESETS, NodeHealth, PreemptReason
 from sim.failures import Fault
 
-from .helpers import HOUR, job, placement_of, preemptions, simulate, workload
+from .helpers import HOUR, ended_at, job, placement_of, preemptions, simulate, workload
 
 
 def test_gang_waits_for_its_reservation_while_backfill_runs() -> None:
@@ -75,8 +75,7 @@ def test_failure_requeues_the_whole_gang_from_its_last_checkpoint() -> None:
     assert rec.failures == 1
     # saved 20 min (checkpoints at 10 and 20 min): 40 min left -> ends at 1500 + 2400
     assert rec.end_kind == "succeeded"
-    ends = [line for line in sim.log if "end g succeeded" in line]
-    assert ends and float(ends[0].split()[0]) == pytest.approx(3900.0)
+    assert ended_at(sim, "g") == pytest.approx(3900.0)
     # lost: 32 GPUs x 5 min since the 20-min checkpoint
     assert res["lost_gpu_hours"]["failures"] == pytest.approx(32 * 300 / 3600, abs=0.01)
     a = res["allocation"]
@@ -190,8 +189,7 @@ def test_start_latency_holds_gpus_without_work_and_a_restart_pays_it_again() -> 
     assert sim.recs["q"].first_start == pytest.approx(HOUR + 30.0)
     t1, _ = placement_of(sim, "p", 1)
     assert t1 == pytest.approx(HOUR + 30.0 + 120.0 + 600.0)  # q: latency, then its 10 min of work
-    ends = [line for line in sim.log if "end p succeeded" in line]
-    assert ends and float(ends[0].split()[0]) == pytest.approx(t1 + 120.0 + 2 * HOUR)
+    assert ended_at(sim, "p") == pytest.approx(t1 + 120.0 + 2 * HOUR)
     # the first attempt's GPU time, latency included, is lost
     assert res["lost_gpu_hours"]["preemption"] == pytest.approx(8 * (HOUR + 30.0) / 3600, abs=1e-3)
 
@@ -217,8 +215,7 @@ def test_timeout_at_max_runtime() -> None:
 def test_max_runtime_counts_from_running_after_the_start_latency() -> None:
     wl = workload([job("a", "x", 0.0, 2 * HOUR, max_runtime_s=HOUR)], {"x": (64, 0)}, end=3 * HOUR)
     sim, _ = simulate(wl, start_latency_s=120.0)
-    ends = [line for line in sim.log if "end a timed_out" in line]
-    assert ends and float(ends[0].split()[0]) == pytest.approx(120.0 + HOUR)
+    assert ended_at(sim, "a", "timed_out") == pytest.approx(120.0 + HOUR)
 
 
 def test_cycles_only_on_change_and_at_most_once_per_second() -> None:
@@ -304,8 +301,7 @@ def test_spread_gang_runs_slower_and_its_extra_time_counts_as_lost() -> None:
     sim, res = simulate(wl, "no_topology_no_reservation", spread_slowdown=0.25)
     t, pl = placement_of(sim, "g")
     assert t == HOUR and len(pl.blocks) == 2  # beyond its max_blocks of 1
-    ends = [line for line in sim.log if "end g succeeded" in line]
-    assert ends and float(ends[0].split()[0]) == pytest.approx(HOUR + 1.25 * HOUR)
+    assert ended_at(sim, "g") == pytest.approx(HOUR + 1.25 * HOUR)
     # 32 GPUs x the extra quarter hour
     assert res["lost_gpu_hours"]["spread_placement"] == pytest.approx(32 * 0.25, abs=1e-3)
     alloc = res["allocation"]
@@ -315,8 +311,7 @@ def test_spread_gang_runs_slower_and_its_extra_time_counts_as_lost() -> None:
     # off by default: the same placement runs at full speed and nothing is lost
     sim0, res0 = simulate(wl, "no_topology_no_reservation")
     assert len(placement_of(sim0, "g")[1].blocks) == 2
-    ends0 = [line for line in sim0.log if "end g succeeded" in line]
-    assert float(ends0[0].split()[0]) == pytest.approx(2 * HOUR)
+    assert ended_at(sim0, "g") == pytest.approx(2 * HOUR)
     assert res0["lost_gpu_hours"]["spread_placement"] == 0
 
 
@@ -334,8 +329,7 @@ def test_spread_gang_saves_less_work_per_checkpoint_and_is_charged_only_for_kept
     assert res["lost_gpu_hours"]["failures"] == pytest.approx(32 * 300 / 3600, abs=1e-3)
     t1, pl1 = placement_of(sim, "g", 1)
     pace1 = 1.5 if len(pl1.blocks) > 1 else 1.0
-    ends = [line for line in sim.log if "end g succeeded" in line]
-    assert ends and float(ends[0].split()[0]) == pytest.approx(t1 + (HOUR - 800.0) * pace1)
+    assert ended_at(sim, "g") == pytest.approx(t1 + (HOUR - 800.0) * pace1)
     # the first attempt is charged for its 20 kept minutes only (a third of them is slowness)
     first = 32 * 1200 * (1 - 1 / 1.5) / 3600
     second = 32 * (HOUR - 800.0) * (pace1 - 1) / 3600
@@ -347,14 +341,12 @@ def test_ours_keeps_the_gang_in_one_block_at_full_speed_unless_it_lets_it_spread
     sim, res = simulate(_gang_on_scattered_free_nodes(), spread_slowdown=0.25)
     t, pl = placement_of(sim, "g")
     assert t == 8 * HOUR and len(pl.blocks) == 1
-    ends = [line for line in sim.log if "end g succeeded" in line]
-    assert ends and float(ends[0].split()[0]) == pytest.approx(9 * HOUR)
+    assert ended_at(sim, "g") == pytest.approx(9 * HOUR)
     assert res["lost_gpu_hours"]["spread_placement"] == 0
     # with max_blocks_wait_s the gang accepts any blocks after 10 min: placed across both
     # at 1 h, it pays the same slowdown as under a policy without topology
     sim, res = simulate(_gang_on_scattered_free_nodes(max_blocks_wait_s=600.0), spread_slowdown=0.25)
     t, pl = placement_of(sim, "g")
     assert t == HOUR and len(pl.blocks) == 2
-    ends = [line for line in sim.log if "end g succeeded" in line]
-    assert ends and float(ends[0].split()[0]) == pytest.approx(HOUR + 1.25 * HOUR)
+    assert ended_at(sim, "g") == pytest.approx(HOUR + 1.25 * HOUR)
     assert res["lost_gpu_hours"]["spread_placement"] == pytest.approx(32 * 0.25, abs=1e-3)
