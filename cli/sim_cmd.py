@@ -86,6 +86,13 @@ def sim(
         help="a gang placed in more blocks than its max_blocks runs this much slower (0.1: 10% more time);"
         " the extra GPU time counts as lost",
     ),
+    drain_h: float = typer.Option(
+        48.0,
+        "--drain-h",
+        min=0.0,
+        help="after the window, run on without arrivals up to this many simulated hours until every job"
+        " submitted in it has started, so its wait is measured, not cut off at the window's end (0: off)",
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar or table"),
 ) -> None:
     """Simulate policies side by side on the seed workload or a trace (same workload, same faults)."""
@@ -166,6 +173,7 @@ def sim(
         check_every=check_invariants,
         start_latency_s=start_latency,
         spread_slowdown=spread_slowdown,
+        drain_s=drain_h * 3600.0,
     )
 
     progress = Progress(

@@ -20,7 +20,12 @@ the shell's part around ``placement.plan`` / ``placement.apply``:
   only the replicas there (the next plan replaces them); the node is repaired, passes
   burn-in and returns ``ready``;
 * **wake**: a head-of-line reservation's expected start, a preemption hold expiring,
-  or an idle tick (``SimOptions.idle_tick_s``) while jobs wait.
+  or an idle tick (``SimOptions.idle_tick_s``) while jobs wait;
+* **drain** (``SimOptions.drain_s``): after the window the loop goes on without arrivals
+  or new faults until every job submitted in the window has started (or ``drain_s`` has
+  passed). Only those first starts are measured there (the wait of a job queued at the
+  window's end is then its wait, not its wait so far); everything else is measured over
+  the window.
 
 Cycles run only after something changed (arrival, completion, stop, failure, repair,
 wake) and at most once per ``SimOptions.cycle_interval_s`` (1 s) of simulated time;
@@ -74,6 +79,9 @@ class SimOptions:
     start_latency_s: float = 0.0  # placement committed -> ranks running (work starts)
     # extra wall time per unit of work for a gang spread beyond its max_blocks: 0.1 = 10% slower
     spread_slowdown: float = 0.0
+    # after the window: keep running (no arrivals, no new faults) up to this long, until every
+    # job submitted in the window has started, so its wait is measured rather than cut off
+    drain_s: float = 48 * 3600.0
     sample_s: float = 300.0  # bucket width of the allocation time series
     check_every: int = 0  # run check_plan / check_state every N cycles (0: never)
     keep_log: bool = False  # record a readable event log (tests)
@@ -194,6 +202,7 @@ class Simulation:
         self.wakes: set[float] = set()
         self.hol: set[str] = set()
         self.cycles = 0
+        self.unstarted = 0  # window jobs not started yet (counted when the window closes)
         self.log: list[str] = []
         self.plans: list[Plan] = []
         self.observer: Callable[[Simulation, Plan], None] | None = None  # called after each cycle
@@ -237,54 +246,68 @@ class Simulation:
         gc.collect()
         gc.freeze()
         t0 = time.perf_counter()
-        next_progress = -wl.warmup + progress_every_s
-        heap = self.heap
-        pop = heapq.heappop
         m = self.metrics
         try:
-            while heap:
-                t = heap[0][0]
-                if t >= end:
-                    break
-                t, kind, _, a, b = pop(heap)
-                if t > self.now:
-                    m.advance(t)
-                    self.now = t
-                    if progress is not None and t >= next_progress:
-                        progress((t + wl.warmup) / (end + wl.warmup))
-                        next_progress = t + progress_every_s
-                if kind == CYCLE:
-                    self.cycle_pending = False
-                    if self.dirty:
-                        self._cycle()
-                elif kind == ARRIVAL:
-                    self._arrive(a)
-                elif kind == END:
-                    self._end(a, b)
-                elif kind == STOP:
-                    self._stop(a, b)
-                elif kind == CKPT:
-                    self._checkpoint(a, b)
-                elif kind == FAULT:
-                    self._fault(a)
-                elif kind == HEALTH:
-                    self._health(a, b)
-                elif kind == WAKE:
-                    self.wakes.discard(t)
-                    if t == self.next_tick:
-                        self.next_tick = _INF
-                    self._mark()
+            self._loop(end, progress, progress_every_s)
             m.advance(end)
             self.now = end
             for rec in self.recs.values():
                 if rec.phase in ("running", "stopping"):
                     self._spread_loss(rec, end)  # still running: its slow part so far
+            m.close_window(self.recs.values())
+            self.unstarted = sum(1 for rec in self.recs.values() if rec.first_start is None and rec.job.submit >= 0)
+            if self.opt.drain_s > 0 and self.unstarted:
+                self._loop(end + self.opt.drain_s, None, progress_every_s)
+            # a job never started has waited until the run stopped
+            m.stopped_at = end + self.opt.drain_s if self.unstarted else self.now
         finally:
             gc.unfreeze()
         self.wall_s = time.perf_counter() - t0
         if progress is not None:
             progress(1.0)
         return self.result()
+
+    def _loop(self, until: float, progress: Callable[[float], None] | None, progress_every_s: float) -> None:
+        """Handle events before ``until``; in the drain, stop once every window job has started."""
+        wl = self.workload
+        span = wl.end + wl.warmup
+        next_progress = -wl.warmup + progress_every_s
+        heap = self.heap
+        pop = heapq.heappop
+        m = self.metrics
+        draining = m.closed
+        while heap:
+            t = heap[0][0]
+            if t >= until or (draining and not self.unstarted):
+                break
+            t, kind, _, a, b = pop(heap)
+            if t > self.now:
+                m.advance(t)
+                self.now = t
+                if progress is not None and t >= next_progress:
+                    progress((t + wl.warmup) / span)
+                    next_progress = t + progress_every_s
+            if kind == CYCLE:
+                self.cycle_pending = False
+                if self.dirty:
+                    self._cycle()
+            elif kind == ARRIVAL:
+                self._arrive(a)
+            elif kind == END:
+                self._end(a, b)
+            elif kind == STOP:
+                self._stop(a, b)
+            elif kind == CKPT:
+                self._checkpoint(a, b)
+            elif kind == FAULT:
+                self._fault(a)
+            elif kind == HEALTH:
+                self._health(a, b)
+            elif kind == WAKE:
+                self.wakes.discard(t)
+                if t == self.next_tick:
+                    self.next_tick = _INF
+                self._mark()
 
     # ------------------------------------------------------------------ handlers
 
@@ -362,6 +385,8 @@ class Simulation:
         if rec.first_start is None:
             rec.first_start = now
             m.first_start(rec, now)
+            if m.closed and rec.job.submit >= 0:
+                self.unstarted -= 1
         else:
             m.restart(rec, now)
         m.placed(rec, pl, now)

@@ -6,8 +6,11 @@
   GPU-hours lost to preemption and failures (work held, then thrown away) and to spread
   placement;
 * idle GPU-hours (healthy, not held) and their cost at ``GPU_HOUR_USD``;
-* queue wait (first start - submit; a job still queued at the end counts with its wait
-  so far and is reported as ``censored``) p50/p95/p99 by class and by size bucket;
+* queue wait (first start - submit) p50/p95/p99 by class and by size bucket. A job still
+  queued when the window ends is followed into the drain (``SimOptions.drain_s``) until it
+  starts; one still queued when the run stops counts with its wait so far and is reported
+  as ``censored``. Without a drain, a policy that never starts a gang reports a shorter
+  wait for it than one that starts it late;
 * per team: max wait, and starvation: the team uses less than its guarantee, has queued
   work that fits in what is left of it, and another team borrows capacity that work may
   take back (DESIGN.md victims: borrowed work of the same or a lower class); more than
@@ -18,11 +21,14 @@
   to spread placement (the extra time a gang spread beyond its max_blocks runs, when the
   run models it: ``SimOptions.spread_slowdown``);
 * borrowed-GPU reclaim time: from the cycle that preempts borrowed work for a job to
-  that job's start; the bound is the grace of the victims stopping for it (all of them,
+  that job's start (reclaims begun in the window, even if the job starts in the drain); the bound is the grace of the victims stopping for it (all of them,
   borrowed or not: it starts when the last is gone) + 2 cycles;
 * large gangs (>= 1,024 GPUs): blocks spanned vs the fewest blocks that could hold
   them, and max_blocks;
 * preemptions per job; cycles.
+
+Everything but the waits (and the placements of the jobs they wait for) is measured over
+the window; the drain after it only finishes the waits.
 
 Percentiles are nearest-rank; every float is rounded so equal runs give equal JSON.
 """
@@ -129,6 +135,10 @@ class Metrics:
         self.starved_max: dict[str, float] = {}
         self.starved_episodes: Counter = Counter()
         self.cycle_interval = 1.0
+        self.closed = False  # the window has ended: only first starts (waits) are still measured
+        self.stopped_at = self.end  # when the run stopped (the end of the drain, if any)
+        self.queued_at_window_end = 0
+        self.running_at_window_end = 0
         self._teams = [(t.name, gt, g) for t in workload.teams for gt, g, _ in t.quotas]
 
     # ------------------------------------------------------------------ step functions
@@ -197,6 +207,21 @@ class Metrics:
         over = self.alloc + self.queued_charge > self.healthy
         self.snaps.append((idle, spare, reserved, over))
 
+    def close_window(self, recs) -> None:
+        """The window has ended; from here on only first starts count (the drain)."""
+        for key, since in list(self.starving_since.items()):
+            self._close_starving(key, since, self.end)
+        for key, since in list(self.below_since.items()):
+            self._close_below(key, since, self.end)
+        for rec in recs:
+            if rec.job.submit < 0:
+                continue
+            if rec.first_start is None:
+                self.queued_at_window_end += 1
+            if rec.phase in ("running", "stopping"):
+                self.running_at_window_end += 1
+        self.closed = True
+
     # ------------------------------------------------------------------ hooks
 
     def queued(self, rec: _Rec, sign: int) -> None:
@@ -214,14 +239,14 @@ class Metrics:
 
     def restart(self, rec: _Rec, now: float) -> None:
         self.stale = True
-        if now >= 0:
+        if now >= 0 and not self.closed:
             self.restarts += 1
 
     def placed(self, rec: _Rec, pl, now: float) -> None:
         self.stale = True
         if now < 0:
             return
-        if pl.backfill:
+        if pl.backfill and not self.closed:
             self.backfills += 1
         job = rec.job
         if job.gpus >= LARGE_GANG_GPUS:
@@ -244,12 +269,12 @@ class Metrics:
 
     def reservation_made(self, job_id: str, now: float) -> None:
         self.res_since[job_id] = now
-        if now >= 0:
+        if now >= 0 and not self.closed:
             self.res_made += 1
 
     def reservation_gone(self, job_id: str, now: float, owner_started: bool) -> None:
         since = self.res_since.pop(job_id, now)
-        if now < 0:
+        if now < 0 or self.closed:
             return
         if owner_started:
             self.res_started += 1
@@ -259,7 +284,7 @@ class Metrics:
             self.res_dropped_held_s += now - since
 
     def preempted(self, rec: _Rec, pr, now: float) -> None:
-        if now < 0:
+        if now < 0 or self.closed:
             return
         self.preempt_by_reason[pr.reason.value] += 1
         if pr.victim_borrowed:
@@ -267,32 +292,34 @@ class Metrics:
         self.preempt_per_job[rec.job.job_id] += 1
 
     def reclaimed(self, rec: _Rec, dt: float, grace: float) -> None:
-        if rec.attempt_start >= 0:
+        # a reclaim begun in the window counts, even if the job starts in the drain
+        if 0.0 <= rec.attempt_start - dt < self.end:
             self.reclaims.append((dt, grace + 2 * self.cycle_interval))
 
     def ended(self, rec: _Rec, outcome: str, now: float) -> None:
         self.stale = True
-        if now >= 0:
+        if now >= 0 and not self.closed:
             self.outcomes[outcome] += 1
 
     def lost_preemption(self, rec: _Rec, h: float) -> None:
         self.stale = True
-        if self.t >= 0:
+        if self.t >= 0 and not self.closed:
             self.lost_pre_h += h
 
     def lost_failure(self, rec: _Rec, h: float) -> None:
         self.stale = True
-        if self.t >= 0:
+        if self.t >= 0 and not self.closed:
             self.lost_fail_h += h
 
     def lost_spread(self, h: float) -> None:
         """GPU-hours a spread gang held beyond what its work needed (measured window only)."""
         self.stale = True
-        self.lost_spread_h += h
+        if not self.closed:
+            self.lost_spread_h += h
 
     def fault(self, nid: str, f, res) -> None:
         self.stale = True
-        if self.t >= 0:
+        if self.t >= 0 and not self.closed:
             self.faults_in_window += 1
             self.gangs_failed += len(res.released)
             self.serving_degraded += len(res.degraded)
@@ -302,7 +329,7 @@ class Metrics:
 
     def after_cycle(self, now: float, queue, plan=None) -> None:
         self.stale = True
-        if now < 0:
+        if now < 0 or self.closed:
             return
         st = self.state
         if plan is not None and now >= self.next_reason_sample and self.recs is not None:
@@ -399,10 +426,8 @@ class Metrics:
 
     def summary(self, recs: dict[str, _Rec], policy: Policy, cycles: int) -> dict:
         end = self.end
-        for key, since in list(self.starving_since.items()):
-            self._close_starving(key, since, end)
-        for key, since in list(self.below_since.items()):
-            self._close_below(key, since, end)
+        if not self.closed:
+            self.close_window(recs.values())
         waits_class: dict[str, list[float]] = {c: [] for c in CLASSES}
         cens_class: Counter = Counter()
         waits_size: dict[str, list[float]] = {b: [] for b in SIZE_BUCKETS}
@@ -412,7 +437,7 @@ class Metrics:
         team_jobs: Counter = Counter()
         large_waits: list[float] = []
         large_cens = 0
-        submitted = started = still_queued = running_end = 0
+        submitted = started = never_started = 0
         per_job_pre: list[int] = []
         all_waits: dict[str, list[float]] = {c: [] for c in CLASSES}
         for rec in recs.values():
@@ -426,11 +451,9 @@ class Metrics:
                 cens = False
                 per_job_pre.append(self.preempt_per_job.get(job.job_id, 0))
             else:
-                w = end - job.submit
+                w = self.stopped_at - job.submit
                 cens = True
-                still_queued += 1
-            if rec.phase in ("running", "stopping"):
-                running_end += 1
+                never_started += 1
             cls, sb = job.priority, size_bucket(job.gpus)
             waits_class.setdefault(cls, []).append(w)
             all_waits.setdefault(cls, []).append(w)
@@ -556,8 +579,10 @@ class Metrics:
             "jobs": {
                 "submitted": submitted,
                 "started": started,
-                "still_queued_at_end": still_queued,
-                "running_at_end": running_end,
+                "still_queued_at_window_end": self.queued_at_window_end,
+                "never_started": never_started,
+                "running_at_window_end": self.running_at_window_end,
+                "drain_h": r((self.stopped_at - end) / 3600.0, 3),
                 "outcomes": dict(sorted(self.outcomes.items())),
                 "restarts": self.restarts,
                 "backfill_placements": self.backfills,

@@ -81,6 +81,11 @@ def rows(report: dict) -> list[tuple[str, list[str]]]:
         + f" ({p['wait_s']['large_gangs']['censored']})",
     )
     row(
+        "jobs queued at the window's end / never started (drain after the window)",
+        lambda p: f"{p['jobs']['still_queued_at_window_end']} / {p['jobs']['never_started']}"
+        f" ({_num(p['jobs']['drain_h'], 1)} h)",
+    )
+    row(
         "large-gang placements: min blocks / ≤ max_blocks / all",
         lambda p: f"{p['large_gangs']['in_min_blocks']} / {p['large_gangs']['in_min_blocks_or_within_max_blocks']}"
         f" / {p['large_gangs']['placements']}",

@@ -185,7 +185,8 @@ def _higher(ours: dict, theirs: dict, key: str) -> bool:
 
 
 def _better_wait(ours: dict, theirs: dict) -> bool:
-    """Lower mean wait (censored waits count as waited so far) and no more jobs left waiting."""
+    """Lower mean wait and no more jobs left waiting (waits are followed into the drain; one
+    still queued when the run stops counts as waited so far)."""
     if not ours["n"]:
         return False
     if not theirs["n"]:

@@ -32,13 +32,14 @@ def test_cli_seed_writes_json_plots_and_table(tmp_path: Path) -> None:
         _app(),
         [
             "--workload", "seed", "--days", "0.02", "--nodes", "64", "--warmup-h", "0.2", "--seed", "2", "--one-block-wait", "120",
-            "--spread-slowdown", "0.2", "--json", str(out), "--plots", str(tmp_path / "plots"), "--table", str(tmp_path / "t.md"), "--quiet",
+            "--spread-slowdown", "0.2", "--drain-h", "6", "--json", str(out), "--plots", str(tmp_path / "plots"), "--table", str(tmp_path / "t.md"), "--quiet",
         ],
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     rep = json.loads(out.read_text())
     assert list(rep["policies"]) == ["ours", "fifo", "kueue-like", "slurm-like"]
     assert rep["options"]["spread_slowdown"] == 0.2
+    assert rep["options"]["drain_s"] == 6 * 3600
     ours = rep["policies"]["ours"]
     assert ours["preset"] == "gpufleet"
     for key in ("allocation", "idle", "wait_s", "teams", "lost_gpu_hours", "reclaim", "large_gangs", "preemptions"):
@@ -51,6 +52,7 @@ def test_cli_seed_writes_json_plots_and_table(tmp_path: Path) -> None:
     assert (tmp_path / "plots" / "wait_cdf.png").stat().st_size > 10_000
     table = (tmp_path / "t.md").read_text()
     assert table.startswith("| metric | ours | fifo | kueue-like | slurm-like |")
+    assert "never started (drain after the window)" in table
 
 
 def test_cli_trace_one_policy_to_stdout() -> None:
@@ -70,6 +72,8 @@ def test_cli_rejects_unknown_policy_and_bad_trace(tmp_path: Path) -> None:
     assert r.exit_code != 0 and "magic" in r.output
     r = CliRunner().invoke(_app(), ["--spread-slowdown", "-0.1", "--quiet"])
     assert r.exit_code == 2 and "spread-slowdown" in r.output
+    r = CliRunner().invoke(_app(), ["--drain-h", "-1", "--quiet"])
+    assert r.exit_code == 2 and "drain-h" in r.output
     bad = tmp_path / "bad.csv"
     bad.write_text("foo,bar\n1,2\n")
     r = CliRunner().invoke(_app(), ["--workload", str(bad), "--quiet"])

@@ -350,3 +350,46 @@ def test_ours_keeps_the_gang_in_one_block_at_full_speed_unless_it_lets_it_spread
     assert t == HOUR and len(pl.blocks) == 2
     assert ended_at(sim, "g") == pytest.approx(HOUR + 1.25 * HOUR)
     assert res["lost_gpu_hours"]["spread_placement"] == pytest.approx(32 * 0.25, abs=1e-3)
+
+
+def _gang_queued_past_the_window():
+    # A holds 6 of 8 nodes from 0 to 5 h (within its team's guarantee, same class: no
+    # victim); gang B (all 8 nodes) arrives at 1 h. The window ends at 2 h.
+    return workload(
+        [job("a", "x", 0.0, 5 * HOUR, gpus=48), job("b", "y", HOUR, HOUR, gpus=64, pack="block")],
+        {"x": (48, 0), "y": (64, 0)},
+        end=2 * HOUR,
+    )
+
+
+def test_drain_follows_a_job_the_window_cut_off_until_it_starts() -> None:
+    wl = _gang_queued_past_the_window()
+    cut, cut_res = simulate(wl, drain_s=0.0)
+    sim, res = simulate(wl)  # the default drain (48 h)
+    # without a drain, B's wait stops at the window's end: 1 h, censored
+    assert cut.recs["b"].first_start is None
+    cut_big = cut_res["wait_s"]["by_size"]["9-1023"]  # A (no wait) and B
+    assert (cut_big["n"], cut_big["max"], cut_big["censored"]) == (2, HOUR, 1)
+    assert cut_res["teams"]["y"]["max_wait_s"] == HOUR
+    assert (cut_res["jobs"]["never_started"], cut_res["jobs"]["drain_h"]) == (1, 0.0)
+    # the drain runs on until B starts at A's end: its wait is 4 h, and the run stops there
+    assert sim.recs["b"].first_start == pytest.approx(5 * HOUR)
+    big = res["wait_s"]["by_size"]["9-1023"]
+    assert (big["max"], big["censored"]) == (pytest.approx(4 * HOUR), 0)
+    assert res["teams"]["y"]["max_wait_s"] == pytest.approx(4 * HOUR)
+    jobs = res["jobs"]
+    assert (jobs["still_queued_at_window_end"], jobs["running_at_window_end"]) == (1, 1)
+    assert (jobs["never_started"], jobs["drain_h"]) == (0, pytest.approx(3.0))
+    assert ended_at(sim, "b") is None  # the drain stops once every window job has started
+    # everything else is measured over the window, drain or not
+    for key in ("allocation", "idle", "lost_gpu_hours", "preemptions", "starved_teams", "failures"):
+        assert res[key] == cut_res[key], key
+    assert res["jobs"]["outcomes"] == cut_res["jobs"]["outcomes"] == {}
+
+
+def test_a_drain_too_short_leaves_the_job_censored_at_the_drains_end() -> None:
+    sim, res = simulate(_gang_queued_past_the_window(), drain_s=HOUR)
+    assert sim.recs["b"].first_start is None
+    big = res["wait_s"]["by_size"]["9-1023"]
+    assert (big["max"], big["censored"]) == (pytest.approx(2 * HOUR), 1)  # 1 h -> 3 h
+    assert (res["jobs"]["never_started"], res["jobs"]["drain_h"]) == (1, pytest.approx(1.0))
