@@ -202,7 +202,7 @@ class Simulation:
         self.wakes: set[float] = set()
         self.hol: set[str] = set()
         self.cycles = 0
-        self.unstarted = 0  # window jobs not started yet (counted when the window closes)
+        self.unstarted = 0  # window jobs not started yet (in the drain)
         self.log: list[str] = []
         self.plans: list[Plan] = []
         self.observer: Callable[[Simulation, Plan], None] | None = None  # called after each cycle
@@ -255,7 +255,7 @@ class Simulation:
                 if rec.phase in ("running", "stopping"):
                     self._spread_loss(rec, end)  # still running: its slow part so far
             m.close_window(self.recs.values())
-            self.unstarted = sum(1 for rec in self.recs.values() if rec.first_start is None and rec.job.submit >= 0)
+            self.unstarted = m.queued_at_window_end
             if self.opt.drain_s > 0 and self.unstarted:
                 self._loop(end + self.opt.drain_s, None, progress_every_s)
             # a job never started has waited until the run stopped

@@ -21,8 +21,9 @@
   to spread placement (the extra time a gang spread beyond its max_blocks runs, when the
   run models it: ``SimOptions.spread_slowdown``);
 * borrowed-GPU reclaim time: from the cycle that preempts borrowed work for a job to
-  that job's start (reclaims begun in the window, even if the job starts in the drain); the bound is the grace of the victims stopping for it (all of them,
-  borrowed or not: it starts when the last is gone) + 2 cycles;
+  that job's start (reclaims begun in the window, even if the job starts in the drain);
+  the bound is the grace of the victims stopping for it (all of them, borrowed or not:
+  it starts when the last is gone) + 2 cycles;
 * large gangs (>= 1,024 GPUs): blocks spanned vs the fewest blocks that could hold
   them, and max_blocks;
 * preemptions per job; cycles.
