@@ -28,6 +28,17 @@ async def pool_from_settings(settings: Settings, dsn: str | None = None) -> asyn
     return await create_pool(url, min_size=settings.db_pool_min, max_size=settings.db_pool_max)
 
 
+# Migrations renumbered after they shipped (three were numbered 0003, none 0004): a
+# database that recorded the old names gets the new ones (same files, same checksums)
+# before anything is applied.
+RENAMED_MIGRATIONS = {
+    "0003_replica_restart.sql": "0004_replica_restart.sql",
+    "0003_wake_notify.sql": "0005_wake_notify.sql",
+    "0005_hot_spares.sql": "0006_hot_spares.sql",
+    "0006_job_state_changes.sql": "0007_job_state_changes.sql",
+}
+
+
 def migration_files() -> list[tuple[str, str]]:
     """(name, sql) for every migration, in order."""
     folder = resources.files("db") / "migrations"
@@ -44,6 +55,8 @@ async def migrate(conn: asyncpg.Connection) -> list[str]:
             "CREATE TABLE IF NOT EXISTS schema_migrations ("
             " name text PRIMARY KEY, checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
         )
+        for old, new in RENAMED_MIGRATIONS.items():
+            await conn.execute("UPDATE schema_migrations SET name = $2 WHERE name = $1", old, new)
         done = {r["name"]: r["checksum"] for r in await conn.fetch("SELECT name, checksum FROM schema_migrations")}
         for name, sql in migration_files():
             digest = hashlib.sha256(sql.encode()).hexdigest()
