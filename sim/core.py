@@ -64,6 +64,7 @@ from placement import (
 )
 from sim.failures import Fault
 from sim.metrics import Metrics
+from sim.records import JobRecord
 from sim.workload import SimJob, Workload
 
 # event kinds, in the order they are handled at one instant (the cycle comes last)
@@ -89,53 +90,6 @@ class SimOptions:
 
 class InvariantViolation(AssertionError):
     pass
-
-
-class _Rec:
-    """A job as the simulator sees it across attempts."""
-
-    __slots__ = (
-        "job",
-        "spec",
-        "charge",
-        "phase",
-        "saved",
-        "attempt_start",
-        "work_start",
-        "last_ckpt",
-        "token",
-        "first_start",
-        "preemptions",
-        "failures",
-        "sigterm_at",
-        "reclaim_at",
-        "reclaim_grace",
-        "end_kind",
-        "pace",
-    )
-
-    def __init__(self, job: SimJob, spec: JobSpec, charge: int) -> None:
-        self.job = job
-        self.spec = spec
-        self.charge = charge
-        self.phase = "future"  # future, queued, running, stopping, done
-        self.saved = 0.0  # work (s) saved in the last checkpoint, kept across attempts
-        self.attempt_start = 0.0
-        self.work_start = 0.0  # when the work of this attempt began (after start latency)
-        self.last_ckpt: float | None = None  # time of the last checkpoint in this attempt
-        self.token = 0
-        self.first_start: float | None = None
-        self.preemptions = 0
-        self.failures = 0
-        self.sigterm_at: float | None = None
-        self.reclaim_at: float | None = None
-        self.reclaim_grace = 0.0
-        self.end_kind = ""
-        self.pace = 1.0  # wall seconds per second of work in this attempt (> 1: spread placement)
-
-    def saved_at(self) -> float:
-        """When the newest checkpoint of the running attempt was taken (its start if none)."""
-        return self.last_ckpt if self.last_ckpt is not None else self.attempt_start
 
 
 def job_spec(job: SimJob) -> JobSpec:
@@ -191,7 +145,7 @@ class Simulation:
         self.opt = options or SimOptions()
         self.state, self.node_ids = build_state(workload)
         self.queue = JobQueue()
-        self.recs: dict[str, _Rec] = {}
+        self.recs: dict[str, JobRecord] = {}
         self.heap: list[tuple] = []
         self.seq = 0
         self.now = -workload.warmup
@@ -237,7 +191,7 @@ class Simulation:
         for job in wl.jobs:
             if job.submit >= end:
                 continue
-            rec = _Rec(job, job_spec(job), charge_of(job, self._node_gpus[job.gpu_type]))
+            rec = JobRecord(job, job_spec(job), charge_of(job, self._node_gpus[job.gpu_type]))
             self.recs[job.job_id] = rec
             self._push(job.submit, ARRIVAL, rec)
         for f in self.faults:
@@ -311,7 +265,7 @@ class Simulation:
 
     # ------------------------------------------------------------------ handlers
 
-    def _arrive(self, rec: _Rec) -> None:
+    def _arrive(self, rec: JobRecord) -> None:
         rec.phase = "queued"
         self.queue.push(rec.spec)
         self.metrics.queued(rec, +1)
@@ -377,7 +331,7 @@ class Simulation:
                 self._push(w, WAKE)
         m.after_cycle(now, self.queue, p)
 
-    def _start(self, rec: _Rec, pl) -> None:
+    def _start(self, rec: JobRecord, pl) -> None:
         now = self.now
         job = rec.job
         m = self.metrics
@@ -429,13 +383,13 @@ class Simulation:
         allowed = max(job.max_blocks, self.workload.cluster.min_blocks(job.gpu_type, len(pl.nodes)))
         return 1.0 + slow if len(pl.blocks) > allowed else 1.0
 
-    def _progress_saved(self, rec: _Rec) -> float:
+    def _progress_saved(self, rec: JobRecord) -> float:
         """Work saved by the running attempt's newest checkpoint."""
         if rec.job.checkpoint_s is None or rec.last_ckpt is None:
             return rec.saved
         return rec.saved + max(0.0, rec.last_ckpt - rec.work_start) / rec.pace
 
-    def _spread_loss(self, rec: _Rec, kept_until: float) -> None:
+    def _spread_loss(self, rec: JobRecord, kept_until: float) -> None:
         """Charge the slow part of the attempt's kept work, [work_start, kept_until].
 
         Work thrown away after ``kept_until`` is already lost to preemption or failure.
@@ -459,7 +413,7 @@ class Simulation:
         ben.reclaim_grace = max(ben.reclaim_grace, pr.grace_s)
         self._note(f"preempt {pr.victim} for {pr.beneficiary} reason={pr.reason.value} borrowed={pr.victim_borrowed}")
 
-    def _release_and_requeue(self, rec: _Rec, *, preempted: bool, front: bool, lost_from: float) -> float:
+    def _release_and_requeue(self, rec: JobRecord, *, preempted: bool, front: bool, lost_from: float) -> float:
         now = self.now
         saved = self._progress_saved(rec)
         ckpt_at = rec.last_ckpt
@@ -482,7 +436,7 @@ class Simulation:
         self.metrics.queued(rec, +1)
         return lost_h
 
-    def _end(self, rec: _Rec, b) -> None:
+    def _end(self, rec: JobRecord, b) -> None:
         token, outcome = b
         if token != rec.token or rec.phase not in ("running", "stopping"):
             return
@@ -495,7 +449,7 @@ class Simulation:
         self._note(f"end {rec.job.job_id} {outcome}")
         self._mark()
 
-    def _stop(self, rec: _Rec, token: int) -> None:
+    def _stop(self, rec: JobRecord, token: int) -> None:
         if token != rec.token or rec.phase != "stopping":
             return
         self.state.release(rec.job.job_id, self.now)
@@ -506,7 +460,7 @@ class Simulation:
         self._note(f"stopped {rec.job.job_id} lost={lost_h:.2f} GPU-h")
         self._mark()
 
-    def _checkpoint(self, rec: _Rec, token: int) -> None:
+    def _checkpoint(self, rec: JobRecord, token: int) -> None:
         if token != rec.token or rec.phase != "running":
             return
         now = self.now

@@ -38,13 +38,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from placement import ClusterState, NodeHealth, Policy
+from sim.records import JobRecord
 from sim.workload import CLASSES, SIZE_BUCKETS, Workload, size_bucket
-
-if TYPE_CHECKING:
-    from sim.core import _Rec
 
 GPU_HOUR_USD = 2.0
 STARVED_AFTER_S = 600.0
@@ -225,7 +222,7 @@ class Metrics:
 
     # ------------------------------------------------------------------ hooks
 
-    def queued(self, rec: _Rec, sign: int) -> None:
+    def queued(self, rec: JobRecord, sign: int) -> None:
         self.queued_charge += sign * rec.charge
         key = (rec.job.team, rec.job.gpu_type, rec.spec.rank)
         c = self.q_by_team.get(key)
@@ -235,15 +232,15 @@ class Metrics:
         if c[rec.charge] <= 0:
             del c[rec.charge]
 
-    def first_start(self, rec: _Rec, now: float) -> None:
+    def first_start(self, rec: JobRecord, now: float) -> None:
         self.stale = True
 
-    def restart(self, rec: _Rec, now: float) -> None:
+    def restart(self, rec: JobRecord, now: float) -> None:
         self.stale = True
         if now >= 0 and not self.closed:
             self.restarts += 1
 
-    def placed(self, rec: _Rec, pl, now: float) -> None:
+    def placed(self, rec: JobRecord, pl, now: float) -> None:
         self.stale = True
         if now < 0:
             return
@@ -284,7 +281,7 @@ class Metrics:
             self.res_dropped += 1
             self.res_dropped_held_s += now - since
 
-    def preempted(self, rec: _Rec, pr, now: float) -> None:
+    def preempted(self, rec: JobRecord, pr, now: float) -> None:
         if now < 0 or self.closed:
             return
         self.preempt_by_reason[pr.reason.value] += 1
@@ -292,22 +289,22 @@ class Metrics:
             self.preempt_borrowed += 1
         self.preempt_per_job[rec.job.job_id] += 1
 
-    def reclaimed(self, rec: _Rec, dt: float, grace: float) -> None:
+    def reclaimed(self, rec: JobRecord, dt: float, grace: float) -> None:
         # a reclaim begun in the window counts, even if the job starts in the drain
         if 0.0 <= rec.attempt_start - dt < self.end:
             self.reclaims.append((dt, grace + 2 * self.cycle_interval))
 
-    def ended(self, rec: _Rec, outcome: str, now: float) -> None:
+    def ended(self, rec: JobRecord, outcome: str, now: float) -> None:
         self.stale = True
         if now >= 0 and not self.closed:
             self.outcomes[outcome] += 1
 
-    def lost_preemption(self, rec: _Rec, h: float) -> None:
+    def lost_preemption(self, rec: JobRecord, h: float) -> None:
         self.stale = True
         if self.t >= 0 and not self.closed:
             self.lost_pre_h += h
 
-    def lost_failure(self, rec: _Rec, h: float) -> None:
+    def lost_failure(self, rec: JobRecord, h: float) -> None:
         self.stale = True
         if self.t >= 0 and not self.closed:
             self.lost_fail_h += h
@@ -425,7 +422,7 @@ class Metrics:
             }
         return out
 
-    def summary(self, recs: dict[str, _Rec], policy: Policy, cycles: int) -> dict:
+    def summary(self, recs: dict[str, JobRecord], policy: Policy, cycles: int) -> dict:
         end = self.end
         if not self.closed:
             self.close_window(recs.values())
