@@ -1,4 +1,4 @@
-"""The job state table (DESIGN.md, "Job lifecycle"), as data.
+"""The job state table (docs/design.md, Job lifecycle), as data.
 
 Stable names (the Postgres mirror and the workflows import these):
 
@@ -8,8 +8,9 @@ Stable names (the Postgres mirror and the workflows import these):
   ``rank_failed``, ``node_failed``, ``preempt``, ``stopped``, ``cancel``,
   ``exit_ok``, ``exit_fail``, ``runtime_expired``, ``reject``, ``cancel_stopped``.
 * ``STATE_CHANGES`` / ``allowed_change(from, to)``: the (from, to) pairs of the table
-  (``activities.store.write_job_event`` checks every state change against them).
-* ``TRANSITIONS``: ``{(state, event): new_state}``; any pair not in it is invalid.
+  (``store.audit.write_job_event`` checks every state change against them).
+* ``EDGES``: ``{(state, event): (new_state, why)}``; ``TRANSITIONS``: ``{(state, event):
+  new_state}``; any pair not in them is invalid.
 * ``transition(state, event) -> JobState`` raises ``InvalidTransition``.
 * ``TERMINAL``: states with no way out; ``ACTIVE``: states that hold GPUs.
 
@@ -60,39 +61,43 @@ class JobEvent(str, Enum):
 
 S, E = JobState, JobEvent
 
-TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
-    (S.QUEUED, E.ALLOCATE): S.STARTING,  # a gang placement committed; ranks are being started
-    (S.QUEUED, E.CANCEL): S.CANCELLED,  # nothing runs yet: cancel is immediate
-    (S.QUEUED, E.REJECT): S.FAILED,  # it can never be placed
-    (S.STARTING, E.ALL_STARTED): S.RUNNING,  # every rank started
-    (S.STARTING, E.START_TIMEOUT): S.QUEUED,  # gang not started in time: released, front of its class
-    (S.STARTING, E.RANK_FAILED): S.QUEUED,  # failed attempt: whole gang released, front of its class
-    (S.STARTING, E.NODE_FAILED): S.QUEUED,  # a node died during start: released, front of its class
-    (S.STARTING, E.CANCEL): S.CANCELLING,  # stop the ranks already started
-    (S.STARTING, E.CANCEL_STOPPED): S.CANCELLED,  # cancelled before the workflow started any rank (or a failed start stopped them)
-    (S.STARTING, E.PREEMPT): S.PREEMPTING,  # a victim still starting: its started ranks get StopTask
-    (S.STARTING, E.EXIT_FAIL): S.FAILED,  # a rank failed by itself before the gang was up, no retries left
-    (S.RUNNING, E.EXIT_OK): S.SUCCEEDED,  # finished
-    (S.RUNNING, E.EXIT_FAIL): S.FAILED,  # the job's own failure
-    (S.RUNNING, E.RANK_FAILED): S.QUEUED,  # failed attempt: whole gang released, front of its class
-    (S.RUNNING, E.NODE_FAILED): S.QUEUED,  # node lost: released, resumes from its last checkpoint
-    (S.RUNNING, E.PREEMPT): S.PREEMPTING,  # StopTask with grace sent; it checkpoints
-    (S.RUNNING, E.CANCEL): S.CANCELLING,  # StopTask sent
-    (S.RUNNING, E.RUNTIME_EXPIRED): S.TIMED_OUT,  # max_runtime reached; ranks are stopped
-    (S.RUNNING, E.CANCEL_STOPPED): S.CANCELLED,  # a failed attempt's ranks were stopped while a cancel waited
-    (S.PREEMPTING, E.STOPPED): S.QUEUED,  # attempt + 1, original submit time, resumes from checkpoint
-    (S.PREEMPTING, E.EXIT_OK): S.SUCCEEDED,  # it finished during its grace period
-    (S.PREEMPTING, E.EXIT_FAIL): S.QUEUED,  # crashed while checkpointing: still re-queued (last good checkpoint)
-    (S.PREEMPTING, E.NODE_FAILED): S.QUEUED,  # a node died during the grace period: released and re-queued
-    (S.PREEMPTING, E.CANCEL): S.CANCELLING,  # user cancel wins over re-queue
-    (S.PREEMPTING, E.RUNTIME_EXPIRED): S.TIMED_OUT,  # its time ran out while stopping
-    (S.PREEMPTING, E.CANCEL_STOPPED): S.CANCELLED,  # stopped for the preemption while a cancel waited: no re-queue
-    (S.CANCELLING, E.STOPPED): S.CANCELLED,  # every rank stopped
-    (S.CANCELLING, E.EXIT_OK): S.SUCCEEDED,  # it finished before the stop landed
-    (S.CANCELLING, E.EXIT_FAIL): S.CANCELLED,  # exited under SIGTERM: the cancel stands
-    (S.CANCELLING, E.NODE_FAILED): S.CANCELLED,  # node gone: nothing left to stop there
-    (S.CANCELLING, E.RUNTIME_EXPIRED): S.CANCELLED,  # the cancel was first
+# (state, event) -> (new state, why): every edge of the job state machine, with its reason
+# (docs/design.md's job state table is generated from this).
+EDGES: dict[tuple[JobState, JobEvent], tuple[JobState, str]] = {
+    (S.QUEUED, E.ALLOCATE): (S.STARTING, "a gang placement committed; ranks are being started"),
+    (S.QUEUED, E.CANCEL): (S.CANCELLED, "nothing runs yet: cancel is immediate"),
+    (S.QUEUED, E.REJECT): (S.FAILED, "it can never be placed"),
+    (S.STARTING, E.ALL_STARTED): (S.RUNNING, "every rank started"),
+    (S.STARTING, E.START_TIMEOUT): (S.QUEUED, "gang not started in time: released, front of its class"),
+    (S.STARTING, E.RANK_FAILED): (S.QUEUED, "failed attempt: whole gang released, front of its class"),
+    (S.STARTING, E.NODE_FAILED): (S.QUEUED, "a node died during start: released, front of its class"),
+    (S.STARTING, E.CANCEL): (S.CANCELLING, "stop the ranks already started"),
+    (S.STARTING, E.CANCEL_STOPPED): (S.CANCELLED, "cancelled before the workflow started any rank (or a failed start stopped them)"),
+    (S.STARTING, E.PREEMPT): (S.PREEMPTING, "a victim still starting: its started ranks get StopTask"),
+    (S.STARTING, E.EXIT_FAIL): (S.FAILED, "a rank failed by itself before the gang was up, no retries left"),
+    (S.RUNNING, E.EXIT_OK): (S.SUCCEEDED, "finished"),
+    (S.RUNNING, E.EXIT_FAIL): (S.FAILED, "the job's own failure"),
+    (S.RUNNING, E.RANK_FAILED): (S.QUEUED, "failed attempt: whole gang released, front of its class"),
+    (S.RUNNING, E.NODE_FAILED): (S.QUEUED, "node lost: released, resumes from its last checkpoint"),
+    (S.RUNNING, E.PREEMPT): (S.PREEMPTING, "StopTask with grace sent; it checkpoints"),
+    (S.RUNNING, E.CANCEL): (S.CANCELLING, "StopTask sent"),
+    (S.RUNNING, E.RUNTIME_EXPIRED): (S.TIMED_OUT, "max_runtime reached; ranks are stopped"),
+    (S.RUNNING, E.CANCEL_STOPPED): (S.CANCELLED, "a failed attempt's ranks were stopped while a cancel waited"),
+    (S.PREEMPTING, E.STOPPED): (S.QUEUED, "attempt + 1, original submit time, resumes from checkpoint"),
+    (S.PREEMPTING, E.EXIT_OK): (S.SUCCEEDED, "it finished during its grace period"),
+    (S.PREEMPTING, E.EXIT_FAIL): (S.QUEUED, "crashed while checkpointing: still re-queued (last good checkpoint)"),
+    (S.PREEMPTING, E.NODE_FAILED): (S.QUEUED, "a node died during the grace period: released and re-queued"),
+    (S.PREEMPTING, E.CANCEL): (S.CANCELLING, "user cancel wins over re-queue"),
+    (S.PREEMPTING, E.RUNTIME_EXPIRED): (S.TIMED_OUT, "its time ran out while stopping"),
+    (S.PREEMPTING, E.CANCEL_STOPPED): (S.CANCELLED, "stopped for the preemption while a cancel waited: no re-queue"),
+    (S.CANCELLING, E.STOPPED): (S.CANCELLED, "every rank stopped"),
+    (S.CANCELLING, E.EXIT_OK): (S.SUCCEEDED, "it finished before the stop landed"),
+    (S.CANCELLING, E.EXIT_FAIL): (S.CANCELLED, "exited under SIGTERM: the cancel stands"),
+    (S.CANCELLING, E.NODE_FAILED): (S.CANCELLED, "node gone: nothing left to stop there"),
+    (S.CANCELLING, E.RUNTIME_EXPIRED): (S.CANCELLED, "the cancel was first"),
 }
+
+TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {key: to for key, (to, _) in EDGES.items()}
 
 TERMINAL: frozenset[JobState] = frozenset({S.SUCCEEDED, S.FAILED, S.CANCELLED, S.TIMED_OUT})
 
