@@ -1,0 +1,1 @@
+"""The Temporal activities of the control plane (the node agent's are in worker_agent)."""

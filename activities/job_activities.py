@@ -1,70 +1,26 @@
 """The JobWorkflow's control activities (run as local activities: short Postgres writes).
 
 ``JobActivities(pool, settings).all()`` lists them for a control worker. Each takes
-one frozen dataclass from ``workflows.messages`` and returns one.
+one frozen dataclass from ``workflows.messages`` and returns one; the SQL is the
+store's (``store.jobs``, ``store.job_states``).
 """
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
+from store.tx import Pool
 from typing import Any
 
-import asyncpg
 from temporalio import activity
 
-from activities import job_store
 from common.settings import Settings
+from placement.lifecycle import ACTIVE
+from store import job_spec, job_states, jobs
 from workflows import messages as m
 
 
-def master_port_for(job_id: str, attempt: int) -> int:
-    """One rendezvous port per gang attempt (DESIGN.md pitfall: many simulated nodes share a host)."""
-    return 20000 + zlib.crc32(f"{job_id}.{attempt}".encode()) % 20000
-
-
-def master_addr_for(agent_addr: str | None) -> str:
-    if agent_addr:
-        host = agent_addr.rsplit(":", 1)[0] if ":" in agent_addr else agent_addr
-        if host and host not in ("0.0.0.0", "::"):
-            return host
-    return "127.0.0.1"
-
-
-def node_queue(settings: Settings, node_id: str, task_queue: str | None) -> str:
-    if settings.agent_task_queue_mode == "shared":
-        return settings.agent_shared_task_queue
-    return task_queue or settings.node_task_queue(node_id)
-
-
-def allocation_from_leases(
-    settings: Settings, job_id: str, attempt: int, leases: list[Any]
-) -> m.Allocation | None:
-    """The Allocation message of a committed gang, from its live lease rows (rank order)."""
-    if not leases:
-        return None
-    leases = sorted(leases, key=lambda r: r["rank"])
-    return m.Allocation(
-        job_id=job_id,
-        attempt=attempt,
-        epoch=int(max(r["epoch"] for r in leases)),
-        ranks=[
-            m.RankPlacement(
-                rank=r["rank"],
-                node_id=r["node_id"],
-                gpu_indices=list(r["gpu_indices"]),
-                lease_id=r["lease_id"],
-                task_queue=node_queue(settings, r["node_id"], r["task_queue"]),
-            )
-            for r in leases
-        ],
-        master_addr=master_addr_for(leases[0]["agent_addr"]),
-        master_port=master_port_for(job_id, attempt),
-    )
-
-
 class JobActivities:
-    def __init__(self, pool: asyncpg.Pool, settings: Settings) -> None:
+    def __init__(self, pool: Pool, settings: Settings) -> None:
         self.pool = pool
         self.settings = settings
 
@@ -82,15 +38,15 @@ class JobActivities:
     @activity.defn(name=m.ACT_LOAD_JOB)
     async def load_job(self, req: m.LoadJob) -> m.JobSnapshot:
         s = self.settings
-        job, leases = await job_store.load_job(self.pool, req.job_id)
+        job, leases = await jobs.load_job(self.pool, req.job_id)
         if job is None:
             return m.JobSnapshot(job_id=req.job_id, exists=False)
-        spec = job_store.parse_spec(job["spec"])
-        ck = job_store.spec_checkpoint(spec)
+        spec = job_spec.parse_spec(job["spec"])
+        ck = job_spec.spec_checkpoint(spec)
         ck_dir = ck.get("dir") or ck.get("path") or str(Path(s.state_dir).resolve() / "checkpoints" / req.job_id)
         alloc = None
-        if job["state"] in job_store.ACTIVE:
-            alloc = allocation_from_leases(s, req.job_id, job["attempt"], leases)
+        if job["state"] in ACTIVE:
+            alloc = m.allocation_from_leases(req.job_id, job["attempt"], leases, s.node_task_queue)
         return m.JobSnapshot(
             job_id=req.job_id,
             exists=True,
@@ -101,15 +57,15 @@ class JobActivities:
             replicas=job["replicas"],
             gpus_per_replica=job["gpus_per_replica"],
             image=str(spec.get("image", "")),
-            command=job_store.spec_command(spec),
-            env=job_store.spec_env(spec),
+            command=job_spec.spec_command(spec),
+            env=job_spec.spec_env(spec),
             max_runtime_s=float(job["max_runtime_s"]),
             original_max_runtime_s=float(job["max_runtime_s"] - job["extended_s"]),
             extensions=job["extensions"],
             last_checkpoint=job["last_checkpoint"],
             checkpoint_dir=str(ck_dir),
             preemptible=bool(ck.get("preemptible", False)),
-            grace_s=job_store.spec_grace_s(spec, s.default_grace_s),
+            grace_s=job_spec.spec_grace_s(spec, s.default_grace_s),
             gang_start_timeout_s=s.gang_start_timeout_s,
             gang_timeout_in_start=True,
             start_task_timeout_s=s.start_task_timeout_s,
@@ -121,17 +77,17 @@ class JobActivities:
 
     @activity.defn(name=m.ACT_MARK_RUNNING)
     async def mark_running(self, t: m.JobTransition) -> m.TransitionResult:
-        o = await job_store.mark_running(self.pool, t.job_id, t.attempt, actor=t.actor, epoch=t.epoch)
+        o = await job_states.mark_running(self.pool, t.job_id, t.attempt, actor=t.actor, epoch=t.epoch)
         return m.TransitionResult(o.applied, o.state, o.attempt)
 
     @activity.defn(name=m.ACT_MARK_CANCELLING)
     async def mark_cancelling(self, t: m.JobTransition) -> m.TransitionResult:
-        o = await job_store.mark_cancelling(self.pool, t.job_id, t.attempt, actor=t.actor, reason=t.reason)
+        o = await job_states.mark_cancelling(self.pool, t.job_id, t.attempt, actor=t.actor, reason=t.reason)
         return m.TransitionResult(o.applied, o.state, o.attempt)
 
     @activity.defn(name=m.ACT_FINISH_JOB)
     async def finish_job(self, t: m.JobTransition) -> m.TransitionResult:
-        o = await job_store.finish_job(
+        o = await job_states.finish_job(
             self.pool,
             t.job_id,
             t.attempt,
@@ -145,7 +101,7 @@ class JobActivities:
 
     @activity.defn(name=m.ACT_REQUEUE_JOB)
     async def requeue_job(self, r: m.RequeueJob) -> m.RequeueResult:
-        o = await job_store.requeue_job(
+        o = await job_states.requeue_job(
             self.pool,
             r.job_id,
             r.attempt,
@@ -163,7 +119,7 @@ class JobActivities:
 
     @activity.defn(name=m.ACT_EXTEND_JOB)
     async def extend_job(self, e: m.ExtendJob) -> m.ExtendResult:
-        r = await job_store.extend_job(
+        r = await job_states.extend_job(
             self.pool,
             e.job_id,
             e.attempt,
@@ -179,7 +135,7 @@ class JobActivities:
 
     @activity.defn(name=m.ACT_RESTART_REPLICA)
     async def restart_replica(self, r: m.RestartReplica) -> m.RestartedReplica:
-        row = await job_store.restart_replica(
+        row = await job_states.restart_replica(
             self.pool, r.job_id, r.attempt, r.rank, r.failed_lease_id, actor="workflow", reason=r.reason
         )
         if row is None:
@@ -191,6 +147,6 @@ class JobActivities:
                 node_id=row["node_id"],
                 gpu_indices=list(row["gpu_indices"]),
                 lease_id=row["lease_id"],
-                task_queue=node_queue(self.settings, row["node_id"], row["task_queue"]),
+                task_queue=self.settings.node_task_queue(row["node_id"], row["task_queue"]),
             ),
         )

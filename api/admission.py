@@ -14,7 +14,9 @@ from collections.abc import Iterable
 
 import asyncpg
 
-from api import repository as repo
+from store import jobs
+from store import nodes
+from store import teams
 from api.errors import ApiError
 from api.schemas import PRIORITY_CLASSES, JobSubmit
 from common.settings import Principal, Settings
@@ -117,14 +119,14 @@ async def admit(conn: asyncpg.Connection, settings: Settings, principal: Princip
         raise reject(
             "forbidden_team", f"principal {principal.name} may submit for team {principal.team} only", status=403
         )
-    if not await repo.team_exists(conn, job.team):
+    if not await teams.team_exists(conn, job.team):
         raise reject("unknown_team", f"there is no team {job.team!r}", team=job.team)
     if job.priority_class not in PRIORITY_CLASSES:
         raise reject(
             "unknown_priority_class",
             f"priority class {job.priority_class!r} does not exist (one of {', '.join(PRIORITY_CLASSES)})",
         )
-    if not await repo.gpu_type_exists(conn, job.gpu_type):
+    if not await nodes.gpu_type_exists(conn, job.gpu_type):
         raise reject("unknown_gpu_type", f"this cluster has no GPU type {job.gpu_type!r}", gpu_type=job.gpu_type)
     if not any(job.image.startswith(prefix) for prefix in settings.allowed_registries):
         raise reject(
@@ -145,9 +147,9 @@ async def admit(conn: asyncpg.Connection, settings: Settings, principal: Princip
             f" {format_duration(cap)}",
             cap_seconds=cap,
         )
-    check_capacity(job, await repo.node_capacity(conn, job.gpu_type))
+    check_capacity(job, await nodes.node_capacity(conn, job.gpu_type))
     total = job.replicas * job.gpus_per_replica
-    quota = await repo.get_quota(conn, job.team, job.gpu_type)
+    quota = await teams.get_quota(conn, job.team, job.gpu_type)
     limit = 0 if quota is None else quota["guaranteed"] + quota["borrow_limit"]
     if total > limit:
         raise reject(
@@ -157,8 +159,8 @@ async def admit(conn: asyncpg.Connection, settings: Settings, principal: Princip
             requested=total,
             limit=limit,
         )
-    await repo.lock_team_queue(conn, job.team)
-    queued = await repo.count_queued(conn, job.team)
+    await jobs.lock_team_queue(conn, job.team)
+    queued = await jobs.count_queued(conn, job.team)
     if queued >= settings.max_queued_per_team:
         raise reject(
             "team_queue_full",

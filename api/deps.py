@@ -11,7 +11,8 @@ import asyncpg
 from fastapi import Path, Request
 from pydantic import AfterValidator
 
-from api import repository as repo
+from store import jobs
+from store import tx
 from api.auth import can_see_team
 from api.errors import ApiError
 from api.gateway import TemporalGateway
@@ -72,10 +73,10 @@ def job_not_found(job_id: str) -> ApiError:
     return ApiError(404, "job_not_found", f"no job {job_id}")
 
 
-async def visible_job(db: repo.Db, principal: Principal, job_id: str) -> asyncpg.Record:
+async def visible_job(db: tx.Db, principal: Principal, job_id: str) -> asyncpg.Record:
     """The job row, or 404 when it does not exist or belongs to another team
     (a team cannot learn which job ids other teams have)."""
-    job = await repo.get_job(db, job_id)
+    job = await jobs.get_job(db, job_id)
     if job is None or not can_see_team(principal, job["team"]):
         raise job_not_found(job_id)
     return job

@@ -2,7 +2,7 @@
 
 The client comes from ``common.temporal.connect`` (the one factory), created lazily
 and retried after a short pause when Temporal is unreachable, so the API serves
-reads (and accepts submits, DESIGN.md "Submit") while Temporal is down.
+reads (and accepts submits, docs/design.md, Submit) while Temporal is down.
 """
 
 from __future__ import annotations
@@ -26,15 +26,8 @@ from temporalio.service import RPCStatusCode
 
 from common.settings import Settings
 from common.temporal import connect
-from workflows.messages import (
-    JOB_WORKFLOW,
-    SIGNAL_CANCEL,
-    UPDATE_EXTEND,
-    CancelRequest,
-    ExtendRequest,
-    ExtendResult,
-    JobInput,
-)
+from workflows.job import JobWorkflow
+from workflows.messages import SIGNAL_CANCEL, CancelRequest, ExtendRequest, ExtendResult, JobInput
 
 log = logging.getLogger("gpufleet.api")
 
@@ -111,7 +104,7 @@ class TemporalGateway:
         try:
             await asyncio.wait_for(
                 client.start_workflow(
-                    JOB_WORKFLOW,
+                    JobWorkflow.run,
                     JobInput(job_id=job_id),
                     id=job_id,
                     task_queue=self.settings.control_task_queue,
@@ -129,7 +122,7 @@ class TemporalGateway:
         handle = client.get_workflow_handle(job_id)
         try:
             return await asyncio.wait_for(
-                handle.execute_update(UPDATE_EXTEND, request, result_type=ExtendResult, rpc_timeout=self.timeout),
+                handle.execute_update(JobWorkflow.extend, request, rpc_timeout=self.timeout),
                 self.settings.api_temporal_timeout_s + 1,
             )
         except WorkflowUpdateFailedError as e:

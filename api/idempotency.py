@@ -29,7 +29,8 @@ from fastapi import Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 
-from api import repository as repo
+from store import idempotency as idempotency_keys
+from store import tx
 from api.errors import ApiError
 from common.settings import Principal, Settings
 
@@ -95,11 +96,11 @@ async def run(
     async with pool.acquire() as conn:
         async with conn.transaction():
             if random.random() < 0.01:  # keep the table small without a separate janitor
-                await repo.purge_expired_keys(conn)
-            await repo.set_lock_timeout(conn, settings.idempotency_wait_s)
+                await idempotency_keys.purge_expired_keys(conn)
+            await tx.set_lock_timeout(conn, settings.idempotency_wait_s)
             try:
-                await repo.delete_expired_key(conn, principal.name, key)
-                claimed = await repo.claim_key(
+                await idempotency_keys.delete_expired_key(conn, principal.name, key)
+                claimed = await idempotency_keys.claim_key(
                     conn,
                     principal=principal.name,
                     key=key,
@@ -110,9 +111,9 @@ async def run(
                 )
             except asyncpg.LockNotAvailableError as e:
                 raise _in_flight() from e
-            await repo.set_lock_timeout(conn, 0)
+            await tx.set_lock_timeout(conn, 0)
             if not claimed:
-                row = await repo.get_key(conn, principal.name, key)
+                row = await idempotency_keys.get_key(conn, principal.name, key)
                 if row is None:  # expired and purged between the two statements: tell the client to retry
                     raise _in_flight()
                 if row["request_hash"] != request_hash:
@@ -128,7 +129,7 @@ async def run(
             else:
                 outcome = await work(conn)
                 outcome.body = jsonable_encoder(outcome.body)
-                await repo.complete_key(conn, principal.name, key, outcome.status, outcome.body)
+                await idempotency_keys.complete_key(conn, principal.name, key, outcome.status, outcome.body)
     if replay is not None:
         if on_replay is not None:
             await on_replay(replay[1])

@@ -10,27 +10,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
+from placement import NodeHealth, PriorityClass
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, StringConstraints, model_validator
 
-PRIORITY_CLASSES = ("prod-serving", "prod-batch", "research", "preemptible")
-JOB_STATES = (
-    "QUEUED",
-    "STARTING",
-    "RUNNING",
-    "PREEMPTING",
-    "CANCELLING",
-    "SUCCEEDED",
-    "FAILED",
-    "CANCELLED",
-    "TIMED_OUT",
-)
-TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "TIMED_OUT"})
-NODE_STATES = ("ready", "suspect", "down", "cordoned", "draining", "burn_in")
-
-JobState = Literal[
-    "QUEUED", "STARTING", "RUNNING", "PREEMPTING", "CANCELLING", "SUCCEEDED", "FAILED", "CANCELLED", "TIMED_OUT"
-]
-NodeState = Literal["ready", "suspect", "down", "cordoned", "draining", "burn_in"]
+# the platform's vocabularies, from the engine (placement/): one spelling everywhere
+PRIORITY_CLASSES = tuple(c.value for c in PriorityClass)
+NodeState = NodeHealth  # a node's state, as a query parameter
 
 
 def storable(s: str) -> str:

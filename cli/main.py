@@ -52,6 +52,29 @@ def _print_json(obj: Any) -> None:
     sys.stdout.flush()
 
 
+def _flatten(obj: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted key, value) for every scalar in a benchmark's result; lists shown by length."""
+    if isinstance(obj, dict):
+        return [row for k, v in obj.items() for row in _flatten(v, f"{prefix}{k}.")]
+    if isinstance(obj, list):
+        return [(prefix[:-1], f"[{len(obj)} items]")]
+    return [(prefix[:-1], str(obj))]
+
+
+def _print_result(obj: Any, as_json: bool) -> None:
+    """A benchmark's result: JSON (the default, what scripts and notes read) or a table."""
+    if as_json:
+        _print_json(obj)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("metric", "value")
+    for key, value in _flatten(obj):
+        table.add_row(key, value)
+    Console().print(table)
+
+
 def _settings():
     from pydantic import ValidationError
 
@@ -123,28 +146,38 @@ def agent(ctx: typer.Context) -> None:
 
 
 @app.command("settings")
-def settings_cmd(markdown: bool = typer.Option(False, "--markdown", help="the README's settings table")) -> None:
+def settings_cmd(markdown: bool = typer.Option(False, "--markdown", help="the design doc's settings table")) -> None:
     """Show every setting (environment variable, default, meaning)."""
-    from common.settings import Settings
+    from cli.design_doc import settings_table
 
-    rows = []
-    for name, f in Settings.model_fields.items():
-        default = f.default_factory() if f.default_factory else f.default
-        if isinstance(default, dict) and len(json.dumps(default, default=str)) > 60:
-            default = "{...}"
-        rows.append((f"GPUFLEET_{name.upper()}", json.dumps(default, default=str), f.description or ""))
+    table_md = settings_table()
     if markdown:
-        print("| variable | default | meaning |\n|---|---|---|")
-        for var, default, desc in rows:
-            print(f"| `{var}` | `{default}` | {desc} |")
+        print(table_md)
         return
     from rich.console import Console
     from rich.table import Table
 
     table = Table("variable", "default", "meaning")
-    for row in rows:
-        table.add_row(*row)
+    for line in table_md.splitlines()[2:]:
+        table.add_row(*(cell.strip().strip("`") for cell in line.strip("|").split(" | ")))
     Console().print(table)
+
+
+@app.command("docs")
+def docs_cmd(check: bool = typer.Option(False, "--check", help="exit 1 when a generated table is stale")) -> None:
+    """Regenerate docs/design.md's tables from the code (settings, job and node states, migrations)."""
+    from cli.design_doc import DESIGN, render, stale
+
+    text = DESIGN.read_text()
+    if check:
+        names = stale(text)
+        if names:
+            print(f"docs/design.md is stale: {', '.join(names)} (run `gpufleet docs`)", file=sys.stderr)
+            raise typer.Exit(1)
+        print("docs/design.md is current")
+        return
+    DESIGN.write_text(render(text))
+    print(f"rewrote the generated tables of {DESIGN}")
 
 
 @bench_app.command("placement")
@@ -154,13 +187,13 @@ def bench_placement(
     queue: int = typer.Option(50_000, help="queued jobs at the start"),
     baseline_cycles: int = typer.Option(50, help="cycles of the naive full-rescan baseline"),
     seed: int = typer.Option(1),
-    as_json: bool = typer.Option(True, "--json/--no-json", help="print one JSON object"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="one JSON object (default), or a table of every figure"),
 ) -> None:
     """Placement cycle time at cluster scale, against a naive full-rescan baseline."""
     result = _call(
-        "cli.bench_placement", "run", gpus=gpus, cycles=cycles, queue=queue, baseline_cycles=baseline_cycles, seed=seed
+        "bench.placement", "run", gpus=gpus, cycles=cycles, queue=queue, baseline_cycles=baseline_cycles, seed=seed
     )
-    _print_json(result)
+    _print_result(result, as_json)
 
 
 @bench_app.command("heartbeat")
@@ -168,11 +201,11 @@ def bench_heartbeat(
     nodes: int = typer.Option(3000, help="simulated nodes, each one authenticated gRPC stream"),
     seconds: float = typer.Option(10.0, help="measurement time per offered rate"),
     rates: str = typer.Option("", help="comma-separated heartbeats/s to offer (default: 600 then faster)"),
-    as_json: bool = typer.Option(True, "--json/--no-json", help="print one JSON object"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="one JSON object (default), or a table of every figure"),
 ) -> None:
     """Heartbeat ingestion by the control side: sustained rate, p99 handling time, CPU."""
     parsed = [int(r) for r in rates.split(",") if r.strip()] or None
-    _print_json(_call("cli.bench_heartbeat", "run", nodes=nodes, seconds=seconds, rates=parsed))
+    _print_result(_call("bench.heartbeat", "run", nodes=nodes, seconds=seconds, rates=parsed), as_json)
 
 
 @bench_app.command("e2e")
@@ -181,18 +214,18 @@ def bench_e2e(
     rate: float = typer.Option(50.0, help="submissions per second"),
     job_seconds: float = typer.Option(300.0, help="how long each job runs"),
     settle_s: float = typer.Option(120.0, help="wait this long at most for the last job to run"),
-    baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="also run DESIGN.md's lean workflow"),
+    baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="also run the lean job workflow (a same-run baseline)"),
     repeat: int = typer.Option(1, min=1, max=20, help="runs on fresh stacks; the run with the median p95 is reported"),
-    as_json: bool = typer.Option(True, "--json/--no-json", help="print one JSON object"),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="one JSON object (default), or a table of every figure"),
 ) -> None:
     """Submit -> RUNNING latency on the embedded stack with a simulated fleet that has room."""
     from common.temporal import hard_exit
 
     result = _call(
-        "cli.bench_e2e", "run", jobs=jobs, rate=rate, job_seconds=job_seconds, settle_s=settle_s, baseline=baseline,
+        "bench.e2e", "run", jobs=jobs, rate=rate, job_seconds=job_seconds, settle_s=settle_s, baseline=baseline,
         repeat=repeat,
     )  # fmt: skip
-    _print_json(result)
+    _print_result(result, as_json)
     hard_exit(0)
 
 

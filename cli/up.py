@@ -50,7 +50,7 @@ async def prepare_database(dsn: str, settings: Settings) -> list[str]:
     """Migrate and seed the demo cluster; return the seeded node ids."""
     import asyncpg
 
-    from activities.seed import seed_demo
+    from store.seed import seed_demo
     from common.db import create_pool, migrate
 
     try:
@@ -115,7 +115,7 @@ class Platform:
             )
             temporal_address = self.temporal.start()
 
-        from activities.seed import DEMO_TEAMS
+        from store.seed import DEMO_TEAMS
 
         tokens = load_or_create_tokens(state, list(DEMO_TEAMS))
         env = dict(os.environ)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 
+from temporalio import activity
+
 
 class TaskState(StrEnum):
     STARTED = "STARTED"  # the rank process is running
@@ -66,6 +68,25 @@ class StopTaskResult:
     exit_code: int | None = None
     checkpoint_uri: str | None = None
     reason: str = ""
+
+
+# --- a node's activities (on its task queue): typed interfaces, implemented by worker_agent.node ---
+
+START_TASK = "start_task"
+STOP_TASK = "stop_task"
+
+
+@activity.defn(name=START_TASK)
+async def start_task(req: StartTask) -> StartTaskResult:
+    """Start one rank under its supervisor; idempotent on lease id + epoch. The interface
+    workflows call; a node agent registers the implementation under the same name."""
+    raise NotImplementedError("an interface: the node agent implements it")
+
+
+@activity.defn(name=STOP_TASK)
+async def stop_task(req: StopTask) -> StopTaskResult:
+    """Stop one rank: SIGTERM, the grace period to checkpoint, SIGKILL at its end."""
+    raise NotImplementedError("an interface: the node agent implements it")
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     # --- processes ---------------------------------------------------------
     api_host: str = Field("127.0.0.1", description="API listen address")
     api_port: int = Field(8000, description="API listen port")
-    control_task_queue: str = Field("gpufleet-control", description="task queue of JobWorkflow and shared control activities (PlacementWorkflow: this + `-placement`)")
+    control_task_queue: str = Field("gpufleet-control", description="task queue of JobWorkflow, BurnInWorkflow and their control activities")
     control_job_workers: int = Field(
         1, ge=0, le=64,
         description="child processes of `control` that run job workflows (0: the control process runs them itself)",
@@ -108,12 +108,7 @@ class Settings(BaseSettings):
         description="a new job workflow's first task waits this long unless a signal (allocation, cancel) comes first",
     )
     allocation_resignal_s: float = Field(5.0, description="retry an allocation or preemption signal that Temporal did not accept after this (doubling)")
-    placement_cycles_per_activity_s: float = Field(
-        60.0, ge=0,
-        description="one placement cycle activity runs cycles for this long, woken in-process (0: one cycle each)",
-    )
-    placement_wake_min_s: float = Field(0.1, description="least time between two wake-ups of the placement workflow")
-    leader_cycle_timeout_s: float = Field(30.0, description="one placement cycle activity's limit on the leader")
+    placement_wake_min_s: float = Field(0.1, description="least time between two placement cycles (a burst of changes runs one cycle)")
 
     # --- health (DESIGN.md, Health) -----------------------------------------
     heartbeat_interval_s: float = Field(5.0, description="agent heartbeat interval")
@@ -179,14 +174,12 @@ class Settings(BaseSettings):
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def node_task_queue(self, node_id: str) -> str:
-        return f"{self.agent_task_queue_prefix}{node_id}"
-
-    @property
-    def placement_task_queue(self) -> str:
-        """The PlacementWorkflow's own queue: its workflow tasks never wait behind a burst
-        of job workflow tasks on the control queue."""
-        return f"{self.control_task_queue}-placement"
+    def node_task_queue(self, node_id: str, recorded: str | None = None) -> str:
+        """Where a node's activities run: the shared queue in ``shared`` mode, else the queue
+        recorded for the node (``nodes.task_queue``), else prefix + node id."""
+        if self.agent_task_queue_mode == "shared":
+            return self.agent_shared_task_queue
+        return recorded or f"{self.agent_task_queue_prefix}{node_id}"
 
 
 @lru_cache(maxsize=1)

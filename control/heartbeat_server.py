@@ -46,7 +46,7 @@ elsewhere if it is slow):
     than the stream's (PERMISSION_DENIED): write the audit row here.
 
 ``stats()`` gives counters and the handling time (receipt of a heartbeat to its ack
-written) percentiles over the last 64K heartbeats; ``cli/bench_heartbeat.py`` uses it.
+written) percentiles over the last 64K heartbeats; ``bench/heartbeat.py`` uses it.
 """
 
 from __future__ import annotations

@@ -25,18 +25,16 @@ import time
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
-import asyncpg
+from store.tx import Pool
 from temporalio.client import Client
 from temporalio.worker import PollerBehaviorAutoscaling, Worker
 
 from activities.job_activities import JobActivities
-from activities.placement_activities import ReadLeaderActivity
 from common.aio import cancel_and_wait
 from common.settings import Settings
 from common.temporal import make_worker
 from workflows.burn_in import BurnInWorkflow
 from workflows.job import JobWorkflow
-from workflows.placement import PlacementWorkflow
 
 log = logging.getLogger("gpufleet.control.jobs")
 
@@ -51,15 +49,13 @@ def settings_for_child() -> Settings | None:
 STOP_GRACE_S = 10.0
 
 
-def control_queue_worker(client: Client, pool: asyncpg.Pool, settings: Settings) -> Worker:
+def control_queue_worker(client: Client, pool: Pool, settings: Settings) -> Worker:
     """The worker for ``settings.control_task_queue`` (in a child or in control itself)."""
     return make_worker(
         client,
         settings.control_task_queue,
-        # PlacementWorkflow: a run started on this queue by an older version moves to its
-        # own queue at its next cycle (workflows/placement.py)
-        workflows=[JobWorkflow, PlacementWorkflow, BurnInWorkflow],
-        activities=[*JobActivities(pool, settings).all(), *ReadLeaderActivity(pool, settings).all()],
+        workflows=[JobWorkflow, BurnInWorkflow],
+        activities=JobActivities(pool, settings).all(),
         # a few tasks at a time: more only queue as concurrent writes on the server
         max_concurrent_workflow_tasks=20,
         max_concurrent_local_activities=50,

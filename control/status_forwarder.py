@@ -18,7 +18,8 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from common.aio import cancel_and_wait
 from common.contracts import TaskState, TaskStatus
-from workflows.messages import SIGNAL_TASK_STATUS, TaskStatusBatch
+from workflows.job import JobWorkflow
+from workflows.messages import TaskStatusBatch
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class TaskStatusForwarder:
             for attempt in range(5):
                 try:
                     await self.client.get_workflow_handle(job_id).signal(
-                        SIGNAL_TASK_STATUS, TaskStatusBatch(statuses=statuses)
+                        JobWorkflow.task_status, TaskStatusBatch(statuses=statuses)
                     )
                     self.sent += len(statuses)
                     return

@@ -37,7 +37,7 @@ async def eventually(
 
 async def force_job_state(db, sql: str, *args) -> None:
     """Run a test fixture's ``UPDATE jobs SET state = ...`` that skips the job state table
-    (db/migrations/0006: the trigger lets a transaction that says so through)."""
+    (db/migrations/0007: the trigger lets a transaction that says so through)."""
     async with db.acquire() as conn:
         async with conn.transaction():
             await conn.execute("SELECT set_config('gpufleet.unchecked_state_changes', 'on', true)")

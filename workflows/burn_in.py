@@ -1,4 +1,4 @@
-"""BurnInWorkflow: start a node's burn-in test (DESIGN.md, Health: cordoned nodes pass burn-in
+"""BurnInWorkflow: start a node's burn-in test (docs/design.md, Health: cordoned nodes pass burn-in
 before returning). Started by the leader's health monitor (workflow id = the burn-in lease id);
 it only runs ``start_task`` on the node's task queue — the monitor watches the rank through
 heartbeats and its exit report, and judges it."""
@@ -11,8 +11,7 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 
-from common.contracts import StartTask, StartTaskResult
-from workflows import messages as m
+from common.contracts import StartTask, StartTaskResult, start_task
 
 BURN_IN_WORKFLOW = "BurnInWorkflow"
 
@@ -35,7 +34,7 @@ class BurnInWorkflow:
     @workflow.run
     async def run(self, inp: BurnInInput) -> StartTaskResult:
         return await workflow.execute_activity(
-            m.ACT_START_TASK,
+            start_task,
             StartTask(
                 lease_id=inp.lease_id,
                 job_id=inp.lease_id,
@@ -51,7 +50,6 @@ class BurnInWorkflow:
                 master_port=29400,
                 env=dict(inp.env),
             ),
-            result_type=StartTaskResult,
             task_queue=inp.task_queue,
             start_to_close_timeout=timedelta(seconds=inp.start_timeout_s),
             schedule_to_close_timeout=timedelta(seconds=3 * inp.start_timeout_s),

@@ -19,24 +19,36 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
-from common.contracts import StartTask, StartTaskResult, StopTask, StopTaskResult, TaskState, TaskStatus
+from common.contracts import StartTask, StartTaskResult, StopTask, StopTaskResult, TaskState, TaskStatus, start_task, stop_task
+from placement.lifecycle import TERMINAL, JobState, allowed_change
+from workflows import activity_interfaces as acts
 from workflows import messages as m
 
 MAX_IN_FLIGHT = 400  # activities in flight per workflow stay under 500 (DESIGN.md)
 HISTORY_LIMIT = 3000  # continue-as-new well before ~4,096 events
 CHECKPOINTS_KEPT = 32  # per rank: enough to find the newest checkpoint every rank has
 
+A = TypeVar("A")
+R = TypeVar("R")
+
 LOCAL = dict(
     start_to_close_timeout=timedelta(seconds=15),
     retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=5)),
 )
+
+class IllegalTransition(RuntimeError):
+    """The workflow asked for a job state change that placement.lifecycle's table has no
+    edge for: a bug. The workflow task fails (and is retried) rather than write it."""
+
 
 class _NoUpdate:
     id = ""
@@ -84,7 +96,7 @@ class _Inbox:
 
 
 # Not sandboxed: the sandbox's per-activation module proxies cost about a quarter of the
-# job workers' CPU in a submit burst (cli/bench_e2e.py). This module stays deterministic by
+# job workers' CPU in a submit burst (bench/e2e.py). This module stays deterministic by
 # construction (workflow.now(), no I/O, imports only workflows/ and common/contracts, an
 # import-linter contract) and the committed histories replay in CI (tests/replay).
 @workflow.defn(name=m.JOB_WORKFLOW, sandboxed=False)
@@ -92,7 +104,7 @@ class JobWorkflow:
     def __init__(self) -> None:
         self._job_id = ""
         self._snap: m.JobSnapshot | None = None
-        self._state = m.QUEUED
+        self._state = JobState.QUEUED
         self._attempt = 0
         self._allocs: dict[int, m.Allocation] = {}
         self._alloc: m.Allocation | None = None
@@ -160,7 +172,7 @@ class JobWorkflow:
 
     @workflow.update(name=m.UPDATE_EXTEND)
     async def extend(self, req: m.ExtendRequest) -> m.ExtendResult:
-        if self._state != m.RUNNING or self._stopping or self._running_since is None:
+        if self._state != JobState.RUNNING or self._stopping or self._running_since is None:
             return m.ExtendResult(
                 granted=False,
                 code="not_running",
@@ -168,7 +180,7 @@ class JobWorkflow:
                 extensions_used=self._extensions_used,
             )
         result: m.ExtendResult = await workflow.execute_local_activity(
-            m.ACT_EXTEND_JOB,
+            acts.extend_job,
             m.ExtendJob(
                 job_id=self._job_id,
                 attempt=self._attempt,
@@ -178,7 +190,6 @@ class JobWorkflow:
                 running_since=self._running_since,
                 request_id=(workflow.current_update_info() or _NO_UPDATE).id,
             ),
-            result_type=m.ExtendResult,
             **LOCAL,
         )
         self._extensions_used = result.extensions_used
@@ -202,28 +213,28 @@ class JobWorkflow:
         if inp.allocation is not None:
             self._allocs.setdefault(inp.allocation.attempt, inp.allocation)
         if inp.carry is not None:  # answer queries sensibly while the snapshot loads
-            self._state = m.RUNNING
+            self._state = JobState.RUNNING
             self._restore(inp.carry)
-        snap = await self._local(m.ACT_LOAD_JOB, m.LoadJob(inp.job_id), m.JobSnapshot)
+        snap = await self._local(acts.load_job, m.LoadJob(inp.job_id))
         self._snap = snap
         if not snap.exists:
             return m.JobResult(inp.job_id, "UNKNOWN", inp.attempt, reason="no such job")
         self._attempt = snap.attempt
         self._state = snap.state
         self._extensions_used = snap.extensions
-        if snap.state in m.TERMINAL_STATES:
+        if snap.state in TERMINAL:
             return m.JobResult(inp.job_id, snap.state, snap.attempt, reason="already finished")
         # drop anything that arrived for an older attempt before we knew ours
         self._allocs = {a: x for a, x in self._allocs.items() if a >= self._attempt}
         self._preempts = {a: x for a, x in self._preempts.items() if a >= self._attempt}
 
         carry = inp.carry
-        if carry is not None and carry.attempt == snap.attempt and snap.state in (m.RUNNING, m.PREEMPTING, m.CANCELLING):
+        if carry is not None and carry.attempt == snap.attempt and snap.state in (JobState.RUNNING, JobState.PREEMPTING, JobState.CANCELLING):
             return await self._supervise()  # restored above
 
         if snap.allocation is not None:
             self._allocs.setdefault(self._attempt, snap.allocation)
-        if snap.state in (m.QUEUED, m.STARTING):
+        if snap.state in (JobState.QUEUED, JobState.STARTING):
             await workflow.wait_condition(
                 lambda: self._cancel is not None
                 or self._attempt in self._allocs
@@ -231,16 +242,16 @@ class JobWorkflow:
             )
             if self._attempt not in self._allocs:
                 if self._cancel is not None:
-                    return await self._finish(m.CANCELLED, self._cancel.reason, actor=self._cancel.actor)
+                    return await self._finish(JobState.CANCELLED, self._cancel.reason, actor=self._cancel.actor)
                 return await self._requeue("preempted", "preempted before its gang started", job_fault=False)
             return await self._start_gang()
         # A run that finds the job RUNNING / PREEMPTING / CANCELLING without its state
         # (the workflow was restarted by an operator): stop the gang and end the attempt.
         if snap.allocation is not None:
             self._begin(snap.allocation, assume_started=True)
-        if snap.state == m.CANCELLING or self._cancel is not None:
+        if snap.state == JobState.CANCELLING or self._cancel is not None:
             return await self._cancel_active()
-        if snap.state == m.PREEMPTING:
+        if snap.state == JobState.PREEMPTING:
             return await self._preempt()
         return await self._fail_attempt("the job workflow was restarted mid-attempt", job_fault=False)
 
@@ -250,7 +261,7 @@ class JobWorkflow:
         snap = self._require_snap()
         alloc = self._allocs[self._attempt]
         self._begin(alloc)
-        self._state = m.STARTING
+        self._state = JobState.STARTING
         deadline = workflow.now() + timedelta(seconds=snap.gang_start_timeout_s)
         # The gang start timeout is carried by each StartTask's schedule-to-close (no timer:
         # one timer less per job in history and on the server). New snapshots say so, which
@@ -278,18 +289,18 @@ class JobWorkflow:
             reason, fault = self._failure_reason(timed_out)
             return await self._fail_attempt(reason, job_fault=fault)
 
+        self._expect(JobState.RUNNING)
         res = await self._local(
-            m.ACT_MARK_RUNNING,
-            m.JobTransition(self._job_id, self._attempt, m.RUNNING, "every rank started", epoch=alloc.epoch),
-            m.TransitionResult,
+            acts.mark_running,
+            m.JobTransition(self._job_id, self._attempt, JobState.RUNNING, "every rank started", epoch=alloc.epoch),
         )
-        if res.state == m.PREEMPTING:
+        if res.state == JobState.PREEMPTING:
             return await self._preempt()
-        if res.state != m.RUNNING:
+        if res.state != JobState.RUNNING:
             # e.g. the job was ended behind our back: make sure nothing keeps running
             await self._stop_all("job is " + res.state)
             return m.JobResult(self._job_id, res.state, res.attempt, reason="state changed during start")
-        self._state = m.RUNNING
+        self._state = JobState.RUNNING
         self._running_since = workflow.now()
         self._deadline = self._running_since + timedelta(seconds=snap.max_runtime_s)
         return await self._supervise()
@@ -297,10 +308,10 @@ class JobWorkflow:
     async def _supervise(self) -> m.JobResult:
         snap = self._require_snap()
         serving = snap.priority_class == "prod-serving"
-        self._state = m.RUNNING if self._state not in (m.PREEMPTING, m.CANCELLING) else self._state
-        if self._state == m.CANCELLING:
+        self._state = JobState.RUNNING if self._state not in (JobState.PREEMPTING, JobState.CANCELLING) else self._state
+        if self._state == JobState.CANCELLING:
             return await self._cancel_active()
-        if self._state == m.PREEMPTING:
+        if self._state == JobState.PREEMPTING:
             return await self._preempt()
         while True:
             assert self._deadline is not None
@@ -332,7 +343,7 @@ class JobWorkflow:
                 return await self._fail_attempt(reason, job_fault=fault)
             if self._all_exited():
                 if all(r.exit_code == 0 for r in self._ranks.values()):
-                    return await self._finish(m.SUCCEEDED, "every rank exited 0", exit_code=0)
+                    return await self._finish(JobState.SUCCEEDED, "every rank exited 0", exit_code=0)
                 reason, fault = self._failure_reason(False)
                 return await self._fail_attempt(reason, job_fault=fault)
             if self._history_long() and not any(r.restarting for r in self._ranks.values()):
@@ -344,11 +355,12 @@ class JobWorkflow:
                 )
 
     async def _preempt(self) -> m.JobResult:
-        self._state = m.PREEMPTING
+        self._expect(JobState.PREEMPTING)  # the leader marked it so (or it already was)
+        self._state = JobState.PREEMPTING
         req = self._preempts.get(self._attempt)
         await self._stop_all(req.reason if req else "preempted")
         if self._cancel is not None:
-            return await self._finish(m.CANCELLED, self._cancel.reason, actor=self._cancel.actor)
+            return await self._finish(JobState.CANCELLED, self._cancel.reason, actor=self._cancel.actor)
         return await self._requeue("preempted", req.reason if req else "preempted", job_fault=False,
                                    epoch=req.epoch if req else None)
 
@@ -356,24 +368,24 @@ class JobWorkflow:
         workflow.logger.info("job %s attempt %d failed: %s", self._job_id, self._attempt, reason)
         await self._stop_all("attempt failed: " + reason)
         if self._cancel is not None:
-            return await self._finish(m.CANCELLED, self._cancel.reason, actor=self._cancel.actor)
+            return await self._finish(JobState.CANCELLED, self._cancel.reason, actor=self._cancel.actor)
         return await self._requeue("failed", reason, job_fault=job_fault)
 
     async def _cancel_active(self) -> m.JobResult:
         req = self._cancel or m.CancelRequest(actor="system", reason="cancelled")
-        if self._state != m.CANCELLING:
+        if self._state != JobState.CANCELLING:
+            self._expect(JobState.CANCELLING)
             await self._local(
-                m.ACT_MARK_CANCELLING,
-                m.JobTransition(self._job_id, self._attempt, m.CANCELLING, req.reason, actor=req.actor),
-                m.TransitionResult,
+                acts.mark_cancelling,
+                m.JobTransition(self._job_id, self._attempt, JobState.CANCELLING, req.reason, actor=req.actor),
             )
-            self._state = m.CANCELLING
+            self._state = JobState.CANCELLING
         await self._stop_all("cancelled: " + req.reason)
-        return await self._finish(m.CANCELLED, req.reason, actor=req.actor)
+        return await self._finish(JobState.CANCELLED, req.reason, actor=req.actor)
 
     async def _time_out(self) -> m.JobResult:
         await self._stop_all("max_runtime reached")
-        return await self._finish(m.TIMED_OUT, "max_runtime reached")
+        return await self._finish(JobState.TIMED_OUT, "max_runtime reached")
 
     # ------------------------------------------------------------------ ranks
 
@@ -452,9 +464,8 @@ class JobWorkflow:
                     return
             try:
                 res: StartTaskResult = await workflow.execute_activity(
-                    m.ACT_START_TASK,
+                    start_task,
                     self._start_request(r),
-                    result_type=StartTaskResult,
                     task_queue=r.placement.task_queue,
                     start_to_close_timeout=timedelta(seconds=snap.start_task_timeout_s),
                     schedule_to_close_timeout=timedelta(seconds=budget),
@@ -478,7 +489,7 @@ class JobWorkflow:
         async with self._sem:
             try:
                 res: StopTaskResult = await workflow.execute_activity(
-                    m.ACT_STOP_TASK,
+                    stop_task,
                     StopTask(
                         lease_id=r.placement.lease_id,
                         epoch=self._alloc.epoch if self._alloc else 0,
@@ -486,7 +497,6 @@ class JobWorkflow:
                         grace_seconds=grace,
                         reason=reason,
                     ),
-                    result_type=StopTaskResult,
                     task_queue=r.placement.task_queue,
                     schedule_to_start_timeout=timedelta(seconds=pickup),
                     start_to_close_timeout=timedelta(seconds=grace + snap.start_task_timeout_s),
@@ -553,12 +563,11 @@ class JobWorkflow:
     async def _restart_rank(self, r: _Rank) -> None:
         try:
             res = await self._local(
-                m.ACT_RESTART_REPLICA,
+                acts.restart_replica,
                 m.RestartReplica(
                     self._job_id, self._attempt, r.placement.rank, r.placement.lease_id,
                     f"replica {r.placement.rank} failed; restart {r.restarts}",
                 ),
-                m.RestartedReplica,
             )
             if not res.ok or res.placement is None:
                 r.start_error = "the replica's lease is gone"
@@ -655,21 +664,28 @@ class JobWorkflow:
 
     # ------------------------------------------------------------------ writes
 
+    def _expect(self, to: str) -> None:
+        """Every state change this workflow asks the store for is an edge of the job state
+        table (``placement.lifecycle``); the store checks it again when it writes."""
+        if to != self._state and not allowed_change(self._state, to):
+            raise IllegalTransition(f"job {self._job_id}: {self._state} -> {to} is not an edge of the job state table")
+
     async def _finish(self, state: str, reason: str, *, exit_code: int | None = None, actor: str = "workflow") -> m.JobResult:
+        self._expect(state)
         res = await self._local(
-            m.ACT_FINISH_JOB,
+            acts.finish_job,
             m.JobTransition(
                 self._job_id, self._attempt, state, reason, actor=actor, exit_code=exit_code,
                 checkpoint_uri=self._checkpoint,
             ),
-            m.TransitionResult,
         )
         self._state = res.state
         return m.JobResult(self._job_id, res.state, res.attempt, exit_code=exit_code, reason=reason)
 
     async def _requeue(self, cause: str, reason: str, *, job_fault: bool, epoch: int | None = None) -> m.JobResult:
+        self._expect(JobState.QUEUED)
         res = await self._local(
-            m.ACT_REQUEUE_JOB,
+            acts.requeue_job,
             m.RequeueJob(
                 job_id=self._job_id,
                 attempt=self._attempt,
@@ -679,10 +695,9 @@ class JobWorkflow:
                 checkpoint_uri=self._checkpoint,
                 epoch=epoch,
             ),
-            m.RequeueResult,
         )
         self._state = res.state
-        if res.state == m.QUEUED and res.attempt > self._attempt:
+        if res.state == JobState.QUEUED and res.attempt > self._attempt:
             await workflow.wait_condition(workflow.all_handlers_finished)
             workflow.continue_as_new(
                 m.JobInput(
@@ -695,8 +710,8 @@ class JobWorkflow:
             )
         return m.JobResult(self._job_id, res.state, res.attempt, reason=reason)
 
-    async def _local(self, name: str, arg: object, result_type: type):
-        return await workflow.execute_local_activity(name, arg, result_type=result_type, **LOCAL)
+    async def _local(self, fn: Callable[[A], Awaitable[R]], arg: A) -> R:
+        return await workflow.execute_local_activity(fn, arg, **LOCAL)
 
     def _require_snap(self) -> m.JobSnapshot:
         assert self._snap is not None

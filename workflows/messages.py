@@ -1,31 +1,42 @@
-"""Payloads of the job and placement workflows: one frozen dataclass per boundary.
+"""Payloads of the job workflow: one frozen dataclass per Temporal boundary.
 
-The API starts ``JobWorkflow`` with ``JobInput`` (workflow id = job id) on the
-control task queue and talks to it only through the signals and updates named
-here, so these names are a contract between api/, control/ and workflows/.
+The API and the leader start ``JobWorkflow`` with ``JobInput`` (workflow id = job id)
+on the control task queue and talk to it only through its signals, update and query;
+its activities take and return the dataclasses below. Names recorded in histories
+(workflow, signal and activity names, dataclass fields) may grow, never be renamed:
+the committed histories under tests/replay pin them.
 """
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
+
+from common.contracts import TaskStatus
+from placement.lifecycle import JobState
 
 JOB_WORKFLOW = "JobWorkflow"
-PLACEMENT_WORKFLOW = "PlacementWorkflow"
-PLACEMENT_WORKFLOW_ID = "gpufleet-placement"
 
 # signal / update / query names on JobWorkflow
 SIGNAL_ALLOCATED = "allocated"
 SIGNAL_TASK_STATUS = "task_status"
 SIGNAL_CANCEL = "cancel"
 SIGNAL_PREEMPT = "preempt"
+SIGNAL_NODE_FAILED = "node_failed"  # from the health monitor: a node under this attempt failed
 UPDATE_EXTEND = "extend"
 QUERY_STATUS = "status"
 
-# signal on PlacementWorkflow: something changed, run a cycle now
-SIGNAL_WAKE = "wake"
-# signal on JobWorkflow from the health monitor: a node under this attempt failed
-SIGNAL_NODE_FAILED = "node_failed"
+# the control activities of JobWorkflow (local activities: short Postgres writes)
+ACT_LOAD_JOB = "load_job"
+ACT_MARK_RUNNING = "mark_running"
+ACT_MARK_CANCELLING = "mark_cancelling"
+ACT_FINISH_JOB = "finish_job"
+ACT_REQUEUE_JOB = "requeue_job"
+ACT_EXTEND_JOB = "extend_job"
+ACT_RESTART_REPLICA = "restart_replica"
 
 
 @dataclass(frozen=True)
@@ -64,11 +75,6 @@ class ExtendResult:
 
 
 @dataclass(frozen=True)
-class WakeRequest:
-    reason: str
-
-
-@dataclass(frozen=True)
 class JobStatus:
     job_id: str
     state: str
@@ -79,42 +85,6 @@ class JobStatus:
     deadline: datetime | None = None
     leases: list[str] = field(default_factory=list)
     checkpoint: str | None = None  # the newest checkpoint every rank has (what a new attempt resumes from)
-
-
-# ---------------------------------------------------------------------------
-# Everything below was added with the job and placement workflows. The names
-# above are a contract with api/; the ones below are shared by workflows/,
-# activities/ and control/ (and may grow, never be renamed: histories name them).
-# ---------------------------------------------------------------------------
-
-from common.contracts import TaskStatus  # noqa: E402  (a contract type, allowed in workflows)
-
-# job states (DESIGN.md, Job lifecycle); the transition table lives in placement/
-QUEUED = "QUEUED"
-STARTING = "STARTING"
-RUNNING = "RUNNING"
-PREEMPTING = "PREEMPTING"
-CANCELLING = "CANCELLING"
-SUCCEEDED = "SUCCEEDED"
-FAILED = "FAILED"
-CANCELLED = "CANCELLED"
-TIMED_OUT = "TIMED_OUT"
-TERMINAL_STATES = frozenset({SUCCEEDED, FAILED, CANCELLED, TIMED_OUT})
-
-# activity names: control activities (mostly local activities of JobWorkflow) ...
-ACT_LOAD_JOB = "load_job"
-ACT_MARK_RUNNING = "mark_running"
-ACT_MARK_CANCELLING = "mark_cancelling"
-ACT_FINISH_JOB = "finish_job"
-ACT_REQUEUE_JOB = "requeue_job"
-ACT_EXTEND_JOB = "extend_job"
-ACT_RESTART_REPLICA = "restart_replica"
-ACT_READ_LEADER = "read_leader"
-# ... the cycle, run on the leader's own task queue ...
-ACT_PLACEMENT_CYCLE = "placement_cycle"
-# ... and the agent's, on the node's task queue (common.contracts payloads)
-ACT_START_TASK = "start_task"
-ACT_STOP_TASK = "stop_task"
 
 
 @dataclass(frozen=True)
@@ -170,9 +140,6 @@ class JobResult:
     reason: str = ""
 
 
-# --- JobWorkflow <-> control activities -------------------------------------
-
-
 @dataclass(frozen=True)
 class LoadJob:
     job_id: str
@@ -185,7 +152,7 @@ class JobSnapshot:
 
     job_id: str
     exists: bool
-    state: str = QUEUED
+    state: str = JobState.QUEUED
     attempt: int = 1
     team: str = ""
     priority_class: str = "research"
@@ -270,60 +237,6 @@ class ExtendJob:
     request_id: str = ""  # the update's id: a retried activity returns the first answer
 
 
-# --- PlacementWorkflow ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PlacementInput:
-    cycles: int = 0  # cycles run by earlier runs (continue-as-new)
-    task_queue: str = ""  # the queue this run was started on ("": before the placement queue)
-
-
-@dataclass(frozen=True)
-class ReadLeader:
-    scope: str = ""
-
-
-@dataclass(frozen=True)
-class LeaderInfo:
-    live: bool
-    epoch: int = 0
-    holder: str = ""
-    task_queue: str = ""
-    cycle_s: float = 1.0
-    cycle_timeout_s: float = 30.0
-    start_timeout_s: float = 5.0
-    max_cycles_per_run: int = 500
-    # the placement workflow's own task queue ("" in histories from before it had one)
-    placement_task_queue: str = ""
-    # run cycles inside one cycle activity for this long, woken in-process (0: one cycle
-    # per activity, as histories from before recorded)
-    cycles_per_activity_s: float = 0.0
-    heartbeat_timeout_s: float = 5.0
-
-
-@dataclass(frozen=True)
-class CycleInput:
-    epoch: int
-    cycle: int
-    run_for_s: float = 0.0  # > 0: keep cycling this long (every cycle_s, or at once when woken)
-    cycle_s: float = 1.0
-
-
-@dataclass(frozen=True)
-class CycleResult:
-    epoch: int
-    placed: int = 0
-    preempted: int = 0
-    resignalled: int = 0
-    queued: int = 0
-    published: int = 0
-    failed_commits: int = 0
-    duration_ms: float = 0.0
-    more: bool = False  # something is still placeable: run again without waiting
-    cycles: int = 1  # cycles this activity ran (the last one's figures above, placed: all)
-
-
 @dataclass(frozen=True)
 class RankCarry:
     rank: int
@@ -371,3 +284,48 @@ class RestartReplica:
 class RestartedReplica:
     ok: bool
     placement: RankPlacement | None = None
+
+
+def rendezvous_port(job_id: str, attempt: int) -> int:
+    """One rendezvous port per gang attempt (many simulated nodes share a host)."""
+    return 20000 + zlib.crc32(f"{job_id}.{attempt}".encode()) % 20000
+
+
+def rendezvous_host(agent_addr: str | None) -> str:
+    """The host rank 0's agent advertises (where the gang rendezvous), else loopback."""
+    if agent_addr:
+        host = agent_addr.rsplit(":", 1)[0] if ":" in agent_addr else agent_addr
+        if host and host not in ("0.0.0.0", "::"):
+            return host
+    return "127.0.0.1"
+
+
+def allocation_from_leases(
+    job_id: str,
+    attempt: int,
+    leases: Sequence[Mapping[str, Any]],
+    queue_of: Callable[[str, str | None], str],
+) -> Allocation | None:
+    """The ``allocated`` signal of a committed gang, from its live lease rows (lease_id,
+    rank, node_id, gpu_indices, epoch, task_queue, agent_addr); ``queue_of(node_id,
+    recorded_queue)`` names each node's task queue. None when no lease is live."""
+    if not leases:
+        return None
+    ordered = sorted(leases, key=lambda r: r["rank"])
+    return Allocation(
+        job_id=job_id,
+        attempt=attempt,
+        epoch=int(max(r["epoch"] for r in ordered)),
+        ranks=[
+            RankPlacement(
+                rank=r["rank"],
+                node_id=r["node_id"],
+                gpu_indices=list(r["gpu_indices"]),
+                lease_id=r["lease_id"],
+                task_queue=queue_of(r["node_id"], r["task_queue"]),
+            )
+            for r in ordered
+        ],
+        master_addr=rendezvous_host(ordered[0]["agent_addr"]),
+        master_port=rendezvous_port(job_id, attempt),
+    )

@@ -13,9 +13,11 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import AfterValidator
 
-from activities.store import write_audit, write_job_event
+from store.audit import write_audit, write_job_event
 from api import idempotency
-from api import repository as repo
+from store import jobs
+from store import nodes
+from store import teams
 from api.admission import admit, format_duration, parse_duration
 from api.auth import current_principal
 from api.deps import (
@@ -32,20 +34,19 @@ from api.errors import ERROR_RESPONSES, ApiError
 from api.gateway import ControlUnavailable, UpdateRejected, WorkflowClosed, WorkflowMissing
 from api.logs_proxy import open_agent_log
 from api.schemas import (
-    TERMINAL_STATES,
     CancelAccepted,
     Explain,
     ExtendBody,
     ExtendGranted,
     JobEvents,
     JobList,
-    JobState,
     JobSubmit,
     JobView,
     SubmitAccepted,
     storable,
 )
 from common.settings import Principal
+from placement.lifecycle import TERMINAL, JobState
 from workflows.messages import CancelRequest, ExtendRequest
 
 log = logging.getLogger("gpufleet.api")
@@ -85,13 +86,13 @@ def job_summary(row: asyncpg.Record) -> dict[str, Any]:
         "submitted_at": row["submitted_at"],
         "started_at": row["started_at"],
         "finished_at": row["finished_at"],
-        "queue_position": row["queue_position"] if row["state"] == "QUEUED" else None,
-        "pending_reason": row["pending_reason"] if row["state"] == "QUEUED" else None,
+        "queue_position": row["queue_position"] if row["state"] == JobState.QUEUED else None,
+        "pending_reason": row["pending_reason"] if row["state"] == JobState.QUEUED else None,
     }
 
 
 def job_view(row: asyncpg.Record, ranks: list[asyncpg.Record]) -> dict[str, Any]:
-    queued = row["state"] == "QUEUED"
+    queued = row["state"] == JobState.QUEUED
     spec = row["spec"] if isinstance(row["spec"], dict) else {}
     return {
         **job_summary(row),
@@ -147,11 +148,11 @@ async def submit_job(
         except ControlUnavailable as e:
             log.warning("job %s committed; its workflow will be started by control (%s)", job_id, e)
             return
-        await repo.mark_workflow_started(pool, job_id)
+        await jobs.mark_workflow_started(pool, [job_id])
 
     async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
         max_runtime_s = await admit(conn, settings, principal, job)
-        position = await repo.estimate_queue_position(conn, job.priority_class, settings.placement_lookahead)
+        position = await jobs.estimate_queue_position(conn, job.priority_class, settings.placement_lookahead)
         job_id = new_job_id()
         gpus = job.replicas * job.gpus_per_replica
         spec = {
@@ -162,7 +163,7 @@ async def submit_job(
             "checkpoint": job.checkpoint.model_dump(),
             "max_runtime": job.max_runtime,
         }
-        await repo.insert_job(
+        await jobs.insert_job(
             conn,
             job_id=job_id,
             team=job.team,
@@ -184,9 +185,9 @@ async def submit_job(
             "gpus_per_replica": job.gpus_per_replica,
             "max_runtime_s": max_runtime_s,
         }
-        await write_job_event(conn, job_id, 1, "submitted", None, "QUEUED", principal.name, "submitted", detail)
+        await write_job_event(conn, job_id, 1, "submitted", None, JobState.QUEUED, principal.name, "submitted", detail)
         await write_audit(conn, principal.name, "submit", job_id, None, detail)
-        body = {"job_id": job_id, "state": "QUEUED", "queue_position": position, "queue_position_estimated": True}
+        body = {"job_id": job_id, "state": JobState.QUEUED, "queue_position": position, "queue_position_estimated": True}
 
         async def after() -> None:
             await start_workflow(job_id)
@@ -196,8 +197,8 @@ async def submit_job(
     async def on_replay(body: dict[str, Any]) -> None:
         job_id = body.get("job_id") if isinstance(body, dict) else None
         if job_id:
-            row = await repo.get_job(pool, job_id)
-            if row is not None and not row["workflow_started"] and row["state"] == "QUEUED":
+            row = await jobs.get_job(pool, job_id)
+            if row is not None and not row["workflow_started"] and row["state"] == JobState.QUEUED:
                 await start_workflow(job_id)
 
     return await idempotency.run(request, principal, idempotency_key, work, on_replay=on_replay)
@@ -227,7 +228,7 @@ async def list_jobs(
             after = (datetime.fromisoformat(after_raw[0]), str(after_raw[1]))
         except (ValueError, TypeError, IndexError) as e:
             raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned") from e
-    rows = await repo.list_jobs(pool_of(request), team=team, state=state, after=after, limit=n + 1)
+    rows = await jobs.list_jobs(pool_of(request), team=team, state=state, after=after, limit=n + 1)
     next_cursor = None
     if len(rows) > n:
         rows = rows[:n]
@@ -240,7 +241,7 @@ async def list_jobs(
 async def get_job(request: Request, job_id: JobId, principal: Principal = Depends(current_principal)) -> Any:
     pool = pool_of(request)
     row = await visible_job(pool, principal, job_id)
-    ranks = await repo.job_ranks(pool, job_id, row["attempt"])
+    ranks = await jobs.job_ranks(pool, job_id, row["attempt"])
     return job_view(row, ranks)
 
 
@@ -262,7 +263,7 @@ async def job_events(
         raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned") from e
     if not (0 <= after_id < 2**63):
         raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned")
-    rows = await repo.list_events(pool, job_id, after_id=after_id, limit=n + 1)
+    rows = await jobs.list_events(pool, job_id, after_id=after_id, limit=n + 1)
     next_cursor = None
     if len(rows) > n:
         rows = rows[:n]
@@ -292,22 +293,22 @@ async def explain_job(request: Request, job_id: JobId, principal: Principal = De
     pool = pool_of(request)
     row = await visible_job(pool, principal, job_id)
     state = row["state"]
-    out: dict[str, Any] = {"job_id": job_id, "state": state, "pending": state == "QUEUED"}
-    if state != "QUEUED":
-        if state in TERMINAL_STATES:
+    out: dict[str, Any] = {"job_id": job_id, "state": state, "pending": state == JobState.QUEUED}
+    if state != JobState.QUEUED:
+        if state in TERMINAL:
             exit_code = f" (exit code {row['exit_code']})" if row["exit_code"] is not None else ""
             out["message"] = f"the job finished: {state}{exit_code}"
         else:
             out["message"] = {
-                "STARTING": "GPUs are allocated and the ranks are starting",
-                "RUNNING": f"the job is running (attempt {row['attempt']})",
-                "PREEMPTING": "the job is being preempted; it checkpoints and is re-queued",
-                "CANCELLING": "the job is being cancelled",
+                JobState.STARTING: "GPUs are allocated and the ranks are starting",
+                JobState.RUNNING: f"the job is running (attempt {row['attempt']})",
+                JobState.PREEMPTING: "the job is being preempted; it checkpoints and is re-queued",
+                JobState.CANCELLING: "the job is being cancelled",
             }.get(state, state)
         return out
     need = row["replicas"] * row["gpus_per_replica"]
-    free = await repo.free_gpus(pool, row["gpu_type"])
-    usage = (await repo.team_usage(pool, row["team"])).get(row["gpu_type"])
+    free = await nodes.free_gpus(pool, row["gpu_type"])
+    usage = (await teams.team_usage(pool, row["team"])).get(row["gpu_type"])
     headroom = 0 if usage is None else usage["guaranteed"] + usage["borrow_limit"] - usage["in_use"]
     spec = row["spec"] if isinstance(row["spec"], dict) else {}
     topo = spec.get("topology") or {}
@@ -365,7 +366,7 @@ async def job_logs(
 ) -> Any:
     pool = pool_of(request)
     await visible_job(pool, principal, job_id)
-    lease = await repo.find_rank_lease(pool, job_id, rank, attempt)
+    lease = await jobs.find_rank_lease(pool, job_id, rank, attempt)
     if lease is None:
         which = f"attempt {attempt}" if attempt else "any attempt"
         raise ApiError(404, "logs_not_found", f"job {job_id} has no rank {rank} in {which} (not scheduled yet?)")
@@ -405,7 +406,7 @@ async def cancel_job(
 
     async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
         job = await visible_job(conn, principal, job_id)
-        if job["state"] in TERMINAL_STATES:
+        if job["state"] in TERMINAL:
             raise ApiError(409, "job_terminal", f"job {job_id} already finished ({job['state']})", {"state": job["state"]})
         await write_audit(
             conn, principal.name, "cancel_request", job_id, reason, {"state": job["state"], "attempt": job["attempt"]}
@@ -421,9 +422,9 @@ async def cancel_job(
 
         async def after() -> None:
             if not job["workflow_started"]:
-                await repo.mark_workflow_started(pool, job_id)  # signal-with-start started it
+                await jobs.mark_workflow_started(pool, [job_id])  # signal-with-start started it
 
-        return idempotency.Outcome(202, {"job_id": job_id, "state": "CANCELLING"}, after_commit=after)
+        return idempotency.Outcome(202, {"job_id": job_id, "state": JobState.CANCELLING}, after_commit=after)
 
     return await idempotency.run(request, principal, idempotency_key, work)
 
@@ -443,7 +444,7 @@ async def extend_job(
 
     async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
         job = await visible_job(conn, principal, job_id)
-        if job["state"] in TERMINAL_STATES:
+        if job["state"] in TERMINAL:
             raise ApiError(409, "job_terminal", f"job {job_id} already finished ({job['state']})", {"state": job["state"]})
         try:
             seconds = parse_duration(body.by)

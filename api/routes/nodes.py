@@ -8,10 +8,8 @@ import asyncpg
 from fastapi import APIRouter, Depends, Header, Query, Request
 from pydantic import AfterValidator
 
-from activities.health_store import return_node as return_node_to_service
-from activities.store import write_audit
 from api import idempotency
-from api import repository as repo
+from store import nodes
 from api.auth import current_principal, require_admin
 from api.deps import NodeId, decode_cursor, encode_cursor, page_size, pool_of
 from api.errors import ERROR_RESPONSES, ApiError
@@ -60,12 +58,12 @@ async def list_nodes(
     if after is not None and not isinstance(raw[0], str):
         raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned")
     pool = pool_of(request)
-    rows = await repo.list_nodes(pool, state=state, block=block, gpu_type=gpu_type, after=after, limit=n + 1)
+    rows = await nodes.list_nodes(pool, state=state, block=block, gpu_type=gpu_type, after=after, limit=n + 1)
     next_cursor = None
     if len(rows) > n:
         rows = rows[:n]
         next_cursor = encode_cursor("nodes", [rows[-1]["node_id"]])
-    spares = await repo.count_hot_spares(pool, state=state, block=block, gpu_type=gpu_type)
+    spares = await nodes.count_hot_spares(pool, state=state, block=block, gpu_type=gpu_type)
     return {"nodes": [node_summary(r, principal) for r in rows], "next_cursor": next_cursor, "hot_spares": spares}
 
 
@@ -73,11 +71,11 @@ async def list_nodes(
 async def get_node(request: Request, node_id: NodeId, principal: Principal = Depends(current_principal)) -> Any:
     """Other teams' leases show only their GPUs (no job ids) unless the caller is an admin."""
     pool = pool_of(request)
-    node = await repo.get_node(pool, node_id)
+    node = await nodes.get_node(pool, node_id)
     if node is None:
         raise ApiError(404, "node_not_found", f"no node {node_id}")
-    leases = await repo.node_leases(pool, node_id)
-    allocs = {a["gpu_index"]: a for a in await repo.node_allocations(pool, node_id)}
+    leases = await nodes.node_leases(pool, node_id)
+    allocs = {a["gpu_index"]: a for a in await nodes.node_allocations(pool, node_id)}
 
     def visible(team: str) -> bool:
         return principal.admin or principal.team == team
@@ -123,7 +121,7 @@ async def drain_node(
     transaction; with `evict` the health monitor also stops its running jobs."""
 
     async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
-        node = await repo.get_node(conn, node_id, for_update=True)
+        node = await nodes.get_node(conn, node_id, for_update=True)
         if node is None:
             raise ApiError(404, "node_not_found", f"no node {node_id}")
         if node["state"] in NOT_DRAINABLE:
@@ -133,9 +131,8 @@ async def drain_node(
                 f"node {node_id} is {node['state']}; it takes no placements already",
                 {"state": node["state"]},
             )
-        await repo.set_node_draining(conn, node_id, body.reason, body.evict)
-        await write_audit(
-            conn, principal.name, "drain", node_id, body.reason, {"from_state": node["state"], "evict": body.evict}
+        await nodes.drain_node(
+            conn, node_id, from_state=node["state"], reason=body.reason, evict=body.evict, actor=principal.name
         )
         out = {
             "node_id": node_id,
@@ -161,10 +158,10 @@ async def return_node(
     transaction; the leader runs the burn-in and marks it ready when it passes."""
 
     async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
-        node = await repo.get_node(conn, node_id, for_update=True)
+        node = await nodes.get_node(conn, node_id, for_update=True)
         if node is None:
             raise ApiError(404, "node_not_found", f"no node {node_id}")
-        previous = await return_node_to_service(conn, node_id, actor=principal.name, reason=body.reason)
+        previous = await nodes.return_node(conn, node_id, actor=principal.name, reason=body.reason)
         if previous is None:
             raise ApiError(
                 409,

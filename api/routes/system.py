@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from api import repository as repo
+from store import tx
 from api.auth import current_principal
 from api.errors import ERROR_RESPONSES, ErrorBody, error_body
 from api.schemas import Health, Me
@@ -29,7 +29,7 @@ async def healthz(request: Request) -> Any:
     try:
         if pool is None:
             raise ConnectionError("no pool")
-        await asyncio.wait_for(repo.ping(pool), 5.0)
+        await asyncio.wait_for(tx.ping(pool), 5.0)
     except Exception:  # any failure to reach the database is "unavailable" here
         return JSONResponse(error_body("database_unavailable", "the database is unreachable"), status_code=503)
     return {"status": "ok", "database": "ok"}

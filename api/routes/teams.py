@@ -9,10 +9,10 @@ from typing import Annotated, Any
 import asyncpg
 from fastapi import APIRouter, Depends, Header, Query, Request
 
-from activities.seed import TeamQuota as SeedQuota
-from activities.seed import set_quota
 from api import idempotency
-from api import repository as repo
+from store import nodes
+from store import teams
+from store import tx
 from api.auth import current_principal, require_admin, require_team_access
 from api.deps import TeamName, decode_cursor, encode_cursor, page_size, pool_of
 from api.errors import ERROR_RESPONSES, ApiError
@@ -25,8 +25,8 @@ IdempotencyKey = Annotated[str, Header(alias="Idempotency-Key", description="req
 TEAM_NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 
 
-async def _known_team(db: repo.Db, team: str) -> None:
-    if not await repo.team_exists(db, team):
+async def _known_team(db: tx.Db, team: str) -> None:
+    if not await teams.team_exists(db, team):
         raise ApiError(404, "unknown_team", f"there is no team {team!r}")
 
 
@@ -35,7 +35,7 @@ async def get_quota(request: Request, team: TeamName, principal: Principal = Dep
     require_team_access(principal, team)
     pool = pool_of(request)
     await _known_team(pool, team)
-    return await repo.team_usage(pool, team)
+    return await teams.team_usage(pool, team)
 
 
 @router.put("/teams/{team}/quota", response_model=TeamQuota, summary="Set the team's quota for one GPU type (admin)")
@@ -52,19 +52,19 @@ async def put_quota(
     async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
         if not TEAM_NAME.fullmatch(team):
             raise ApiError(422, "invalid_team_name", "a team name is lowercase letters, digits and dashes, starting with a letter")
-        if not await repo.gpu_type_exists(conn, body.gpu_type):
+        if not await nodes.gpu_type_exists(conn, body.gpu_type):
             raise ApiError(422, "unknown_gpu_type", f"this cluster has no GPU type {body.gpu_type!r}")
         borrow_limit = body.borrow_limit
         if borrow_limit is None:
-            current = await repo.get_quota(conn, team, body.gpu_type)
+            current = await teams.get_quota(conn, team, body.gpu_type)
             borrow_limit = current["borrow_limit"] if current else 0
-        await set_quota(
+        await teams.set_quota(
             conn,
-            SeedQuota(team=team, gpu_type=body.gpu_type, guaranteed=body.guaranteed, borrow_limit=borrow_limit),
+            teams.TeamQuota(team=team, gpu_type=body.gpu_type, guaranteed=body.guaranteed, borrow_limit=borrow_limit),
             actor=principal.name,
             reason=body.reason,
         )
-        return idempotency.Outcome(200, await repo.team_usage(conn, team))
+        return idempotency.Outcome(200, await teams.team_usage(conn, team))
 
     return await idempotency.run(request, principal, idempotency_key, work)
 
@@ -90,7 +90,7 @@ async def get_queue(
             raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned") from e
         if not all(-(2**31) <= v < 2**31 for v in after[:2]):
             raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned")
-    rows = await repo.team_queue(pool, team, after=after, limit=n + 1)
+    rows = await teams.team_queue(pool, team, after=after, limit=n + 1)
     next_cursor = None
     if len(rows) > n:
         rows = rows[:n]
@@ -100,8 +100,8 @@ async def get_queue(
     jobs = [{k: r[k] for k in r.keys() if k != "class_rank"} for r in rows]
     return {
         "team": team,
-        "usage": await repo.team_usage(pool, team),
-        "counts": await repo.team_state_counts(pool, team),
+        "usage": await teams.team_usage(pool, team),
+        "counts": await teams.team_state_counts(pool, team),
         "jobs": jobs,
         "next_cursor": next_cursor,
     }

@@ -293,7 +293,7 @@ async def test_shared_queue_routes_by_node_id(tmp_path):
 
 
 def test_bench_heartbeat_small():
-    from cli.bench_heartbeat import run
+    from bench.heartbeat import run
 
     r = run(nodes=60, seconds=1.0, rates=[60, 120], generators=1, ramp_s=1.0)
     assert r["steps"][0]["kept_up"] and r["sustained_per_s"] > 100 and r["p99_ms"] is not None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from activities.seed import seed_demo
+from store.seed import seed_demo
 from api.admission import check_capacity, parse_duration
 from api.errors import ApiError
 from api.main import create_app

@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 
-from activities import store
+from store import allocations
+
+from store import leadership
 from api.main import route_table
 from tests.api.agent_server import AgentLogServer
 from tests.api.conftest import ADMIN, ALPHA, BETA, auth, job_body, new_key, submit
@@ -68,15 +70,15 @@ class Ctx:
 
     async def running_job(self) -> str:
         job_id = await self.job()
-        epoch = await store.acquire_leadership(
-            self.pool, scope="placement", holder="m", task_queue="q", grpc_addr="x", ttl_s=60
+        epoch = await leadership.acquire_leadership(
+            self.pool, scope="placement", holder="m", grpc_addr="x", ttl_s=60
         ) or await self.pool.fetchval("SELECT epoch FROM leader")
         await self.pool.execute("UPDATE nodes SET agent_addr = $1", self.agent.addr)
         free = await self.pool.fetchval(
             "SELECT gpu FROM generate_series(0, 7) gpu WHERE gpu NOT IN"
             " (SELECT gpu_index FROM allocations WHERE node_id = 'b1-n1') LIMIT 1"
         )
-        [lease] = await store.commit_gang(
+        [lease] = await allocations.commit_gang(
             self.pool, scope="placement", epoch=epoch, job_id=job_id, attempt=1, placements=gang(("b1-n1", (free,)))
         )
         self.agent.logs[lease] = b"hello from rank 0\n"

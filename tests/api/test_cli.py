@@ -19,7 +19,9 @@ import typer
 import uvicorn
 from typer.testing import CliRunner
 
-from activities import store
+from store import allocations
+
+from store import leadership
 from api.main import create_app
 from cli.user_cmd import register
 from tests.api.agent_server import AgentLogServer
@@ -113,9 +115,9 @@ async def test_submit_follow_logs_cancel(cli_app, server, pool, temporal_env, wo
     assert r.exit_code == 0 and json.loads(r.stdout)["jobs"][0]["job_id"] == job_id
 
     # placement gives it a node; the node's agent serves the rank's output
-    epoch = await store.acquire_leadership(pool, scope="placement", holder="t", task_queue="q", grpc_addr="x", ttl_s=60)
+    epoch = await leadership.acquire_leadership(pool, scope="placement", holder="t", grpc_addr="x", ttl_s=60)
     await pool.execute("UPDATE nodes SET agent_addr = $1", agent.addr)
-    [lease] = await store.commit_gang(
+    [lease] = await allocations.commit_gang(
         pool, scope="placement", epoch=epoch, job_id=job_id, attempt=1, placements=gang(("b0-n0", tuple(range(8))))
     )
     agent.logs[lease] = b"epoch 0 loss 2.31\n"

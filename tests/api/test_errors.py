@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from api import repository
+from store import jobs
 from api.main import create_app
 from tests.api.conftest import ALPHA, auth, job_body, new_key, submit
 
@@ -50,7 +50,7 @@ async def test_internal_errors_are_500_with_the_shape_and_no_trace(client, monke
     async def boom(*a, **k):
         raise RuntimeError("secret internals: password=hunter2")
 
-    monkeypatch.setattr(repository, "get_job", boom)
+    monkeypatch.setattr(jobs, "get_job", boom)
     r = await client.get("/v1/jobs/j-1", headers=auth(ALPHA))
     err = assert_error_shape(r, 500, "internal_error")
     assert "hunter2" not in r.text and err["request_id"] in err["message"]

@@ -6,7 +6,11 @@ import asyncio
 
 import pytest
 
-from activities import store
+from store import allocations
+
+from store.audit import write_job_event
+
+from store import leadership
 from tests.api.conftest import ADMIN, ALPHA, BETA, auth, new_key, submit
 from tests.foundation.builders import gang
 from tests.support import eventually, force_job_state
@@ -59,8 +63,8 @@ async def test_get_job_shows_state_allocation_and_pending_reason(client, pool):
     assert j["allocation"] == {"nodes": [], "blocks": [], "ranks": []}
     assert j["started_at"] is None and j["last_checkpoint"] is None and j["preemptions"] == 0
     # placement commits the gang: the allocation shows nodes and blocks
-    epoch = await store.acquire_leadership(pool, scope="placement", holder="t", task_queue="q", grpc_addr="x", ttl_s=30)
-    await store.commit_gang(
+    epoch = await leadership.acquire_leadership(pool, scope="placement", holder="t", grpc_addr="x", ttl_s=30)
+    await allocations.commit_gang(
         pool,
         scope="placement",
         epoch=epoch,
@@ -117,7 +121,7 @@ async def test_list_pages_with_opaque_cursors_and_filters(client, pool):
 async def test_events_timeline_pages(client, pool):
     job_id = (await submit(client)).json()["job_id"]
     for i, ev in enumerate(["scheduled", "preempted", "node_failed", "restarted"]):
-        await store.write_job_event(pool, job_id, 1 + i // 2, ev, "QUEUED", "STARTING", "placement", f"r{i}")
+        await write_job_event(pool, job_id, 1 + i // 2, ev, "QUEUED", "STARTING", "placement", f"r{i}")
     r = await client.get(f"/v1/jobs/{job_id}/events", params={"limit": 3}, headers=auth(ALPHA))
     page = r.json()
     assert [e["event"] for e in page["events"]] == ["submitted", "scheduled", "preempted"]
@@ -252,7 +256,7 @@ async def test_replayed_submit_starts_a_workflow_that_never_started(client, pool
 
 
 async def test_a_block_limit_with_a_wait_is_stored_and_reaches_the_engine(client, pool):
-    from activities.placement_cycle import spec_from_row
+    from control.leader.state import spec_from_row
 
     topo = {"pack": "block", "max_blocks": 1, "max_blocks_wait_seconds": 300}
     r = await submit(client, topology=topo)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from activities import store
+from store import allocations
+
+from store import leadership
 from tests.api.agent_server import AgentLogServer
 from tests.api.conftest import ALPHA, BETA, auth, submit
 from tests.foundation.builders import gang
@@ -19,11 +21,11 @@ def agent():
 
 
 async def place(pool, job_id: str, nodes: list[str], agent_addr: str | None, attempt: int = 1) -> list[str]:
-    epoch = await store.acquire_leadership(pool, scope="placement", holder="t", task_queue="q", grpc_addr="x", ttl_s=60)
+    epoch = await leadership.acquire_leadership(pool, scope="placement", holder="t", grpc_addr="x", ttl_s=60)
     if epoch is None:
         epoch = await pool.fetchval("SELECT epoch FROM leader")
     await pool.execute("UPDATE nodes SET agent_addr = $1", agent_addr)
-    return await store.commit_gang(
+    return await allocations.commit_gang(
         pool, scope="placement", epoch=epoch, job_id=job_id, attempt=attempt,
         placements=gang(*[(n, (0, 1, 2, 3)) for n in nodes]),
     )
@@ -88,7 +90,7 @@ async def test_log_errors_use_the_error_shape(client, pool, agent):
 async def test_logs_of_an_earlier_attempt(client, pool, agent):
     job_id = (await submit(client)).json()["job_id"]
     [a1] = await place(pool, job_id, ["b0-n0"], agent.addr)
-    await store.release_job(pool, job_id, 1, reason="preempted", actor="test")
+    await allocations.release_job(pool, job_id, 1, reason="preempted", actor="test")
     await force_job_state(pool, "UPDATE jobs SET state = 'QUEUED', attempt = 2 WHERE job_id = $1", job_id)
     [a2] = await place(pool, job_id, ["b1-n1"], agent.addr, attempt=2)
     agent.logs[a1] = b"attempt one\n"

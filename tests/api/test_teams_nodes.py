@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from activities import store
+from store import allocations
+
+from store import leadership
 from tests.api.conftest import ADMIN, ALPHA, BETA, auth, new_key, submit
 from tests.foundation.builders import gang
 
 
 async def leader(pool) -> int:
-    epoch = await store.acquire_leadership(pool, scope="placement", holder="t", task_queue="q", grpc_addr="x", ttl_s=60)
+    epoch = await leadership.acquire_leadership(pool, scope="placement", holder="t", grpc_addr="x", ttl_s=60)
     return epoch or await pool.fetchval("SELECT epoch FROM leader")
 
 
 async def running(client, pool, node: str, gpus: tuple[int, ...], token=ALPHA, team="alpha") -> str:
     job_id = (await submit(client, token=token, team=team, gpus_per_replica=len(gpus))).json()["job_id"]
-    await store.commit_gang(
+    await allocations.commit_gang(
         pool, scope="placement", epoch=await leader(pool), job_id=job_id, attempt=1, placements=gang((node, gpus))
     )
     return job_id

@@ -20,11 +20,12 @@ import pytest
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from activities.seed import TeamQuota, ensure_cluster, set_quota
+from store.seed import ensure_cluster
+
+from store.teams import TeamQuota, set_quota
 from common.settings import Principal, Settings
 from common.temporal import connect
 from tests.support import eventually
-from workflows.messages import PLACEMENT_WORKFLOW_ID
 
 PY = sys.executable
 TRAIN_COUNTER = str(Path(__file__).resolve().parents[2] / "worker-agent" / "worker_agent" / "examples" / "train_counter.py")
@@ -74,7 +75,6 @@ def e2e_settings(tmp: Path, db_dsn: str, temporal_target: str, **over: Any) -> S
         db_pool_max=20,
         # the control plane in one process (tests/e2e/test_job_worker_children.py runs children)
         control_job_workers=0,
-        placement_cycles_per_activity_s=2.0,  # batches that end often enough for failover tests
     )
     values.update(over)
     return Settings(**values)
@@ -186,13 +186,6 @@ class Stack:
         return self.settings.state_dir / "agent" / node_id / "leases" / lease_id
 
 
-async def terminate_placement(client: Client) -> None:
-    try:
-        await client.get_workflow_handle(PLACEMENT_WORKFLOW_ID).terminate("test over")
-    except RPCError:
-        pass
-
-
 @pytest.fixture
 def stack_overrides() -> dict:
     return {}
@@ -225,7 +218,6 @@ async def stack(pool, db_dsn, temporal_env, tmp_path, stack_overrides):
         await agent.stop()
         await control.stop()
         kill_ranks(settings.state_dir)
-        await terminate_placement(temporal_env.client)
 
 
 async def _v(x):

@@ -4,7 +4,7 @@ the promised keys."""
 
 from __future__ import annotations
 
-from cli.bench_e2e import run
+from bench.e2e import run
 
 
 def test_bench_e2e_small_load_runs_every_job():

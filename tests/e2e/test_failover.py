@@ -17,9 +17,11 @@ import time
 import httpx
 import pytest
 
-from activities import store
+from store import allocations
+
+from store import errors
 from common.temporal import connect
-from tests.e2e.conftest import PY, Stack, e2e_settings, free_port, kill_ranks, seed_cluster, terminate_placement
+from tests.e2e.conftest import PY, Stack, e2e_settings, free_port, kill_ranks, seed_cluster
 from tests.support import eventually
 
 pytestmark = pytest.mark.e2e
@@ -106,10 +108,10 @@ async def test_leader_killed_mid_run_the_other_takes_over_and_fences_the_old_epo
         # the old leader's epoch can no longer write
         stale = await stack.submit(command=[PY, "-c", "pass"], priority_class="preemptible", replicas=1,
                                    gpus_per_replica=1)
-        with pytest.raises(store.StaleEpoch):
-            await store.commit_gang(
+        with pytest.raises(errors.StaleEpoch):
+            await allocations.commit_gang(
                 pool, scope=settings.leader_scope, epoch=first["epoch"], job_id=stale, attempt=1,
-                placements=[store.GangPlacement(0, nodes[3], (7,), False)],
+                placements=[allocations.GangPlacement(0, nodes[3], (7,), False)],
             )
         # jobs that ran through the failover finish; new ones are placed by the new leader
         after = await stack.submit(command=[PY, "-c", "pass"])
@@ -133,4 +135,3 @@ async def test_leader_killed_mid_run_the_other_takes_over_and_fences_the_old_epo
             except subprocess.TimeoutExpired:
                 p.kill()
         kill_ranks(settings.state_dir)
-        await terminate_placement(temporal_env.client)

@@ -184,14 +184,14 @@ async def test_max_runtime_expiry_and_extensions(stack):
 
 
 async def test_a_task_without_a_live_lease_is_stopped_and_its_attempt_requeued(stack):
-    from activities import store
+    from store import allocations
 
     job = await stack.submit(command=[PY, "-c", "import time; time.sleep(60)"],
                              checkpoint={"preemptible": False, "grace_seconds": 1})
     await stack.wait_state(job, "RUNNING")
     lease = await stack.pool.fetchrow("SELECT * FROM leases WHERE job_id = $1", job)
     # the lease goes away behind the job's back (e.g. released by an operator's repair)
-    assert await store.release_lease(stack.pool, lease["lease_id"], reason="test", actor="test")
+    assert await allocations.release_lease(stack.pool, lease["lease_id"], reason="test", actor="test")
     exit_rec = stack.lease_dir(lease["node_id"], lease["lease_id"]) / "exit.json"
     await eventually(lambda: _exists(exit_rec), timeout=20, what="the orphaned rank stopped by reconciliation")
     row = await stack.wait_state(job, "QUEUED", "STARTING", "RUNNING", attempt=2, timeout=30)

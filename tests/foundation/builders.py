@@ -6,8 +6,10 @@ import json
 
 import asyncpg
 
-from activities.seed import TeamQuota, ensure_cluster, set_quota
-from activities.store import GangPlacement
+from store.seed import ensure_cluster
+
+from store.teams import TeamQuota, set_quota
+from store.allocations import GangPlacement
 
 
 async def small_cluster(

@@ -1,13 +1,17 @@
 """The job state table (placement/lifecycle.py) guards every state change twice: the
 store's job event write checks it (strict in the tests), and Postgres refuses a change
-with no edge (db/migrations/0006, whose rows must equal the table's pairs)."""
+with no edge (db/migrations/0007, whose rows must equal the table's pairs)."""
 
 from __future__ import annotations
 
 import asyncpg
 import pytest
 
-from activities import job_store, store
+from store import audit
+
+from store import errors
+
+from store import job_states
 from common.settings import get_settings
 from placement.lifecycle import STATE_CHANGES
 from tests.foundation.builders import queued_job, team
@@ -33,8 +37,8 @@ async def test_the_job_event_write_refuses_a_change_with_no_edge(pool):
     async with pool.acquire() as conn:
         await team(conn, "alpha", 8)
         job = await queued_job(conn, "j-table", "alpha")
-        with pytest.raises(store.InvalidJobTransition):
-            await store.write_job_event(conn, job, 1, "running", "QUEUED", "RUNNING", "test")
+        with pytest.raises(errors.InvalidJobTransition):
+            await audit.write_job_event(conn, job, 1, "running", "QUEUED", "RUNNING", "test")
         assert await conn.fetchval("SELECT count(*) FROM job_events WHERE job_id = $1", job) == 0
 
 
@@ -43,5 +47,5 @@ async def test_a_cancel_pending_when_a_starting_job_stops_is_an_edge(pool):
         await team(conn, "alpha", 8)
         job = await queued_job(conn, "j-cancel", "alpha")
         await conn.execute("UPDATE jobs SET state = 'STARTING' WHERE job_id = $1", job)
-    out = await job_store.finish_job(pool, job, 1, "CANCELLED", actor="alice", reason="changed my mind")
+    out = await job_states.finish_job(pool, job, 1, "CANCELLED", actor="alice", reason="changed my mind")
     assert out.applied and out.state == "CANCELLED"

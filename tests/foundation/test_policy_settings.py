@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from activities.placement_cycle import policy_from_settings
+from control.leader.state import policy_from_settings
 from common.settings import Settings
 
 

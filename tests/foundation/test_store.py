@@ -6,16 +6,18 @@ import asyncio
 
 import pytest
 
-from activities import store
-from activities.store import AllocationConflict, QuotaExceeded, StaleEpoch
+from store import allocations
+
+from store import leadership
+from store.errors import AllocationConflict, QuotaExceeded, StaleEpoch
 from tests.foundation.builders import gang, queued_job, small_cluster, team
 
 SCOPE = "placement"
 
 
 async def leader(pool, holder="c1") -> int:
-    epoch = await store.acquire_leadership(
-        pool, scope=SCOPE, holder=holder, task_queue="q-" + holder, grpc_addr="127.0.0.1:1", ttl_s=30
+    epoch = await leadership.acquire_leadership(
+        pool, scope=SCOPE, holder=holder, grpc_addr="127.0.0.1:1", ttl_s=30
     )
     assert epoch is not None
     return epoch
@@ -39,9 +41,9 @@ async def test_second_allocation_of_same_gpu_fails(pool, cluster):
     async with pool.acquire() as conn:
         await queued_job(conn, "j1", "alpha")
         await queued_job(conn, "j2", "beta")
-    await store.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id="j1", attempt=1, placements=gang(("b0-n0", (3,))))
+    await allocations.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id="j1", attempt=1, placements=gang(("b0-n0", (3,))))
     with pytest.raises(AllocationConflict):
-        await store.commit_gang(
+        await allocations.commit_gang(
             pool, scope=SCOPE, epoch=epoch, job_id="j2", attempt=1, placements=gang(("b0-n0", (3,)))
         )
     owner = await pool.fetchval("SELECT job_id FROM allocations WHERE node_id = 'b0-n0' AND gpu_index = 3")
@@ -54,11 +56,11 @@ async def test_gang_whose_last_row_conflicts_leaves_nothing(pool, cluster):
     async with pool.acquire() as conn:
         await queued_job(conn, "blocker", "alpha")
         await queued_job(conn, "big", "beta", replicas=2, gpus_per_replica=8)
-    await store.commit_gang(
+    await allocations.commit_gang(
         pool, scope=SCOPE, epoch=epoch, job_id="blocker", attempt=1, placements=gang(("b0-n1", (7,)))
     )
     with pytest.raises(AllocationConflict):
-        await store.commit_gang(
+        await allocations.commit_gang(
             pool,
             scope=SCOPE,
             epoch=epoch,
@@ -80,11 +82,11 @@ async def test_commit_with_stale_epoch_fails_and_writes_nothing(pool, cluster):
     async with pool.acquire() as conn:
         await queued_job(conn, "j1", "alpha")
     with pytest.raises(StaleEpoch):
-        await store.commit_gang(pool, scope=SCOPE, epoch=old, job_id="j1", attempt=1, placements=gang(("b0-n0", (0,))))
+        await allocations.commit_gang(pool, scope=SCOPE, epoch=old, job_id="j1", attempt=1, placements=gang(("b0-n0", (0,))))
     assert await count(pool, "SELECT count(*) FROM allocations") == 0
     assert await count(pool, "SELECT count(*) FROM leases") == 0
     assert await count(pool, "SELECT count(*) FROM audit WHERE action = 'allocate'") == 0
-    await store.commit_gang(pool, scope=SCOPE, epoch=new, job_id="j1", attempt=1, placements=gang(("b0-n0", (0,))))
+    await allocations.commit_gang(pool, scope=SCOPE, epoch=new, job_id="j1", attempt=1, placements=gang(("b0-n0", (0,))))
 
 
 async def test_fifty_racing_commits_leave_one_owner_per_gpu(pool, cluster):
@@ -100,7 +102,7 @@ async def test_fifty_racing_commits_leave_one_owner_per_gpu(pool, cluster):
         a, b = i % 5, (i * 3) % 5
         placements = gang(("b0-n0", tuple(range(a, a + 4))), ("b0-n1", tuple(range(b, b + 4))))
         try:
-            await store.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id=f"r{i}", attempt=1, placements=placements)
+            await allocations.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id=f"r{i}", attempt=1, placements=placements)
             return "ok"
         except AllocationConflict as e:
             return e
@@ -129,15 +131,15 @@ async def test_guaranteed_usage_above_guarantee_is_refused(pool, cluster):
         await queued_job(conn, "g2", "small", gpus_per_replica=1)
         await queued_job(conn, "b1", "small", gpus_per_replica=2)
         await queued_job(conn, "b2", "small", gpus_per_replica=1)
-    await store.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id="g1", attempt=1, placements=gang(("b0-n0", (0, 1, 2, 3))))
+    await allocations.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id="g1", attempt=1, placements=gang(("b0-n0", (0, 1, 2, 3))))
     with pytest.raises(QuotaExceeded):
-        await store.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id="g2", attempt=1, placements=gang(("b0-n0", (4,))))
+        await allocations.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id="g2", attempt=1, placements=gang(("b0-n0", (4,))))
     # borrowing is allowed up to the borrow limit, and marked
-    await store.commit_gang(
+    await allocations.commit_gang(
         pool, scope=SCOPE, epoch=epoch, job_id="b1", attempt=1, placements=gang(("b0-n0", (4, 5)), borrowed=True)
     )
     with pytest.raises(QuotaExceeded):
-        await store.commit_gang(
+        await allocations.commit_gang(
             pool, scope=SCOPE, epoch=epoch, job_id="b2", attempt=1, placements=gang(("b0-n0", (6,)), borrowed=True)
         )
     flags = await pool.fetch("SELECT job_id, borrowed FROM allocations ORDER BY gpu_index")
@@ -148,7 +150,7 @@ async def test_every_commit_writes_its_audit_row_in_the_same_transaction(pool, c
     epoch = await leader(pool)
     async with pool.acquire() as conn:
         await queued_job(conn, "j1", "alpha", replicas=2, gpus_per_replica=2)
-    await store.commit_gang(
+    await allocations.commit_gang(
         pool, scope=SCOPE, epoch=epoch, job_id="j1", attempt=1, placements=gang(("b0-n0", (0, 1)), ("b0-n1", (0, 1)))
     )
     audit = await pool.fetch("SELECT actor, action, detail, xmin::text AS tx FROM audit WHERE subject = 'j1'")
@@ -165,21 +167,21 @@ async def test_release_by_lease_never_frees_a_newer_lease(pool, cluster):
     async with pool.acquire() as conn:
         await queued_job(conn, "j1", "alpha")
         await queued_job(conn, "j2", "alpha")
-    (l1,) = await store.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id="j1", attempt=1, placements=gang(("b0-n0", (0,))))
-    assert await store.release_lease(pool, l1, reason="exited", actor="test")
-    (l2,) = await store.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id="j2", attempt=1, placements=gang(("b0-n0", (0,))))
+    (l1,) = await allocations.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id="j1", attempt=1, placements=gang(("b0-n0", (0,))))
+    assert await allocations.release_lease(pool, l1, reason="exited", actor="test")
+    (l2,) = await allocations.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id="j2", attempt=1, placements=gang(("b0-n0", (0,))))
     # a stale, duplicated "task exited" for the old lease
-    assert not await store.release_lease(pool, l1, reason="exited", actor="test")
+    assert not await allocations.release_lease(pool, l1, reason="exited", actor="test")
     assert await pool.fetchval("SELECT lease_id FROM allocations WHERE node_id = 'b0-n0' AND gpu_index = 0") == l2
 
 
 async def test_leadership_is_exclusive_and_epochs_increase(pool):
     e1 = await leader(pool, "c1")
-    assert await store.acquire_leadership(
-        pool, scope=SCOPE, holder="c2", task_queue="q", grpc_addr="a", ttl_s=30
+    assert await leadership.acquire_leadership(
+        pool, scope=SCOPE, holder="c2", grpc_addr="a", ttl_s=30
     ) is None
-    assert await store.renew_leadership(pool, scope=SCOPE, holder="c1", epoch=e1, ttl_s=30)
-    await store.resign_leadership(pool, scope=SCOPE, holder="c1", epoch=e1)
+    assert await leadership.renew_leadership(pool, scope=SCOPE, holder="c1", epoch=e1, ttl_s=30)
+    await leadership.resign_leadership(pool, scope=SCOPE, holder="c1", epoch=e1)
     e2 = await leader(pool, "c2")
     assert e2 == e1 + 1
-    assert not await store.renew_leadership(pool, scope=SCOPE, holder="c1", epoch=e1, ttl_s=30)
+    assert not await leadership.renew_leadership(pool, scope=SCOPE, holder="c1", epoch=e1, ttl_s=30)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-from activities import store
 from control.agent_link import HeartbeatTable
-from control.health import HealthMonitor
+from control.health.monitor import HealthMonitor
+from control.leader.signals import JobSignals
+from control.leader.state import LeaderState
+from store import leadership, nodes
 from proto import agent_pb2 as pb
 from tests.foundation.builders import small_cluster
 from tests.support import eventually
@@ -20,21 +22,18 @@ async def test_heartbeat_agent_addr_is_written_to_the_node_row(pool, tmp_path, m
     settings = scaled_settings(tmp_path, health_sweep_s=0.1, takeover_quiet_s=60.0)
     async with pool.acquire() as conn:
         await small_cluster(conn, blocks=1, nodes_per_block=2)
-    epoch = await store.acquire_leadership(
-        pool, scope=settings.leader_scope, holder="test", task_queue="q", grpc_addr="-", ttl_s=3600
-    )
+    epoch = await leadership.acquire_leadership(pool, scope=settings.leader_scope, holder="test", grpc_addr="-", ttl_s=3600)
     table = HeartbeatTable()
-    monitor = HealthMonitor(pool, None, settings, leader=None, table=lambda: table)  # type: ignore[arg-type]
+    state = LeaderState(pool, settings, JobSignals(pool, None, settings))  # type: ignore[arg-type]
+    monitor = HealthMonitor(pool, None, settings, state=state, table=lambda: table)  # type: ignore[arg-type]
     writes: list[str] = []
-    from activities import health_store
-
-    real = health_store.set_agent_addr
+    real = nodes.set_agent_addr
 
     async def counting(db, **kw):
         writes.append(kw["addr"])
         return await real(db, **kw)
 
-    monkeypatch.setattr(health_store, "set_agent_addr", counting)
+    monkeypatch.setattr(nodes, "set_agent_addr", counting)
     await monitor.take_over(epoch)
 
     async def addr(node: str):

@@ -233,7 +233,7 @@ async def _v(x):
 
 
 async def test_drain_with_evict_preempts_now_and_an_admin_return_burns_in(stack):
-    from activities import health_store
+    from store import nodes
 
     job = await stack.submit(replicas=1, gpus_per_replica=8, command=train(2000),
                              checkpoint={"preemptible": True, "grace_seconds": 5})
@@ -247,6 +247,6 @@ async def test_drain_with_evict_preempts_now_and_an_admin_return_burns_in(stack)
     assert row["preemptions"] == 1 and row["last_checkpoint"], "evicted: checkpointed and re-queued"
     assert await stack.pool.fetchval("SELECT node_id FROM leases WHERE job_id = $1 AND attempt = 2", job) != node
     assert await node_state(stack, node) == "draining"  # drained: waits for an admin return
-    assert await health_store.return_node(stack.pool, node, actor="root", reason="maintenance done") == "draining"
+    assert await nodes.return_node(stack.pool, node, actor="root", reason="maintenance done") == "draining"
     await wait_node(stack, node, "ready", timeout=30)
     await stack.cancel(job)

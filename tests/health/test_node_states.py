@@ -1,4 +1,4 @@
-"""The node state machine (control.node_states): every (state x event) pair, the decisions
+"""The node state machine (control.health.node_states): every (state x event) pair, the decisions
 from observations, and a Hypothesis state machine over agent message sequences."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis import settings as hsettings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from control.agent_link import HeartbeatTable
-from control.node_states import (
+from control.health.node_states import (
     TABLE, Action, Event, GpuView, HealthParams, LeaseView, NodeObservation, NodeState, RankView,
     decide, fatal_faults, reconcile, transition,
 )

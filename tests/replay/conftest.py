@@ -1,4 +1,3 @@
-"""Recording reuses the workflow tests' stands (control worker + fake agent, or control processes)."""
+"""Recording reuses the workflow tests' stand (a control worker and a fake agent)."""
 
 from tests.workflows.conftest import settings_overrides, stand  # noqa: F401
-from tests.workflows.test_placement_control import cluster  # noqa: F401

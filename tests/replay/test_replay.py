@@ -6,8 +6,8 @@ fails here; such changes go through ``workflow.patched``. The histories under
 
     GPUFLEET_RECORD_HISTORIES=1 .venv/bin/python -m pytest tests/replay -k record
 
-(success, preemption and resume, cancel while running, gang failure, the placement
-singleton). Re-record only for an intended, patched change.
+(success, preemption and resume, cancel while running, gang failure). Re-record only for an
+intended, patched change.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from temporalio.client import WorkflowHistory
 
 from common.temporal import make_replayer
 from workflows.job import JobWorkflow
-from workflows.placement import PlacementWorkflow
 
 HISTORIES = Path(__file__).parent / "histories"
 RECORD = os.environ.get("GPUFLEET_RECORD_HISTORIES") == "1"
@@ -39,14 +38,14 @@ def _histories() -> list[Path]:
 async def test_history_replays(path: Path):
     data = json.loads(path.read_text())
     history = WorkflowHistory.from_json(data["workflow_id"], data["history"])
-    replayer = make_replayer([JobWorkflow, PlacementWorkflow])
+    replayer = make_replayer([JobWorkflow])
     result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
     assert result.replay_failure is None, f"{path.name}: {result.replay_failure}"
 
 
 def test_the_representative_histories_are_committed():
     names = {p.stem.split("-", 1)[0] for p in _histories()}
-    assert {"job_success", "job_preempt_resume", "job_cancel", "job_gang_failure", "placement"} <= names
+    assert {"job_success", "job_preempt_resume", "job_cancel", "job_gang_failure"} <= names
 
 
 # ---------------------------------------------------------------------------- recording
@@ -113,25 +112,3 @@ async def test_record_histories(stand):
     assert (await stand.result(g)).state == "SUCCEEDED"
     for wid, name in [(ok, "job_success"), (tr, "job_preempt_resume"), (cx, "job_cancel"), (g, "job_gang_failure")]:
         assert await _save(c, wid, name)
-
-
-@pytest.mark.skipif(not RECORD, reason="set GPUFLEET_RECORD_HISTORIES=1 to re-record")
-async def test_record_placement_history(cluster):
-    from tests.workflows.harness import PY
-    from workflows.messages import PLACEMENT_WORKFLOW_ID
-
-    stand, start = cluster
-    c1 = await start("c1")
-    from tests.support import eventually
-
-    async def leads():
-        return c1.is_leader
-
-    await eventually(leads, timeout=10)
-    job = await stand.submit("rec-placed", command=[PY, "-c", "pass"])
-    assert (await stand.result(job)).state == "SUCCEEDED"
-    h = stand.client.get_workflow_handle(PLACEMENT_WORKFLOW_ID)
-    history = await h.fetch_history()
-    (HISTORIES / f"placement-{VERSION}-1.json").write_text(
-        json.dumps({"workflow_id": PLACEMENT_WORKFLOW_ID, "history": history.to_json_dict()}, indent=1)
-    )

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from temporalio import activity
 
-from common.contracts import StartTask, StartTaskResult, StopTask, StopTaskResult, TaskState, TaskStatus
+from common.contracts import START_TASK, STOP_TASK, StartTask, StartTaskResult, StopTask, StopTaskResult, TaskState, TaskStatus
 
 
 @dataclass
@@ -68,7 +68,7 @@ class FakeAgent:
             )
         )
 
-    @activity.defn(name="start_task")
+    @activity.defn(name=START_TASK)
     async def start_task(self, req: StartTask) -> StartTaskResult:
         self.starts.append(req)
         if req.image == "fake/refuse":
@@ -130,7 +130,7 @@ class FakeAgent:
         t.done.set()
         self._report(t, TaskState.STOPPED if t.stop_requested else TaskState.EXITED, t.exit_code)
 
-    @activity.defn(name="stop_task")
+    @activity.defn(name=STOP_TASK)
     async def stop_task(self, req: StopTask) -> StopTaskResult:
         self.stops.append(req)
         t = self.tasks.get(req.lease_id)

@@ -18,9 +18,18 @@ from typing import Any
 import asyncpg
 from temporalio.client import Client
 
-from activities import job_signals, job_store, store
-from activities.seed import TeamQuota, ensure_cluster, set_quota
-from activities.store import GangPlacement
+from control.leader import signals
+
+from store import allocations
+
+from store import audit
+
+from store import job_states
+
+from store import leadership
+from store.seed import ensure_cluster
+from store.teams import TeamQuota, set_quota
+from store.allocations import GangPlacement
 from common.settings import Settings
 from tests.support import eventually
 from workflows import messages as m
@@ -48,7 +57,6 @@ def scaled_settings(tmp: Path, **overrides: Any) -> Settings:
         leader_ttl_s=2.0,
         # the control plane in one process (tests/e2e/test_job_worker_children.py runs children)
         control_job_workers=0,
-        placement_cycles_per_activity_s=2.0,  # batches that end often enough for failover tests
     )
     base.update(overrides)
     return Settings(**base)
@@ -92,32 +100,32 @@ class Stand:
                     " max_runtime_s, submitted_by) VALUES ($1, $2, $3, $8, $4, $5, $6, $7, 'test')",
                     job_id, team, priority_class, replicas, gpus_per_replica, spec, max_runtime_s, gpu_type,
                 )
-                await store.write_job_event(conn, job_id, 1, "submitted", None, "QUEUED", "test", "submitted")
+                await audit.write_job_event(conn, job_id, 1, "submitted", None, "QUEUED", "test", "submitted")
         if start:
-            await job_signals.start_job_workflow(self.client, self.settings, job_id)
+            await signals.start_job_workflow(self.client, self.settings, job_id)
         return job_id
 
     async def allocate(self, job_id: str, *ranks: tuple[str, tuple[int, ...]], attempt: int | None = None) -> m.Allocation:
         if attempt is None:
             attempt = await self.pool.fetchval("SELECT attempt FROM jobs WHERE job_id = $1", job_id)
         placements = [GangPlacement(rank=i, node_id=n, gpu_indices=g, borrowed=False) for i, (n, g) in enumerate(ranks)]
-        await store.commit_gang(
+        await allocations.commit_gang(
             self.pool, scope=self.settings.leader_scope, epoch=self.epoch, job_id=job_id, attempt=attempt,
             placements=placements,
         )
-        alloc = await job_signals.allocation_for(self.pool, self.settings, job_id, attempt)
+        alloc = await signals.allocation_for(self.pool, self.settings, job_id, attempt)
         assert alloc is not None
-        await job_signals.signal_allocation(self.client, self.settings, alloc)
+        await signals.signal_allocation(self.client, self.settings, alloc)
         return alloc
 
     async def preempt(self, job_id: str, *, by_job: str | None = None) -> None:
         attempt = await self.pool.fetchval("SELECT attempt FROM jobs WHERE job_id = $1", job_id)
-        o = await job_store.mark_preempting(
+        o = await job_states.mark_preempting(
             self.pool, scope=self.settings.leader_scope, epoch=self.epoch, job_id=job_id, attempt=attempt,
             reason="priority", by_job=by_job,
         )
         assert o.applied, o
-        await job_signals.signal_preempt(
+        await signals.signal_preempt(
             self.client, m.PreemptRequest(job_id, attempt, self.epoch, "priority", by_job)
         )
 
@@ -162,8 +170,8 @@ async def seed(pool: asyncpg.Pool, settings: Settings, *, nodes_per_block: int =
         )
         for team in ("alpha", "beta"):
             await set_quota(conn, TeamQuota(team, "h100", 64, 64), actor="test", reason="fixture")
-    epoch = await store.acquire_leadership(
-        pool, scope=settings.leader_scope, holder="test", task_queue="unused", grpc_addr="-", ttl_s=3600
+    epoch = await leadership.acquire_leadership(
+        pool, scope=settings.leader_scope, holder="test", grpc_addr="-", ttl_s=3600
     )
     assert epoch is not None
     return nodes, epoch

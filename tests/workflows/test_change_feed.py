@@ -3,7 +3,7 @@ later one is still read; a rolled-back change stops being waited for."""
 
 from __future__ import annotations
 
-from activities.change_feed import ChangeFeed
+from store.change_feed import ChangeFeed
 
 
 async def _change(conn, subject: str) -> int:

@@ -9,9 +9,11 @@ import dataclasses
 
 import pytest
 
-from activities import job_store, store
-from activities.placement_cycle import LeaderState, policy_from_settings
-from activities.store import StaleEpoch
+from control.leader.cycle import PlacementCycles
+from control.leader.signals import JobSignals
+from control.leader.state import LeaderState, policy_from_settings
+from store import allocations, leadership, publications
+from store.errors import StaleEpoch
 from tests.foundation.builders import queued_job, small_cluster, team
 from tests.workflows.harness import scaled_settings
 from tests.support import force_job_state
@@ -24,21 +26,28 @@ class NoTemporal:
         raise RuntimeError(f"no Temporal in this test ({name})")
 
 
+async def leader_cycles(pool, settings, epoch: int, policy) -> PlacementCycles:
+    """The leader's state and cycles without Temporal, taken over under ``epoch``."""
+    client = NoTemporal()
+    signals = JobSignals(pool, client, settings)  # type: ignore[arg-type]
+    state = LeaderState(pool, settings, signals)
+    await state.take_over(epoch)
+    return PlacementCycles(state, signals, client, policy=policy, actor="placement:test")  # type: ignore[arg-type]
+
+
 @pytest.fixture
 async def leader(pool, tmp_path):
     settings = scaled_settings(tmp_path)
     async with pool.acquire() as conn:
         await small_cluster(conn, blocks=2, nodes_per_block=4)
         await team(conn, "alpha", 64, 0)
-    epoch = await store.acquire_leadership(
-        pool, scope=settings.leader_scope, holder="test", task_queue="q", grpc_addr="-", ttl_s=3600
+    epoch = await leadership.acquire_leadership(
+        pool, scope=settings.leader_scope, holder="test", grpc_addr="-", ttl_s=3600
     )
     assert epoch is not None
     # a gang of >= 16 GPUs gets ceil(0.5 x its nodes) hot spares
     policy = dataclasses.replace(policy_from_settings(settings), hot_spare_min_gpus=16, hot_spare_fraction=0.5)
-    state = LeaderState(pool, NoTemporal(), settings, policy=policy, actor="placement:test")  # type: ignore[arg-type]
-    await state.take_over(epoch)
-    return state, epoch
+    return await leader_cycles(pool, settings, epoch, policy), epoch
 
 
 async def published(pool) -> dict[str, tuple[str, int]]:
@@ -46,19 +55,19 @@ async def published(pool) -> dict[str, tuple[str, int]]:
 
 
 async def test_leader_publishes_hot_spares_on_change_only(pool, leader, monkeypatch):
-    state, epoch = leader
+    cycles, epoch = leader
     writes: list[dict[str, str]] = []
-    real = job_store.publish_hot_spares
+    real = publications.publish_hot_spares
 
     async def counting(db, **kw):
         writes.append(dict(kw["spares"]))
         await real(db, **kw)
 
-    monkeypatch.setattr(job_store, "publish_hot_spares", counting)
+    monkeypatch.setattr(publications, "publish_hot_spares", counting)
     async with pool.acquire() as conn:
         await queued_job(conn, "big", "alpha", replicas=4, gpus_per_replica=8)  # 32 GPUs, 4 whole nodes
         await queued_job(conn, "small", "alpha", replicas=1, gpus_per_replica=2)  # below the threshold
-    result = await state.run_cycle(epoch)
+    result = await cycles.run_cycle(epoch)
     assert result.placed == 2
     big_nodes = {r["node_id"] for r in await pool.fetch("SELECT node_id FROM leases WHERE job_id = 'big'")}
     assert len(big_nodes) == 4
@@ -66,30 +75,30 @@ async def test_leader_publishes_hot_spares_on_change_only(pool, leader, monkeypa
     assert len(spares) == 2 and set(spares.values()) == {("big", epoch)}  # ceil(0.5 x 4)
     assert not set(spares) & big_nodes
     assert not await pool.fetchval("SELECT count(*) FROM allocations WHERE node_id = ANY($1::text[])", list(spares))
-    assert spares.keys() == set(state.cluster.spares("big"))
+    assert spares.keys() == set(cycles.state.cluster.spares("big"))
     assert len(writes) == 1
 
     # nothing changed: no write
-    await state.run_cycle(epoch)
-    await state.run_cycle(epoch)
+    await cycles.run_cycle(epoch)
+    await cycles.run_cycle(epoch)
     assert len(writes) == 1
 
     # the gang ends: its spares go back to the pool, and the published rows with them
     await force_job_state(pool, "UPDATE jobs SET state = 'SUCCEEDED' WHERE job_id = 'big'")
-    await store.release_job(pool, "big", 1, reason="done", actor="test")
-    await state.run_cycle(epoch)
+    await allocations.release_job(pool, "big", 1, reason="done", actor="test")
+    await cycles.run_cycle(epoch)
     assert await published(pool) == {}
     assert writes[-1] == {} and len(writes) == 2
 
 
 async def test_a_deposed_leader_cannot_publish_spares(pool, leader):
-    state, epoch = leader
+    cycles, epoch = leader
     async with pool.acquire() as conn:
         await queued_job(conn, "big", "alpha", replicas=2, gpus_per_replica=8)
-    await state.run_cycle(epoch)
+    await cycles.run_cycle(epoch)
     before = await published(pool)
     assert len(before) == 1
-    await pool.execute("UPDATE leader SET epoch = epoch + 1 WHERE scope = $1", state.scope)
+    await pool.execute("UPDATE leader SET epoch = epoch + 1 WHERE scope = $1", cycles.scope)
     with pytest.raises(StaleEpoch):
-        await job_store.publish_hot_spares(pool, scope=state.scope, epoch=epoch, spares={})
+        await publications.publish_hot_spares(pool, scope=cycles.scope, epoch=epoch, spares={})
     assert await published(pool) == before

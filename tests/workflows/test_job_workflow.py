@@ -210,14 +210,14 @@ async def test_three_failures_caused_by_the_job_fail_it(stand):
 async def test_duplicate_allocation_signal_is_a_noop(stand):
     job = await stand.submit("j-dup", command=[PY, "-c", "import time; time.sleep(0.5)"])
     alloc = await stand.allocate(job, (stand.nodes[0], (0,)))
-    from activities import job_signals
+    from control.leader import signals
 
-    await job_signals.signal_allocation(stand.client, stand.settings, alloc)
-    await job_signals.signal_allocation(stand.client, stand.settings, alloc)
+    await signals.signal_allocation(stand.client, stand.settings, alloc)
+    await signals.signal_allocation(stand.client, stand.settings, alloc)
     assert (await stand.result(job)).state == "SUCCEEDED"
     assert len([s for s in stand.agent.starts if s.job_id == job]) == 1
     # a re-signal after the job finished does not start anything
-    assert await job_signals.signal_allocation(stand.client, stand.settings, alloc) is False
+    assert await signals.signal_allocation(stand.client, stand.settings, alloc) is False
 
 
 async def test_refused_start_fails_the_attempt_without_counting_against_the_job(stand):

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from activities import store
-from activities.placement_cycle import LeaderState, policy_from_settings
+from store import leadership
+from control.leader.state import policy_from_settings
 from tests.foundation.builders import queued_job, small_cluster, team
 from tests.workflows.harness import scaled_settings
-from tests.workflows.test_hot_spares import NoTemporal
+from tests.workflows.test_hot_spares import leader_cycles
 
 
 @pytest.fixture
@@ -19,21 +19,19 @@ async def leader(pool, tmp_path):
     async with pool.acquire() as conn:
         await small_cluster(conn, blocks=1, nodes_per_block=4)
         await team(conn, "alpha", guaranteed=8, borrow_limit=0)
-    epoch = await store.acquire_leadership(
-        pool, scope=settings.leader_scope, holder="test", task_queue="q", grpc_addr="-", ttl_s=3600
+    epoch = await leadership.acquire_leadership(
+        pool, scope=settings.leader_scope, holder="test", grpc_addr="-", ttl_s=3600
     )
-    state = LeaderState(pool, NoTemporal(), settings, policy=policy_from_settings(settings), actor="placement:test")  # type: ignore[arg-type]
-    await state.take_over(epoch)
-    return state, epoch
+    return await leader_cycles(pool, settings, epoch, policy_from_settings(settings)), epoch
 
 
 async def test_jobs_without_quota_room_are_published_as_quota(pool, leader):
-    state, epoch = leader
+    cycles, epoch = leader
     async with pool.acquire() as conn:
         await queued_job(conn, "fits", "alpha", gpus_per_replica=8)
         for i in range(3):
             await queued_job(conn, f"over{i}", "alpha", gpus_per_replica=8)
-    await state.run_cycle(epoch)
+    await cycles.run_cycle(epoch)
     rows = {r["job_id"]: r for r in await pool.fetch("SELECT job_id, state, pending_reason FROM jobs")}
     assert rows["fits"]["state"] == "STARTING"
     for i in range(3):

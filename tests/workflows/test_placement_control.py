@@ -1,4 +1,4 @@
-"""The placement singleton, the leader's cycle and the control process, with a fake agent.
+"""The leader's placement cycles and the control process, with a fake agent.
 
 Each test runs one or two in-process ``ControlProcess``es against the real Temporal
 dev server and Postgres; jobs are placed by the real engine.
@@ -11,13 +11,16 @@ import asyncio
 import pytest
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities import job_signals, store
+from control.leader import signals
+
+from store import allocations
+
+from store import errors
 from common.temporal import connect, make_worker
 from control.process import ControlProcess
 from tests.support import eventually
 from tests.workflows.fake_agent import FakeAgent
 from tests.workflows.harness import PY, TRAIN, Stand, read_json, scaled_settings, seed
-from workflows.messages import PLACEMENT_WORKFLOW_ID
 
 
 class _Fwd:
@@ -62,10 +65,6 @@ async def cluster(pool, temporal_env, tmp_path):
             if not p._stopping.is_set():
                 await p.stop()
         await agent.kill_all()
-    try:
-        await client.get_workflow_handle(PLACEMENT_WORKFLOW_ID).terminate("test over")
-    except RPCError:
-        pass
 
 
 async def leading(proc: ControlProcess, timeout: float = 10.0) -> int:
@@ -117,7 +116,7 @@ async def test_a_job_without_a_workflow_is_started_by_its_allocation(cluster):
 
 async def test_a_lost_allocation_signal_is_resent(cluster, monkeypatch):
     stand, start = cluster
-    real = job_signals.signal_allocation
+    real = signals.signal_allocation
     dropped: list[str] = []
 
     async def lossy(client, settings, alloc):
@@ -128,7 +127,7 @@ async def test_a_lost_allocation_signal_is_resent(cluster, monkeypatch):
             raise RPCError("connection reset", RPCStatusCode.UNAVAILABLE, b"")
         return await real(client, settings, alloc)
 
-    monkeypatch.setattr(job_signals, "signal_allocation", lossy)
+    monkeypatch.setattr(signals, "signal_allocation", lossy)
     c1 = await start("c1")
     await leading(c1)
     job = await stand.submit("p-lost", command=[PY, "-c", "pass"])
@@ -191,10 +190,10 @@ async def test_leader_failover_higher_epoch_fences_the_old_leader(cluster):
     assert e2 > e1 and took < 30
     # a write under the old epoch is refused
     await stand.submit("f-stale", start=False)
-    with pytest.raises(store.StaleEpoch):
-        await store.commit_gang(
+    with pytest.raises(errors.StaleEpoch):
+        await allocations.commit_gang(
             stand.pool, scope=stand.settings.leader_scope, epoch=e1, job_id="f-stale", attempt=1,
-            placements=[store.GangPlacement(0, stand.nodes[3], (7,), False)],
+            placements=[allocations.GangPlacement(0, stand.nodes[3], (7,), False)],
         )
     # the new leader keeps placing, and the running job finishes
     after = await stand.submit("f-after", command=[PY, "-c", "pass"])
@@ -218,9 +217,9 @@ async def assert_no_gpu_had_two_live_leases(pool) -> None:
 
 
 async def test_control_starts_the_workflow_of_a_queued_job_that_lacks_one(cluster, monkeypatch):
-    import activities.placement_cycle as pc
+    import control.leader.cycle as cycle
 
-    monkeypatch.setattr(pc, "UNSTARTED_SWEEP_S", 0.5)
+    monkeypatch.setattr(cycle, "UNSTARTED_SWEEP_S", 0.5)
     stand, start = cluster
     c1 = await start("c1")
     await leading(c1)
@@ -236,29 +235,9 @@ async def test_control_starts_the_workflow_of_a_queued_job_that_lacks_one(cluste
     assert (await stand.result(job)).state == "CANCELLED"
 
 
-async def test_the_placement_singleton_continues_as_new_and_keeps_placing(cluster, monkeypatch):
-    import activities.placement_activities as pa
-
-    monkeypatch.setattr(pa, "MAX_CYCLES_PER_RUN", 3)
-    stand, start = cluster
-    c1 = await start("c1")
-    await leading(c1)
-    h = stand.client.get_workflow_handle(PLACEMENT_WORKFLOW_ID)
-    first = (await h.describe()).run_id
-
-    async def rolled_over():
-        return (await h.describe()).run_id != first
-
-    await eventually(rolled_over, timeout=20, what="the placement workflow continuing as new")
-    status = await h.query("status")
-    assert status["cycles"] >= 3
-    job = await stand.submit("p-after-can", command=[PY, "-c", "pass"])
-    assert (await stand.result(job)).state == "SUCCEEDED"
-
-
 async def test_a_gang_committed_without_a_signal_is_signalled_by_the_leader(cluster):
     """E.g. committed by a previous leader that died before signalling."""
-    from activities.seed import TeamQuota, set_quota
+    from store.teams import TeamQuota, set_quota
 
     stand, start = cluster
     c1 = await start("c1")
@@ -266,49 +245,48 @@ async def test_a_gang_committed_without_a_signal_is_signalled_by_the_leader(clus
     async with stand.pool.acquire() as conn:  # a type the cluster has no node of: placement leaves it alone
         await set_quota(conn, TeamQuota("alpha", "a100", 8, 0), actor="test", reason="fixture")
     job = await stand.submit("p-adopt", command=[PY, "-c", "pass"], gpu_type="a100")
-    await store.commit_gang(
+    await allocations.commit_gang(
         stand.pool, scope=stand.settings.leader_scope, epoch=epoch, job_id=job, attempt=1,
-        placements=[store.GangPlacement(0, stand.nodes[0], (5,), False)],
+        placements=[allocations.GangPlacement(0, stand.nodes[0], (5,), False)],
     )
     assert (await stand.result(job, timeout=30)).state == "SUCCEEDED"
 
 
-async def test_a_placement_run_left_on_the_control_queue_moves_to_its_own_queue(cluster):
-    from workflows import messages as m
+async def test_a_placement_workflow_left_by_an_older_version_is_terminated(cluster):
+    """Before the leader ran its cycles itself, a singleton workflow scheduled them; a run
+    left in Temporal by that version is retired by the first leader (nothing polls it)."""
+    from control.process import RETIRED_PLACEMENT_WORKFLOW_ID
 
     stand, start = cluster
-    # as a version before the placement queue started it: on the control queue, no queue in its input
     await stand.client.start_workflow(
-        m.PLACEMENT_WORKFLOW, m.PlacementInput(), id=PLACEMENT_WORKFLOW_ID, task_queue=stand.settings.control_task_queue
+        "PlacementWorkflow", id=RETIRED_PLACEMENT_WORKFLOW_ID, task_queue=stand.settings.control_task_queue + "-placement"
     )
     c1 = await start("c1")
     await leading(c1)
-    h = stand.client.get_workflow_handle(PLACEMENT_WORKFLOW_ID)
+    h = stand.client.get_workflow_handle(RETIRED_PLACEMENT_WORKFLOW_ID)
 
-    async def moved():
-        return (await h.describe()).task_queue == stand.settings.placement_task_queue
+    async def terminated():
+        return (await h.describe()).status.name == "TERMINATED"
 
-    await eventually(moved, timeout=20, what="the placement workflow on its own queue")
-    job = await stand.submit("p-moved", command=[PY, "-c", "pass"])
+    await eventually(terminated, timeout=10, what="the retired placement workflow terminated")
+    job = await stand.submit("p-after-retire", command=[PY, "-c", "pass"])
     assert (await stand.result(job)).state == "SUCCEEDED"
 
 
-async def test_a_change_wakes_the_running_batch_of_cycles_in_process(cluster):
+async def test_a_change_wakes_the_leader_at_once(cluster):
     stand, start = cluster
-    # the periodic cycle is far away: only a wake-up can place the job in time
+    # the periodic cycle is far away: only a wake-up (Postgres NOTIFY) can place the job in time
     stand.settings.placement_cycle_s = 60.0
-    stand.settings.placement_cycles_per_activity_s = 120.0
     c1 = await start("c1")
     await leading(c1)
-    await eventually(lambda: _now(c1.leader.batch_running), timeout=10, what="a batch of cycles running")
-    signals_before = c1._waker.sent
+    assert c1.cycles is not None
+    await eventually(lambda: _now(c1.cycles.cycles >= 1), timeout=10, what="the first cycle")
     job = await stand.submit("p-woken", command=[PY, "-c", "pass"])
 
     async def allocated():
         return await stand.pool.fetchval("SELECT 1 FROM job_events WHERE job_id = $1 AND event = 'allocated'", job)
 
     await eventually(allocated, timeout=5, what="the job allocated by a woken cycle")
-    assert c1._waker.sent == signals_before  # woken in-process, no signal to the workflow
     assert (await stand.result(job)).state == "SUCCEEDED"
 
 

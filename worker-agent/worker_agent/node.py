@@ -43,7 +43,7 @@ from pathlib import Path
 
 from temporalio import activity
 
-from common.contracts import StartTask, StartTaskResult, StopTask, StopTaskResult, TaskState, TaskStatus
+from common.contracts import START_TASK, STOP_TASK, StartTask, StartTaskResult, StopTask, StopTaskResult, TaskState, TaskStatus
 from proto import agent_pb2 as pb
 from proto.convert import HEALTH_TO_PB, task_status_to_pb
 from worker_agent import statefiles as sf
@@ -227,7 +227,7 @@ class NodeAgent:
         return max(10.0, 20 * self.poll_s)
 
     # ----------------------------------------------------------------- activities
-    @activity.defn(name="start_task")
+    @activity.defn(name=START_TASK)
     async def start_task(self, req: StartTask) -> StartTaskResult:
         def refuse(reason: str) -> StartTaskResult:
             log.warning("%s: StartTask %s epoch %s refused: %s", self.node_id, req.lease_id, req.epoch, reason)
@@ -325,7 +325,7 @@ class NodeAgent:
                 return
             await asyncio.sleep(0.01)
 
-    @activity.defn(name="stop_task")
+    @activity.defn(name=STOP_TASK)
     async def stop_task(self, req: StopTask) -> StopTaskResult:
         def refuse(reason: str) -> StopTaskResult:
             log.warning("%s: StopTask %s epoch %s refused: %s", self.node_id, req.lease_id, req.epoch, reason)
@@ -768,14 +768,14 @@ class FleetActivities:
     def __init__(self, nodes: dict[str, NodeAgent]) -> None:
         self.nodes = nodes
 
-    @activity.defn(name="start_task")
+    @activity.defn(name=START_TASK)
     async def start_task(self, req: StartTask) -> StartTaskResult:
         node = self.nodes.get(req.node_id)
         if node is None:
             return StartTaskResult(req.lease_id, req.epoch, False, reason=f"node {req.node_id} not hosted here")
         return await node.start_task(req)
 
-    @activity.defn(name="stop_task")
+    @activity.defn(name=STOP_TASK)
     async def stop_task(self, req: StopTask) -> StopTaskResult:
         node = self.nodes.get(req.node_id)
         if node is None:

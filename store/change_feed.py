@@ -72,3 +72,15 @@ class ChangeFeed:
                 for seq in sorted(self.gaps)[: len(self.gaps) - MAX_GAPS]:
                     del self.gaps[seq]
         return rows
+
+    async def prune(self, db: Any, *, kept_s: float) -> None:
+        """Delete changes this feed has read that are older than ``kept_s``. The sequence is
+        read only forward (a new leader starts from its max), so only a margin for slow
+        readers is kept; a gap's row, committed late, is still to be read and stays."""
+        await db.execute(
+            "DELETE FROM changes WHERE seq <= $1 AND at < now() - make_interval(secs => $2)"
+            " AND seq <> ALL($3::bigint[])",
+            self.cursor,
+            kept_s,
+            list(self.gaps),
+        )

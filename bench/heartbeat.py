@@ -16,7 +16,7 @@ the highest ingested rate of a kept-up step; ``p99_ms`` the server handling p99 
 that step. When the generators could not offer the rate (they share the CPUs),
 ``generator_limited`` says so: the server was not the bottleneck.
 
-``run(nodes=3000, seconds=10.0, ...) -> dict``; `python -m cli.bench_heartbeat` prints it.
+``run(nodes=3000, seconds=10.0, ...) -> dict``; `python -m bench.heartbeat` prints it.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ async def _run(nodes: int, seconds: float, rates: list[int], generators: int, ra
         cfg = {"addr": addr, "lo": lo, "hi": hi, "total": nodes, "phases": phases, "t0": t0, "secret": secret}
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "cli.bench_heartbeat", "--generator", json.dumps(cfg)],
+                [sys.executable, "-m", "bench.heartbeat", "--generator", json.dumps(cfg)],
                 stdout=subprocess.PIPE,
                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
             )

@@ -1,32 +1,28 @@
-"""Job state writes of the control plane (DESIGN.md, Job lifecycle), one transaction each.
+"""Job state writes (docs/design.md, Job lifecycle), one transaction each.
 
 Every state change writes its ``job_events`` row in the same transaction, and every
 release / preemption / cancel / extension its ``audit`` row (invariant 7). Writes
 are guarded by the attempt (and, for the leader's writes, the fencing epoch via
-``store.check_epoch``) and are idempotent: re-applying a transition that is already
-done is a no-op that reports where the job stands, so a retried activity or a
-duplicate signal never applies twice.
-
-Functions here take a pool or a connection and know nothing about Temporal;
-``activities.job_activities`` wraps them as activities.
+``store.leadership.check_epoch``) and are idempotent: re-applying a transition that
+is already done is a no-op that reports where the job stands, so a retried activity
+or a duplicate signal never applies twice.
 """
 
 from __future__ import annotations
 
-import json
-import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
-from activities import store
-from activities.store import StaleEpoch, _transaction, write_audit, write_job_event
-
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED", "TIMED_OUT")
-ACTIVE = ("STARTING", "RUNNING", "PREEMPTING", "CANCELLING")
+from placement.lifecycle import JobState, TERMINAL
+from store.allocations import lease_id_for, release_job
+from store.audit import write_audit, write_job_event
+from store.errors import UnknownSubject
+from store.leadership import check_epoch
+from store.tx import Db, transaction
 
 
 @dataclass(frozen=True)
@@ -38,55 +34,6 @@ class Outcome:
     extra: Mapping[str, Any] | None = None
 
 
-def parse_spec(spec: Any) -> dict[str, Any]:
-    if spec is None:
-        return {}
-    if isinstance(spec, str):
-        return json.loads(spec)
-    return dict(spec)
-
-
-def spec_command(spec: Mapping[str, Any]) -> list[str]:
-    cmd = spec.get("command") or []
-    if isinstance(cmd, str):
-        return shlex.split(cmd)
-    return [str(c) for c in cmd]
-
-
-def spec_env(spec: Mapping[str, Any]) -> dict[str, str]:
-    env = spec.get("env") or {}
-    return {str(k): str(v) for k, v in dict(env).items()}
-
-
-def spec_checkpoint(spec: Mapping[str, Any]) -> dict[str, Any]:
-    ck = spec.get("checkpoint") or {}
-    return dict(ck) if isinstance(ck, Mapping) else {}
-
-
-def spec_grace_s(spec: Mapping[str, Any], default: float) -> float:
-    ck = spec_checkpoint(spec)
-    for v in (spec.get("grace_seconds"), spec.get("grace_s"), ck.get("grace_seconds"), ck.get("grace_s")):
-        if v is not None:
-            return float(v)
-    return default
-
-
-async def load_job(db: asyncpg.Pool | asyncpg.Connection, job_id: str) -> tuple[asyncpg.Record | None, list[asyncpg.Record]]:
-    """The job row and the live leases of its current attempt (with each node's task queue)."""
-    async with _transaction(db) as conn:
-        job = await conn.fetchrow("SELECT * FROM jobs WHERE job_id = $1", job_id)
-        if job is None:
-            return None, []
-        leases = await conn.fetch(
-            "SELECT l.lease_id, l.rank, l.node_id, l.gpu_indices, l.epoch, n.task_queue, n.agent_addr"
-            " FROM leases l JOIN nodes n USING (node_id)"
-            " WHERE l.job_id = $1 AND l.attempt = $2 AND l.state = 'live' ORDER BY l.rank",
-            job_id,
-            job["attempt"],
-        )
-        return job, list(leases)
-
-
 async def _lock(conn: asyncpg.Connection, job_id: str) -> asyncpg.Record:
     row = await conn.fetchrow(
         "SELECT job_id, team, state, attempt, started_at, max_runtime_s, extended_s, extensions,"
@@ -94,50 +41,50 @@ async def _lock(conn: asyncpg.Connection, job_id: str) -> asyncpg.Record:
         job_id,
     )
     if row is None:
-        raise store.UnknownSubject(f"no job {job_id}")
+        raise UnknownSubject(f"no job {job_id}")
     return row
 
 
 async def mark_running(
-    db: asyncpg.Pool | asyncpg.Connection, job_id: str, attempt: int, *, actor: str, epoch: int | None = None
+    db: Db, job_id: str, attempt: int, *, actor: str, epoch: int | None = None
 ) -> Outcome:
     """STARTING -> RUNNING once every rank has started. Anything else reports the state."""
-    async with _transaction(db) as conn:
+    async with transaction(db) as conn:
         job = await _lock(conn, job_id)
-        if job["attempt"] != attempt or job["state"] != "STARTING":
-            return Outcome(job["state"] == "RUNNING" and job["attempt"] == attempt, job["state"], job["attempt"])
+        if job["attempt"] != attempt or job["state"] != JobState.STARTING:
+            return Outcome(job["state"] == JobState.RUNNING and job["attempt"] == attempt, job["state"], job["attempt"])
         await conn.execute(
             "UPDATE jobs SET state = 'RUNNING', started_at = now(), front_of_class = false, updated_at = now()"
             " WHERE job_id = $1",
             job_id,
         )
         await write_job_event(
-            conn, job_id, attempt, "running", "STARTING", "RUNNING", actor, "every rank started", {"epoch": epoch}
+            conn, job_id, attempt, "running", JobState.STARTING, JobState.RUNNING, actor, "every rank started", {"epoch": epoch}
         )
-        return Outcome(True, "RUNNING", attempt)
+        return Outcome(True, JobState.RUNNING, attempt)
 
 
 async def mark_cancelling(
-    db: asyncpg.Pool | asyncpg.Connection, job_id: str, attempt: int, *, actor: str, reason: str
+    db: Db, job_id: str, attempt: int, *, actor: str, reason: str
 ) -> Outcome:
     """STARTING / RUNNING / PREEMPTING -> CANCELLING (ranks are being stopped), audited as a cancel."""
-    async with _transaction(db) as conn:
+    async with transaction(db) as conn:
         job = await _lock(conn, job_id)
-        if job["attempt"] != attempt or job["state"] not in ("STARTING", "RUNNING", "PREEMPTING"):
+        if job["attempt"] != attempt or job["state"] not in (JobState.STARTING, JobState.RUNNING, JobState.PREEMPTING):
             return Outcome(False, job["state"], job["attempt"])
         await conn.execute(
             "UPDATE jobs SET state = 'CANCELLING', updated_at = now() WHERE job_id = $1", job_id
         )
-        await write_job_event(conn, job_id, attempt, "cancel_requested", job["state"], "CANCELLING", actor, reason)
+        await write_job_event(conn, job_id, attempt, "cancel_requested", job["state"], JobState.CANCELLING, actor, reason)
         await write_audit(conn, actor, "cancel", job_id, reason, {"attempt": attempt, "from_state": job["state"]})
-        return Outcome(True, "CANCELLING", attempt)
+        return Outcome(True, JobState.CANCELLING, attempt)
 
 
-_FINISH_EVENT = {"SUCCEEDED": "succeeded", "FAILED": "failed", "CANCELLED": "cancelled", "TIMED_OUT": "timed_out"}
+_FINISH_EVENT = {JobState.SUCCEEDED: "succeeded", JobState.FAILED: "failed", JobState.CANCELLED: "cancelled", JobState.TIMED_OUT: "timed_out"}
 
 
 async def finish_job(
-    db: asyncpg.Pool | asyncpg.Connection,
+    db: Db,
     job_id: str,
     attempt: int,
     to_state: str,
@@ -151,18 +98,18 @@ async def finish_job(
     lease of the attempt in the same transaction. A job already terminal is left alone."""
     if to_state not in TERMINAL:
         raise ValueError(f"{to_state} is not terminal")
-    async with _transaction(db) as conn:
+    async with transaction(db) as conn:
         job = await _lock(conn, job_id)
         if job["state"] in TERMINAL:
             return Outcome(job["state"] == to_state, job["state"], job["attempt"])
         if job["attempt"] != attempt:
             return Outcome(False, job["state"], job["attempt"])
-        if to_state == "CANCELLED" and job["state"] != "CANCELLING":
+        if to_state == JobState.CANCELLED and job["state"] != JobState.CANCELLING:
             # a cancel from QUEUED/STARTING is audited here (from CANCELLING it already was)
             await write_audit(conn, actor, "cancel", job_id, reason, {"attempt": attempt, "from_state": job["state"]})
-        elif to_state == "TIMED_OUT":
+        elif to_state == JobState.TIMED_OUT:
             await write_audit(conn, actor, "timeout", job_id, reason, {"attempt": attempt})
-        released = await store.release_job(conn, job_id, attempt, reason=to_state.lower(), actor=actor)
+        released = await release_job(conn, job_id, attempt, reason=to_state.lower(), actor=actor)
         await conn.execute(
             "UPDATE jobs SET state = $2, finished_at = now(), exit_code = $3,"
             " last_checkpoint = COALESCE($4, last_checkpoint),"
@@ -180,7 +127,7 @@ async def finish_job(
 
 
 async def requeue_job(
-    db: asyncpg.Pool | asyncpg.Connection,
+    db: Db,
     job_id: str,
     attempt: int,
     *,
@@ -198,15 +145,15 @@ async def requeue_job(
     within ``failure_window_s``. Idempotent: a job already past ``attempt`` is left alone."""
     if cause not in ("preempted", "failed"):
         raise ValueError(f"unknown requeue cause {cause!r}")
-    async with _transaction(db) as conn:
+    async with transaction(db) as conn:
         job = await _lock(conn, job_id)
         if job["attempt"] > attempt:
             # already re-queued (a retried activity): report it as such, whatever came since
-            return Outcome(True, "QUEUED", job["attempt"], extra={"resume_from": job["last_checkpoint"]})
+            return Outcome(True, JobState.QUEUED, job["attempt"], extra={"resume_from": job["last_checkpoint"]})
         if job["state"] in TERMINAL or job["attempt"] != attempt:
             return Outcome(False, job["state"], job["attempt"], extra={"resume_from": job["last_checkpoint"]})
         from_state = job["state"]
-        released = await store.release_job(
+        released = await release_job(
             conn, job_id, attempt, reason="preempted" if cause == "preempted" else "attempt_failed", actor=actor
         )
         resume_from = checkpoint_uri or job["last_checkpoint"]
@@ -241,11 +188,11 @@ async def requeue_job(
                     attempt,
                     "failed",
                     from_state,
-                    "FAILED",
+                    JobState.FAILED,
                     actor,
                     f"{faults} failed attempts caused by the job within {failure_window_s:.0f}s: {reason}",
                 )
-                return Outcome(True, "FAILED", attempt, released, {"resume_from": resume_from})
+                return Outcome(True, JobState.FAILED, attempt, released, {"resume_from": resume_from})
         await conn.execute(
             "UPDATE jobs SET state = 'QUEUED', attempt = attempt + 1, queued_at = now(),"
             " front_of_class = $2, failed_attempts = failed_attempts + $3::int,"
@@ -264,16 +211,16 @@ async def requeue_job(
             attempt + 1,
             "requeued",
             from_state,
-            "QUEUED",
+            JobState.QUEUED,
             actor,
             reason,
             {"cause": cause, "previous_attempt": attempt, "resume_from": resume_from, "job_fault": job_fault},
         )
-        return Outcome(True, "QUEUED", attempt + 1, released, {"resume_from": resume_from})
+        return Outcome(True, JobState.QUEUED, attempt + 1, released, {"resume_from": resume_from})
 
 
 async def extend_job(
-    db: asyncpg.Pool | asyncpg.Connection,
+    db: Db,
     job_id: str,
     attempt: int,
     seconds: float,
@@ -290,7 +237,7 @@ async def extend_job(
     Refused when: the job is not RUNNING; it already has ``max_extensions``; the
     extension exceeds ``max_fraction`` of the original max_runtime; or the new end
     would pass the expected start of a reservation on any node the job holds."""
-    async with _transaction(db) as conn:
+    async with transaction(db) as conn:
         job = await _lock(conn, job_id)
         if request_id:
             done = await conn.fetchval(
@@ -311,7 +258,7 @@ async def extend_job(
         new_runtime = job["max_runtime_s"] + seconds
         code, message = "granted", f"extended by {seconds:.0f}s"
         new_deadline = None
-        if job["state"] != "RUNNING" or job["attempt"] != attempt:
+        if job["state"] != JobState.RUNNING or job["attempt"] != attempt:
             code, message = "not_running", f"job is {job['state']}"
         elif job["extensions"] >= max_extensions:
             code, message = "too_many", f"at most {max_extensions} extensions per job"
@@ -376,7 +323,7 @@ async def extend_job(
 
 
 async def restart_replica(
-    db: asyncpg.Pool | asyncpg.Connection,
+    db: Db,
     job_id: str,
     attempt: int,
     rank: int,
@@ -390,9 +337,9 @@ async def restart_replica(
     new lease row, or None when the job/attempt/rank no longer holds a live lease.
     Idempotent: when the rank's live lease is no longer ``failed_lease_id`` it was already
     replaced (a retried activity), and that lease is returned."""
-    async with _transaction(db) as conn:
+    async with transaction(db) as conn:
         job = await _lock(conn, job_id)
-        if job["attempt"] != attempt or job["state"] not in ("STARTING", "RUNNING"):
+        if job["attempt"] != attempt or job["state"] not in (JobState.STARTING, JobState.RUNNING):
             return None
         old = await conn.fetchrow(
             "SELECT * FROM leases WHERE job_id = $1 AND attempt = $2 AND rank = $3 AND state = 'live' FOR UPDATE",
@@ -410,7 +357,7 @@ async def restart_replica(
         generation = await conn.fetchval(
             "SELECT count(*) FROM leases WHERE job_id = $1 AND attempt = $2 AND rank = $3", job_id, attempt, rank
         )
-        new_id = f"{store.lease_id_for(job_id, attempt, rank)}.g{generation}"
+        new_id = f"{lease_id_for(job_id, attempt, rank)}.g{generation}"
         rows = await conn.fetch(
             "DELETE FROM allocations WHERE lease_id = $1 RETURNING node_id, gpu_index, team, gpu_type, borrowed",
             old["lease_id"],
@@ -450,11 +397,8 @@ async def restart_replica(
         )
 
 
-# --- the leader's writes (fenced by the epoch) --------------------------------
-
-
 async def mark_preempting(
-    db: asyncpg.Pool | asyncpg.Connection,
+    db: Db,
     *,
     scope: str,
     epoch: int,
@@ -466,14 +410,14 @@ async def mark_preempting(
 ) -> Outcome:
     """STARTING / RUNNING -> PREEMPTING under the leader's epoch, audited as a preemption.
     Already PREEMPTING for this attempt: a no-op (applied=True so the caller re-signals)."""
-    async with _transaction(db) as conn:
-        await store.check_epoch(conn, scope, epoch)
+    async with transaction(db) as conn:
+        await check_epoch(conn, scope, epoch)
         job = await _lock(conn, job_id)
         if job["attempt"] != attempt:
             return Outcome(False, job["state"], job["attempt"])
-        if job["state"] == "PREEMPTING":
-            return Outcome(True, "PREEMPTING", attempt)
-        if job["state"] not in ("STARTING", "RUNNING"):
+        if job["state"] == JobState.PREEMPTING:
+            return Outcome(True, JobState.PREEMPTING, attempt)
+        if job["state"] not in (JobState.STARTING, JobState.RUNNING):
             return Outcome(False, job["state"], job["attempt"])
         await conn.execute(
             "UPDATE jobs SET state = 'PREEMPTING', preemptions = preemptions + 1,"
@@ -481,150 +425,6 @@ async def mark_preempting(
             job_id,
         )
         detail = {"attempt": attempt, "epoch": epoch, "by_job": by_job}
-        await write_job_event(conn, job_id, attempt, "preempting", job["state"], "PREEMPTING", actor, reason, detail)
+        await write_job_event(conn, job_id, attempt, "preempting", job["state"], JobState.PREEMPTING, actor, reason, detail)
         await write_audit(conn, actor, "preempt", job_id, reason, detail)
-        return Outcome(True, "PREEMPTING", attempt)
-
-
-async def relabel_job(
-    db: asyncpg.Pool | asyncpg.Connection,
-    *,
-    scope: str,
-    epoch: int,
-    job_id: str,
-    borrowed: bool,
-    actor: str = "placement",
-) -> int:
-    """Invariant 4: re-mark a running job's allocations borrowed (or guaranteed) under the
-    leader's epoch, audited. Returns the rows changed."""
-    async with _transaction(db) as conn:
-        await store.check_epoch(conn, scope, epoch)
-        status = await conn.execute(
-            "UPDATE allocations SET borrowed = $2 WHERE job_id = $1 AND borrowed <> $2", job_id, borrowed
-        )
-        n = int(status.split()[-1])
-        if n:
-            await write_audit(
-                conn, actor, "relabel", job_id, "quota re-check", {"borrowed": borrowed, "gpus": n, "epoch": epoch}
-            )
-        return n
-
-
-@dataclass(frozen=True)
-class Publication:
-    """What a cycle publishes for one queued job (DESIGN.md: 'why pending')."""
-
-    job_id: str
-    queue_position: int | None
-    pending_reason: str | None
-    pending_detail: str | None
-    expected_start: datetime | None
-
-
-async def publish_positions(
-    db: asyncpg.Pool | asyncpg.Connection, *, scope: str, epoch: int, rows: Sequence[Publication]
-) -> int:
-    """Write queue positions / pending reasons of QUEUED jobs (the caller sends changed rows
-    only; the SQL skips rows that already hold these values). Returns rows written."""
-    if not rows:
-        return 0
-    async with _transaction(db) as conn:
-        await store.check_epoch(conn, scope, epoch)
-        status = await conn.execute(
-            "UPDATE jobs j SET queue_position = u.pos, pending_reason = u.reason, pending_detail = u.detail,"
-            "   expected_start = u.start"
-            " FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::timestamptz[])"
-            "   AS u(job_id, pos, reason, detail, start)"
-            " WHERE j.job_id = u.job_id AND j.state = 'QUEUED'"
-            "   AND (j.queue_position, j.pending_reason, j.pending_detail, j.expected_start)"
-            "       IS DISTINCT FROM (u.pos, u.reason, u.detail, u.start)",
-            [r.job_id for r in rows],
-            [r.queue_position for r in rows],
-            [r.pending_reason for r in rows],
-            [r.pending_detail for r in rows],
-            [r.expected_start for r in rows],
-        )
-        return int(status.split()[-1])
-
-
-@dataclass(frozen=True)
-class ReservationRow:
-    job_id: str
-    expected_start: datetime | None
-    nodes: tuple[str, ...]
-    blocks: tuple[str, ...]
-
-
-async def publish_reservations(
-    db: asyncpg.Pool | asyncpg.Connection, *, scope: str, epoch: int, rows: Sequence[ReservationRow]
-) -> None:
-    """Replace the published reservations with ``rows`` (the caller calls only on change)."""
-    async with _transaction(db) as conn:
-        await store.check_epoch(conn, scope, epoch)
-        keep = [r.job_id for r in rows]
-        await conn.execute("DELETE FROM reservations WHERE NOT (job_id = ANY($1::text[]))", keep)
-        if rows:
-            await conn.executemany(
-                "INSERT INTO reservations (job_id, epoch, expected_start, nodes, blocks) VALUES ($1, $2, $3, $4, $5)"
-                " ON CONFLICT (job_id) DO UPDATE SET epoch = EXCLUDED.epoch, expected_start = EXCLUDED.expected_start,"
-                " nodes = EXCLUDED.nodes, blocks = EXCLUDED.blocks, updated_at = now()",
-                [(r.job_id, epoch, r.expected_start, list(r.nodes), list(r.blocks)) for r in rows],
-            )
-
-
-async def publish_hot_spares(
-    db: asyncpg.Pool | asyncpg.Connection, *, scope: str, epoch: int, spares: Mapping[str, str]
-) -> None:
-    """Make the published hot spares ``spares`` (node_id -> job it is held for); rows not in it
-    are deleted, rows whose job changed are rewritten (the caller calls only on change)."""
-    async with _transaction(db) as conn:
-        await store.check_epoch(conn, scope, epoch)
-        await conn.execute("DELETE FROM hot_spares WHERE NOT (node_id = ANY($1::text[]))", list(spares))
-        if spares:
-            await conn.executemany(
-                "INSERT INTO hot_spares (node_id, job_id, epoch) VALUES ($1, $2, $3)"
-                " ON CONFLICT (node_id) DO UPDATE SET job_id = EXCLUDED.job_id, epoch = EXCLUDED.epoch, updated_at = now()"
-                " WHERE hot_spares.job_id IS DISTINCT FROM EXCLUDED.job_id",
-                [(n, j, epoch) for n, j in sorted(spares.items())],
-            )
-
-
-async def unstarted_queued_jobs(db: asyncpg.Pool | asyncpg.Connection, *, older_than_s: float, limit: int = 500) -> list[str]:
-    """QUEUED jobs whose workflow the API has not (yet) started."""
-    rows = await db.fetch(
-        "SELECT job_id FROM jobs WHERE state = 'QUEUED' AND NOT workflow_started"
-        " AND submitted_at < now() - make_interval(secs => $1) ORDER BY submitted_at LIMIT $2",
-        older_than_s,
-        limit,
-    )
-    return [r["job_id"] for r in rows]
-
-
-async def mark_workflow_started(db: asyncpg.Pool | asyncpg.Connection, job_ids: Sequence[str]) -> None:
-    if job_ids:
-        await db.execute("UPDATE jobs SET workflow_started = true WHERE job_id = ANY($1::text[])", list(job_ids))
-
-
-__all__ = [
-    "ACTIVE",
-    "TERMINAL",
-    "Outcome",
-    "Publication",
-    "ReservationRow",
-    "StaleEpoch",
-    "extend_job",
-    "finish_job",
-    "load_job",
-    "mark_cancelling",
-    "mark_preempting",
-    "mark_running",
-    "mark_workflow_started",
-    "parse_spec",
-    "publish_positions",
-    "publish_hot_spares",
-    "publish_reservations",
-    "relabel_job",
-    "requeue_job",
-    "restart_replica",
-    "unstarted_queued_jobs",
-]
+        return Outcome(True, JobState.PREEMPTING, attempt)

@@ -1,71 +1,27 @@
-"""The one place with SQL for the invariant-bearing writes (DESIGN.md, Invariants).
+"""Allocations and leases: the invariant-bearing writes (invariants 1, 2, 4 and 7).
 
-Every function here takes an asyncpg pool or connection, runs one transaction,
-and raises a typed error instead of leaking a database exception:
-
-* ``commit_gang``   - all allocation rows and leases of a gang, or none; the
-  leader epoch is checked in the same transaction; guaranteed usage is held
-  within the guarantee; audit and job_events rows are written with the change.
-* ``release_lease`` / ``release_job`` - free GPUs; keyed by lease id (and
-  optionally epoch), never by GPU, so a stale "task exited" cannot free a
-  newer lease on the same GPU.
-* ``acquire_leadership`` / ``renew_leadership`` - the fencing row.
+* ``commit_gang`` - every allocation row and lease of a gang in one transaction, or
+  none; the leader epoch is checked in it; guaranteed usage is held within the
+  guarantee; audit and job_events rows are written with the change.
+* ``release_lease`` / ``release_job`` - free GPUs, keyed by lease id (and optionally
+  epoch), never by GPU, so a stale "task exited" cannot free a newer lease on the
+  same GPU.
+* ``relabel_job`` - the leader re-marks a running job borrowed or guaranteed.
+* reads of live leases: the gang of one attempt (``live_gang``), which of a set of
+  leases are still live (``live_lease_ids``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import logging
 
 import asyncpg
 
-from common.settings import get_settings
-from placement.lifecycle import allowed_change
-
-log = logging.getLogger("gpufleet.store")
-
-
-class StoreError(Exception):
-    """Base of the typed errors the store raises."""
-
-    code = "store_error"
-
-
-class AllocationConflict(StoreError):
-    """A GPU in the gang already belongs to a live lease."""
-
-    code = "allocation_conflict"
-
-
-class StaleEpoch(StoreError):
-    """The caller's fencing epoch is not the current leader's."""
-
-    code = "stale_epoch"
-
-
-class QuotaExceeded(StoreError):
-    """Guaranteed usage would exceed the guarantee, or borrowing its limit."""
-
-    code = "quota_exceeded"
-
-
-class JobStateConflict(StoreError):
-    """The job is not in the state (or attempt) the write expects."""
-
-    code = "job_state_conflict"
-
-
-class InvalidJobTransition(StoreError):
-    """A job state change that placement.lifecycle's table has no edge for."""
-
-    code = "invalid_job_transition"
-
-
-class UnknownSubject(StoreError):
-    code = "unknown_subject"
+from store.audit import write_audit, write_job_event
+from store.errors import AllocationConflict, QuotaExceeded, JobStateConflict, UnknownSubject
+from store.leadership import check_epoch
+from store.tx import Db, transaction
 
 
 @dataclass(frozen=True)
@@ -83,65 +39,8 @@ def lease_id_for(job_id: str, attempt: int, rank: int) -> str:
     return f"{job_id}.a{attempt}.r{rank}"
 
 
-async def write_audit(
-    conn: asyncpg.Connection,
-    actor: str,
-    action: str,
-    subject: str,
-    reason: str | None = None,
-    detail: dict[str, Any] | None = None,
-) -> None:
-    await conn.execute(
-        "INSERT INTO audit (actor, action, subject, reason, detail) VALUES ($1, $2, $3, $4, $5)",
-        actor,
-        action,
-        subject,
-        reason,
-        detail or {},
-    )
-
-
-async def write_job_event(
-    conn: asyncpg.Connection,
-    job_id: str,
-    attempt: int,
-    event: str,
-    from_state: str | None,
-    to_state: str | None,
-    actor: str,
-    reason: str | None = None,
-    detail: dict[str, Any] | None = None,
-) -> None:
-    if from_state and to_state and from_state != to_state and not allowed_change(from_state, to_state):
-        # every state change writes its job event: this is where the lifecycle table is checked
-        msg = f"job {job_id}: {from_state} -> {to_state} ({event}) is not in placement.lifecycle.TRANSITIONS"
-        if get_settings().strict_job_transitions:
-            raise InvalidJobTransition(msg)
-        log.error(msg)
-    await conn.execute(
-        "INSERT INTO job_events (job_id, attempt, event, from_state, to_state, reason, detail, actor)"
-        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-        job_id,
-        attempt,
-        event,
-        from_state,
-        to_state,
-        reason,
-        detail or {},
-        actor,
-    )
-
-
-async def check_epoch(conn: asyncpg.Connection, scope: str, epoch: int) -> None:
-    """Invariant 3: raise StaleEpoch unless ``epoch`` is the leader's, and hold the
-    row (FOR SHARE) so no takeover can commit until this transaction ends."""
-    current = await conn.fetchval("SELECT epoch FROM leader WHERE scope = $1 FOR SHARE", scope)
-    if current is None or current != epoch:
-        raise StaleEpoch(f"epoch {epoch} is not the current leader epoch ({current}) for scope {scope!r}")
-
-
 async def commit_gang(
-    db: asyncpg.Pool | asyncpg.Connection,
+    db: Db,
     *,
     scope: str,
     epoch: int,
@@ -161,7 +60,7 @@ async def commit_gang(
     ranks = sorted(p.rank for p in placements)
     if ranks != list(range(len(placements))):
         raise ValueError(f"ranks must be 0..{len(placements) - 1}, got {ranks}")
-    async with _transaction(db) as conn:
+    async with transaction(db) as conn:
         await check_epoch(conn, scope, epoch)
         job = await conn.fetchrow(
             "SELECT team, gpu_type, state, attempt FROM jobs WHERE job_id = $1 FOR UPDATE", job_id
@@ -242,7 +141,7 @@ async def commit_gang(
 
 
 async def release_lease(
-    db: asyncpg.Pool | asyncpg.Connection,
+    db: Db,
     lease_id: str,
     *,
     reason: str,
@@ -254,7 +153,7 @@ async def release_lease(
     With ``epoch``, only a lease of that epoch is released: a stale report can
     never free a newer lease that reuses the same GPUs.
     """
-    async with _transaction(db) as conn:
+    async with transaction(db) as conn:
         row = await conn.fetchrow(
             "UPDATE leases SET state = 'released', released_at = now(), release_reason = $2"
             " WHERE lease_id = $1 AND state = 'live' AND ($3::bigint IS NULL OR epoch = $3)"
@@ -278,7 +177,7 @@ async def release_lease(
 
 
 async def release_job(
-    db: asyncpg.Pool | asyncpg.Connection,
+    db: Db,
     job_id: str,
     attempt: int,
     *,
@@ -286,7 +185,7 @@ async def release_job(
     actor: str,
 ) -> int:
     """Release every live lease of one attempt of a job; return how many."""
-    async with _transaction(db) as conn:
+    async with transaction(db) as conn:
         rows = await conn.fetch(
             "UPDATE leases SET state = 'released', released_at = now(), release_reason = $3"
             " WHERE job_id = $1 AND attempt = $2 AND state = 'live' RETURNING lease_id, node_id, gpu_indices",
@@ -315,87 +214,75 @@ async def release_job(
         return len(rows)
 
 
-async def acquire_leadership(
-    db: asyncpg.Pool | asyncpg.Connection,
+async def relabel_job(
+    db: Db,
     *,
     scope: str,
-    holder: str,
-    task_queue: str,
-    grpc_addr: str,
-    ttl_s: float,
-) -> int | None:
-    """Take the leader row when it is free or expired; return the new epoch (strictly
-    increasing), or None while another holder's lease is live."""
-    async with _transaction(db) as conn:
-        return await conn.fetchval(
-            "INSERT INTO leader (scope, epoch, holder, expires_at, task_queue, grpc_addr)"
-            " VALUES ($1, 1, $2, now() + make_interval(secs => $3), $4, $5)"
-            " ON CONFLICT (scope) DO UPDATE SET epoch = leader.epoch + 1, holder = EXCLUDED.holder,"
-            "   expires_at = EXCLUDED.expires_at, task_queue = EXCLUDED.task_queue,"
-            "   grpc_addr = EXCLUDED.grpc_addr, acquired_at = now()"
-            " WHERE leader.expires_at < now()"
-            " RETURNING epoch",
-            scope,
-            holder,
-            ttl_s,
-            task_queue,
-            grpc_addr,
-        )
-
-
-async def renew_leadership(
-    db: asyncpg.Pool | asyncpg.Connection, *, scope: str, holder: str, epoch: int, ttl_s: float
-) -> bool:
-    """Extend our lease; False means we are no longer the leader (expired or deposed)."""
-    async with _transaction(db) as conn:
+    epoch: int,
+    job_id: str,
+    borrowed: bool,
+    actor: str = "placement",
+) -> int:
+    """Invariant 4: re-mark a running job's allocations borrowed (or guaranteed) under the
+    leader's epoch, audited. Returns the rows changed."""
+    async with transaction(db) as conn:
+        await check_epoch(conn, scope, epoch)
         status = await conn.execute(
-            "UPDATE leader SET expires_at = now() + make_interval(secs => $4)"
-            " WHERE scope = $1 AND holder = $2 AND epoch = $3 AND expires_at > now()",
-            scope,
-            holder,
-            epoch,
-            ttl_s,
+            "UPDATE allocations SET borrowed = $2 WHERE job_id = $1 AND borrowed <> $2", job_id, borrowed
         )
-        return status.endswith(" 1")
+        n = int(status.split()[-1])
+        if n:
+            await write_audit(
+                conn, actor, "relabel", job_id, "quota re-check", {"borrowed": borrowed, "gpus": n, "epoch": epoch}
+            )
+        return n
 
 
-async def resign_leadership(db: asyncpg.Pool | asyncpg.Connection, *, scope: str, holder: str, epoch: int) -> None:
-    """Give the lease up on a clean shutdown so a successor need not wait for expiry."""
-    async with _transaction(db) as conn:
-        await conn.execute(
-            "UPDATE leader SET expires_at = now() - interval '1 second' WHERE scope = $1 AND holder = $2 AND epoch = $3",
-            scope,
-            holder,
-            epoch,
+@dataclass(frozen=True)
+class LeaseRow:
+    lease_id: str
+    job_id: str
+    attempt: int
+    rank: int
+    node_id: str
+    gpu_indices: tuple[int, ...]
+    epoch: int
+    live: bool
+
+
+async def lease_rows(db: Db, lease_ids: Sequence[str]) -> dict[str, LeaseRow]:
+    """The rows of these leases, live or not (unknown ids are left out)."""
+    rows = await db.fetch(
+        "SELECT lease_id, job_id, attempt, rank, node_id, gpu_indices, epoch, state FROM leases"
+        " WHERE lease_id = ANY($1::text[])",
+        list(lease_ids),
+    )
+    return {
+        r["lease_id"]: LeaseRow(
+            r["lease_id"], r["job_id"], r["attempt"], r["rank"], r["node_id"], tuple(r["gpu_indices"]), r["epoch"],
+            r["state"] == "live",
         )
+        for r in rows
+    }
 
 
-class _transaction:
-    """``async with _transaction(pool_or_conn) as conn``: one transaction on a pooled or given connection."""
+async def live_gang(db: Db, job_id: str, attempt: int) -> list[asyncpg.Record]:
+    """The live leases of one attempt in rank order, each with its node's task queue and
+    agent address (what a StartTask needs)."""
+    return list(
+        await db.fetch(
+            "SELECT l.lease_id, l.rank, l.node_id, l.gpu_indices, l.epoch, n.task_queue, n.agent_addr"
+            " FROM leases l JOIN nodes n USING (node_id)"
+            " WHERE l.job_id = $1 AND l.attempt = $2 AND l.state = 'live' ORDER BY l.rank",
+            job_id,
+            attempt,
+        )
+    )
 
-    def __init__(self, db: asyncpg.Pool | asyncpg.Connection) -> None:
-        self._db = db
-        self._conn: asyncpg.Connection | None = None
-        self._acquired = False
-        self._tx: Any = None
 
-    async def __aenter__(self) -> asyncpg.Connection:
-        if isinstance(self._db, asyncpg.Pool):
-            self._conn = await self._db.acquire()
-            self._acquired = True
-        else:
-            self._conn = self._db
-        self._tx = self._conn.transaction()
-        await self._tx.start()
-        return self._conn
-
-    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        assert self._conn is not None
-        try:
-            if exc_type is None:
-                await self._tx.commit()
-            else:
-                await self._tx.rollback()
-        finally:
-            if self._acquired and isinstance(self._db, asyncpg.Pool):
-                await self._db.release(self._conn)
+async def live_lease_ids(db: Db, lease_ids: Sequence[str]) -> set[str]:
+    """Which of ``lease_ids`` are live."""
+    rows = await db.fetch(
+        "SELECT lease_id FROM leases WHERE lease_id = ANY($1::text[]) AND state = 'live'", list(lease_ids)
+    )
+    return {r["lease_id"] for r in rows}

@@ -38,7 +38,7 @@ from typing import Any
 
 from temporalio import activity
 
-from common.contracts import StartTask, StartTaskResult, StopTask, StopTaskResult, TaskState, TaskStatus
+from common.contracts import START_TASK, STOP_TASK, StartTask, StartTaskResult, StopTask, StopTaskResult, TaskState, TaskStatus
 
 
 def _free_port() -> int:
@@ -79,7 +79,7 @@ class SimFleet:
         self.starts = 0
 
     def activities(self) -> list:
-        @activity.defn(name="start_task")
+        @activity.defn(name=START_TASK)
         async def start_task(req: StartTask) -> StartTaskResult:
             self.starts += 1
             if req.lease_id in self.started:
@@ -90,7 +90,7 @@ class SimFleet:
             self.timers[req.lease_id] = loop.call_later(self.job_seconds, self._exit, req, 0)
             return StartTaskResult(req.lease_id, req.epoch, accepted=True, pid=1)
 
-        @activity.defn(name="stop_task")
+        @activity.defn(name=STOP_TASK)
         async def stop_task(req: StopTask) -> StopTaskResult:
             t = self.timers.pop(req.lease_id, None)
             if t is None:
@@ -173,71 +173,11 @@ async def _sample_timeline(client: Any, job_ids: list[str]) -> list[list[str]]:
     return out
 
 
-async def _placement_cycles(client: Any) -> dict[str, Any]:
-    """Diagnostics from the PlacementWorkflow's history (every run): how long each cycle
-    activity (a batch of cycles) waited to be picked up, ran, and how many gangs it placed."""
-    from temporalio.api.enums.v1 import EventType
-
-    from workflows.messages import PLACEMENT_WORKFLOW_ID
-
-    waits: list[float] = []
-    runs: list[float] = []
-    placed: list[int] = []
-    gaps: list[float] = []
-    last_done: float | None = None
-    try:
-        async for wf in client.list_workflows(f"WorkflowId = '{PLACEMENT_WORKFLOW_ID}'"):
-            hist = await client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()
-            sched: dict[int, float] = {}
-            started: dict[int, float] = {}
-            for e in hist.events:
-                t = e.event_time.ToDatetime().timestamp()
-                if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
-                    sched[e.event_id] = t
-                    if last_done is not None:
-                        gaps.append((t - last_done) * 1000)
-                elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
-                    a = e.activity_task_started_event_attributes
-                    started[a.scheduled_event_id] = t
-                    waits.append((t - sched.get(a.scheduled_event_id, t)) * 1000)
-                elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
-                    a = e.activity_task_completed_event_attributes
-                    runs.append((t - started.get(a.scheduled_event_id, t)) * 1000)
-                    last_done = t
-                    try:
-                        placed.append(int(json.loads(a.result.payloads[0].data).get("placed", 0)))
-                    except Exception:
-                        pass
-    except Exception as e:  # diagnostics only
-        return {"error": str(e)}
-
-    running: Any = None
-    try:  # a batch of cycles still running reports its last cycle in its heartbeat
-        desc = await client.get_workflow_handle(PLACEMENT_WORKFLOW_ID).describe()
-        for pa in desc.raw_description.pending_activities:
-            if pa.heartbeat_details.payloads:
-                running = json.loads(pa.heartbeat_details.payloads[-1].data)
-    except Exception:
-        pass
-
-    def q(v: list[float]) -> dict[str, Any]:
-        return {"p50": round(_pct(v, 50), 1), "max": round(max(v), 1)} if v else {}
-
-    return {
-        "cycles": len(runs),
-        "pickup_ms": q(waits),
-        "run_ms": q(runs),
-        "between_cycles_ms": q(gaps),
-        "placed_max": max(placed) if placed else None,
-        "running_batch_last_cycle": running,
-    }
-
-
 async def _lean_baseline(client: Any, pool: Any, jobs: int, rate: float) -> dict[str, Any]:
     """DESIGN.md's lean job workflow at the same rate on the same server (same-run baseline):
     start -> its 3 local activities, the signal and the node activity are done."""
     from common.temporal import make_worker
-    from workflows.bench import ACT_LEAN_NODE, ACT_LEAN_WRITE, LEAN_WORKFLOW, LeanJobWorkflow
+    from bench.lean_workflow import ACT_LEAN_NODE, ACT_LEAN_WRITE, LEAN_WORKFLOW, LeanJobWorkflow
 
     @activity.defn(name=ACT_LEAN_WRITE)
     async def lean_write(job_id: str) -> str:
@@ -285,7 +225,8 @@ async def _bench(
 ) -> dict[str, Any]:
     import httpx
 
-    from activities.seed import TeamQuota, ensure_cluster, set_quota
+    from store.seed import ensure_cluster
+    from store.teams import TeamQuota, set_quota
     from api.main import create_app
     from common.db import create_pool, migrate
     from common.embedded import EmbeddedPostgres, EmbeddedTemporal
@@ -438,13 +379,6 @@ async def _bench(
         await http.aclose()
         timeline = await _sample_timeline(client, list(sent)[len(sent) // 2 :: max(1, len(sent) // 5)][:5])
         baseline = await _lean_baseline(client, pool, jobs, rate) if with_baseline else None
-        try:
-            from workflows.messages import PLACEMENT_WORKFLOW_ID
-
-            pstatus = await client.get_workflow_handle(PLACEMENT_WORKFLOW_ID).query("status")
-        except Exception as e:  # diagnostics only
-            pstatus = {"error": str(e)}
-        cycle_stats = await _placement_cycles(client)
         p = {q: _pct(latencies, q) for q in (50, 95, 99)}
         return {
             "submitted": len(sent),
@@ -470,8 +404,6 @@ async def _bench(
             ),
             "breakdown": breakdown,
             "cpu_seconds": {**cpu_s, "wall_s": round(wall, 1)},
-            "placement": {"cycles": pstatus.get("cycles"), "failures": pstatus.get("failures"),
-                          "last_cycle": pstatus.get("last"), **cycle_stats},
             "job_states": states,
             "job_events": events,
             "pending": pending,
@@ -558,7 +490,7 @@ def run(
     return median
 
 
-if __name__ == "__main__":  # python -m cli.bench_e2e [jobs] [rate]
+if __name__ == "__main__":  # python -m bench.e2e [jobs] [rate]
     from common.temporal import hard_exit
 
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1000

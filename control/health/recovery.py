@@ -1,0 +1,155 @@
+"""Recovery of the gangs on a failed node, and eviction from a drained one (docs/design.md,
+Health).
+
+* ``recover``: every job with a live lease on a lost / faulty node (or the hung gangs)
+  gets the ``node_failed`` signal: its workflow stops all ranks, releases the attempt and
+  re-queues it ahead of its class (its hot spares kept). Re-sent every
+  ``recovery_resignal_s`` while the lease is still live (a lost signal).
+* failure -> restart time per recovered job (failure: the last heartbeat of a lost node,
+  or the heartbeat that reported the fault; restart: the next attempt RUNNING), exported
+  as ``gpufleet_failure_to_restart_seconds`` and kept in ``restarts`` (tests).
+* ``evict_drained``: ``POST /v1/nodes/{id}:drain {"evict": true}`` preempts the node's
+  jobs now (checkpoint, re-queue).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from store.tx import Pool
+from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
+
+from common.settings import Settings
+from control.health.metrics import FAILURE_TO_RESTART, RECOVERIES
+from control.health.node_states import Decision, Event
+from control.leader.signals import signal_preempt
+from placement.lifecycle import TERMINAL, JobState
+from store import job_states, jobs
+from store.allocations import LeaseRow
+from workflows import messages as m
+from workflows.job import JobWorkflow
+
+log = logging.getLogger("gpufleet.control.health")
+
+
+@dataclass
+class _Recovery:
+    job_id: str
+    attempt: int
+    node_id: str
+    cause: str
+    failed_at: float  # wall clock
+    next_signal: float = 0.0  # monotonic
+    measured: bool = False
+
+
+@dataclass(frozen=True)
+class RestartSample:
+    job_id: str
+    failed_attempt: int
+    node_id: str
+    cause: str
+    seconds: float
+
+
+class Recoveries:
+    """The jobs this leader is recovering from node failures, and the drains it evicts."""
+
+    def __init__(self, pool: Pool, client: Client, settings: Settings, *, actor: str) -> None:
+        self.pool = pool
+        self.client = client
+        self.settings = settings
+        self.actor = actor
+        self.recovering: dict[tuple[str, int], _Recovery] = {}
+        self.restarts: list[RestartSample] = []
+        self.evicted: set[tuple[str, int]] = set()
+
+    def drop(self) -> None:
+        self.recovering.clear()
+        self.evicted.clear()
+
+    def pending(self) -> int:
+        return sum(1 for r in self.recovering.values() if not r.measured)
+
+    async def recover(self, node_id: str, d: Decision, leases: Iterable[LeaseRow], failed_at: float) -> None:
+        """Tell every job of ``leases`` (live on ``node_id``) that the node failed."""
+        cause = {Event.LOST: "node_down", Event.FATAL: "fatal_fault", Event.HANG: "hang"}.get(d.event, d.event.value)
+        for lz in leases:
+            key = (lz.job_id, lz.attempt)
+            rec = self.recovering.get(key)
+            if rec is None:
+                rec = _Recovery(lz.job_id, lz.attempt, node_id, cause, failed_at)
+                self.recovering[key] = rec
+                RECOVERIES.labels(cause).inc()
+                log.warning("recovering job %s attempt %d: node %s %s (%s)", lz.job_id, lz.attempt, node_id, cause, d.detail)
+            await self._signal_failed(rec, f"node {node_id}: {cause}: {d.detail}"[:300])
+
+    async def _signal_failed(self, rec: _Recovery, reason: str) -> None:
+        now = time.monotonic()
+        if now < rec.next_signal:
+            return
+        rec.next_signal = now + self.settings.recovery_resignal_s
+        try:
+            await self.client.get_workflow_handle(rec.job_id).signal(
+                JobWorkflow.node_failed, m.NodeFailed(rec.job_id, rec.attempt, rec.node_id, reason)
+            )
+        except RPCError as e:
+            if e.status != RPCStatusCode.NOT_FOUND:
+                log.warning("node_failed to %s not delivered: %s", rec.job_id, e)
+
+    async def resignal(self, still_live: Iterable[LeaseRow]) -> None:
+        """Keep telling jobs whose lease on a failed node is still live (a lost signal).
+        ``still_live``: the live leases on the nodes being recovered."""
+        live = {(lz.job_id, lz.attempt) for lz in still_live}
+        for r in [r for r in self.recovering.values() if not r.measured]:
+            if (r.job_id, r.attempt) in live:
+                await self._signal_failed(r, f"node {r.node_id}: {r.cause} (re-sent)")
+
+    def nodes_recovering(self) -> set[str]:
+        return {r.node_id for r in self.recovering.values() if not r.measured}
+
+    async def measure_restarts(self) -> None:
+        pending = [r for r in self.recovering.values() if not r.measured]
+        if not pending:
+            return
+        attempts = await jobs.job_attempts(self.pool, sorted({r.job_id for r in pending}))
+        for r in pending:
+            j = attempts.get(r.job_id)
+            if j is None:
+                r.measured = True
+                continue
+            state, attempt, started_at = j
+            if attempt > r.attempt and state == JobState.RUNNING and started_at is not None:
+                r.measured = True
+                secs = max(0.0, started_at.timestamp() - r.failed_at)
+                FAILURE_TO_RESTART.labels(r.cause).observe(secs)
+                self.restarts.append(RestartSample(r.job_id, r.attempt, r.node_id, r.cause, secs))
+                del self.restarts[:-1000]
+                log.info("job %s restarted %.1fs after its node %s failed (%s)", r.job_id, secs, r.node_id, r.cause)
+            elif state in TERMINAL:
+                r.measured = True
+        if len(self.recovering) > 10_000:
+            self.recovering = {k: v for k, v in self.recovering.items() if not v.measured}
+
+    async def evict_drained(self, epoch: int, node_id: str, leases: Iterable[LeaseRow]) -> None:
+        """Preempt the jobs of a node drained with ``evict`` (once per attempt)."""
+        for lz in leases:
+            key = (lz.job_id, lz.attempt)
+            if key in self.evicted:
+                continue
+            o = await job_states.mark_preempting(
+                self.pool, scope=self.settings.leader_scope, epoch=epoch, job_id=lz.job_id, attempt=lz.attempt,
+                reason=f"node {node_id} drained (evict)", by_job=None, actor=self.actor,
+            )  # fmt: skip
+            self.evicted.add(key)
+            if o.applied:
+                await signal_preempt(
+                    self.client, m.PreemptRequest(lz.job_id, lz.attempt, epoch, f"node {node_id} drained", None)
+                )
+
+
+__all__ = ["Recoveries", "RestartSample"]

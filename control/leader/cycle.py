@@ -1,0 +1,377 @@
+"""The leader's placement cycle: the shell around the pure engine (docs/design.md, Placement).
+
+``PlacementCycles.run(epoch)`` runs while this process leads: a cycle every
+``placement_cycle_s``, at once when ``wake()`` is called (Postgres notified a change)
+or when the last cycle left placeable work, never two within ``placement_wake_min_s``.
+One cycle (``run_cycle``):
+
+1. refresh the in-memory state from the change feed; ``engine.plan`` on it;
+2. write relabels; commit each gang in its own transaction under the epoch
+   (``store.allocations.commit_gang``); mark each victim PREEMPTING under the epoch;
+3. ``engine.apply`` what committed;
+4. signal the job workflows (``allocated`` with signal-with-start, ``preempt``), and
+   re-signal those Temporal has not accepted yet (``JobSignals``);
+5. publish queue positions, pending reasons, expected starts, reservations and the hot
+   spares held for large gangs (changed rows only, or only when the set changed); start
+   workflows for QUEUED jobs that lack one.
+
+Every write checks the epoch in its transaction; ``StaleEpoch`` ends the cycles and
+drops the in-memory state (this process is no longer the leader).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import placement as engine
+from control.leader.signals import JobSignals, start_job_workflow
+from control.leader.state import LeaderState, policy_from_settings
+from placement import Placement, Plan, Policy, iter_order
+from placement.lifecycle import JobState
+from store import allocations, job_states, jobs, publications
+from store.allocations import GangPlacement
+from store.errors import AllocationConflict, StaleEpoch, StoreError, UnknownSubject
+from temporalio.client import Client
+from workflows import messages as m
+
+log = logging.getLogger("gpufleet.control.leader")
+
+UNSTARTED_SWEEP_S = 5.0
+PRUNE_EVERY_S = 60.0
+CHANGES_KEPT_S = 600.0
+
+
+class NotLeader(Exception):
+    """This process does not hold the epoch the cycle was asked to run under."""
+
+
+@dataclass
+class CycleStats:
+    epoch: int
+    placed: int = 0
+    preempted: int = 0
+    resignalled: int = 0
+    queued: int = 0
+    published: int = 0
+    failed_commits: int = 0
+    started_workflows: int = 0
+    duration_ms: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def more(self) -> bool:
+        """Something may still be placeable: run again without waiting."""
+        return self.placed > 0 and self.queued > 0
+
+
+class PlacementCycles:
+    """The leader's cycles over ``LeaderState`` (one per control process)."""
+
+    def __init__(
+        self,
+        state: LeaderState,
+        signals: JobSignals,
+        client: Client,
+        *,
+        actor: str = "placement",
+        policy: Policy | None = None,
+        on_cycle: Callable[[CycleStats], None] = lambda _: None,
+    ) -> None:
+        self.state = state
+        self.signals = signals
+        self.client = client
+        self.settings = state.settings
+        self.pool = state.pool
+        self.policy = policy or policy_from_settings(self.settings)
+        self.scope = self.settings.leader_scope
+        self.actor = actor
+        self.on_cycle = on_cycle
+        self.cycles = 0
+        self.last: CycleStats | None = None
+        self._wake = asyncio.Event()
+        self._next_sweep = 0.0
+        self._next_prune = time.monotonic() + PRUNE_EVERY_S
+        # what was last written, so each cycle writes only what changed
+        self.published: dict[str, tuple] = {}
+        self.published_res: tuple | None = None
+        self.published_spares: dict[str, str] | None = None  # node -> job (None: not yet)
+
+    def forget_publications(self) -> None:
+        """A new leadership re-publishes everything once."""
+        self.published.clear()
+        self.published_res = None
+        self.published_spares = None
+
+    def wake(self) -> None:
+        """Run a cycle now (a change was recorded): at most one per ``placement_wake_min_s``."""
+        self._wake.set()
+
+    async def run(self, epoch: int) -> None:
+        """Cycle until this process no longer leads under ``epoch`` (or the task is cancelled)."""
+        s = self.settings
+        while self.state.is_leader(epoch):
+            self._wake.clear()
+            started = time.monotonic()
+            try:
+                stats = await self.run_cycle(epoch)
+            except (NotLeader, StaleEpoch):
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("placement cycle under epoch %d failed", epoch)
+                stats = None
+            if stats is None or not stats.more:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), s.placement_cycle_s)
+                except asyncio.TimeoutError:
+                    pass
+            pause = started + s.placement_wake_min_s - time.monotonic()
+            if pause > 0:
+                await asyncio.sleep(pause)
+
+    async def run_cycle(self, epoch: int) -> CycleStats:
+        state = self.state
+        if not state.is_leader(epoch):
+            raise NotLeader(f"this process does not lead under epoch {epoch} (it holds {state.epoch})")
+        async with state.lock:
+            if not state.is_leader(epoch):
+                raise NotLeader(f"leadership changed before the cycle (epoch {epoch})")
+            t0 = time.perf_counter()
+            try:
+                stats = await self._cycle(epoch)
+            except StaleEpoch:
+                log.warning("epoch %s is stale: dropping the leader state", epoch)
+                state.drop()
+                raise
+            self.cycles += 1
+            stats.duration_ms = (time.perf_counter() - t0) * 1000
+            stats.queued = len(state.queue)
+            self.last = stats
+        self.on_cycle(stats)
+        return stats
+
+    async def _cycle(self, epoch: int) -> CycleStats:
+        state = self.state
+        cluster = state.cluster
+        assert cluster is not None
+        stats = CycleStats(epoch)
+        if state.needs_rebuild:
+            state.needs_rebuild = False
+            await state.rebuild_in_place()
+            cluster = state.cluster
+            assert cluster is not None
+        await state.refresh()
+        now = time.time()
+        plan = engine.plan(cluster, state.queue, self.policy, now)
+
+        for rl in plan.relabels:
+            await allocations.relabel_job(self.pool, scope=self.scope, epoch=epoch, job_id=rl.job_id, borrowed=rl.borrowed)
+
+        committed: set[str] = set()
+        allocated: list[m.Allocation] = []
+        results = await asyncio.gather(
+            *(self._commit(epoch, p) for p in plan.placements if not p.replacement), return_exceptions=True
+        )
+        for res in results:
+            if isinstance(res, StaleEpoch):
+                raise res
+            if isinstance(res, BaseException):
+                stats.failed_commits += 1
+                stats.errors.append(str(res))
+                continue
+            if res is not None:
+                committed.add(res.job_id)
+                allocated.append(res)
+        preempts: list[m.PreemptRequest] = []
+        for pr in plan.preemptions:
+            job = state.jobs.get(pr.victim)
+            if job is None:
+                continue
+            o = await job_states.mark_preempting(
+                self.pool,
+                scope=self.scope,
+                epoch=epoch,
+                job_id=pr.victim,
+                attempt=job.attempt,
+                reason=f"{pr.reason.value}: for {pr.beneficiary}",
+                by_job=pr.beneficiary,
+            )
+            if o.applied:
+                committed.add(pr.victim)
+                job.state = JobState.PREEMPTING
+                preempts.append(m.PreemptRequest(pr.victim, job.attempt, epoch, f"{pr.reason.value}", pr.beneficiary))
+        try:
+            engine.apply(cluster, plan, state.queue, now, committed=committed)
+        except Exception as e:  # memory disagrees with what committed: rebuild before the next plan
+            log.error("applying the cycle's plan failed (%s): the leader state will be rebuilt", e)
+            state.needs_rebuild = True
+        stats.placed = len(allocated)
+        stats.preempted = len(preempts)
+
+        mono = time.monotonic()
+        for a in allocated:
+            state.jobs[a.job_id].state = JobState.STARTING
+        stats.resignalled = self.signals.resend_due(mono)
+        for msg in [*allocated, *preempts]:
+            self.signals.send(msg, mono)
+        stats.published = await self._publish(epoch, plan, now)
+        if mono >= self._next_sweep:
+            self._next_sweep = mono + UNSTARTED_SWEEP_S
+            stats.started_workflows = await self._start_missing_workflows()
+        if mono >= self._next_prune:
+            self._next_prune = mono + PRUNE_EVERY_S
+            await state.feed.prune(self.pool, kept_s=CHANGES_KEPT_S)
+        return stats
+
+    async def _commit(self, epoch: int, p: Placement) -> m.Allocation | None:
+        state = self.state
+        job = state.jobs.get(p.job_id)
+        if job is None or job.state != JobState.QUEUED:
+            return None
+        gang = [
+            GangPlacement(rank=s.replica, node_id=s.node_id, gpu_indices=tuple(s.gpus), borrowed=p.borrowed)
+            for s in sorted(p.slots, key=lambda s: s.replica)
+        ]
+        try:
+            await allocations.commit_gang(
+                self.pool,
+                scope=self.scope,
+                epoch=epoch,
+                job_id=p.job_id,
+                attempt=job.attempt,
+                placements=gang,
+                actor=self.actor,
+                reason="backfill" if p.backfill else "scheduled",
+            )
+        except StaleEpoch:
+            raise
+        except StoreError as e:
+            log.warning("commit of %s failed: %s", p.job_id, e)
+            # our view is stale: re-read the job next refresh, or rebuild when GPUs disagree
+            state.mark_dirty(p.job_id)
+            if isinstance(e, (AllocationConflict, UnknownSubject)):
+                state.needs_rebuild = True
+            raise
+        for g in gang:
+            state.node_leases.setdefault(g.node_id, set()).add(allocations.lease_id_for(p.job_id, job.attempt, g.rank))
+        rank0 = state.nodes.get(gang[0].node_id)
+        return m.Allocation(
+            job_id=p.job_id,
+            attempt=job.attempt,
+            epoch=epoch,
+            ranks=[
+                m.RankPlacement(
+                    rank=g.rank,
+                    node_id=g.node_id,
+                    gpu_indices=list(g.gpu_indices),
+                    lease_id=allocations.lease_id_for(p.job_id, job.attempt, g.rank),
+                    task_queue=self.settings.node_task_queue(
+                        g.node_id, state.nodes[g.node_id].task_queue if g.node_id in state.nodes else None
+                    ),
+                )
+                for g in gang
+            ],
+            master_addr=m.rendezvous_host(rank0.agent_addr if rank0 else None),
+            master_port=m.rendezvous_port(p.job_id, job.attempt),
+        )
+
+    async def _publish(self, epoch: int, plan: Plan, now: float) -> int:
+        state = self.state
+        cluster = state.cluster
+        assert cluster is not None
+        reasons = {p.job_id: p for p in plan.pending}
+        reservations = {r.job_id: r for r in cluster.reservations()}
+        rows: list[publications.Publication] = []
+        listed: set[str] = set()
+        limit = self.policy.lookahead
+        for i, spec in enumerate(iter_order(state.queue, cluster, self.policy, now)):
+            if i >= limit:
+                break
+            jid = spec.job_id
+            listed.add(jid)
+            p = reasons.get(jid)
+            res = reservations.get(jid)
+            start = None
+            if res is not None and math.isfinite(res.expected_start):
+                start = datetime.fromtimestamp(res.expected_start, timezone.utc)
+            if p is not None:
+                reason, detail = p.reason.value, p.detail or None
+            else:  # not evaluated: its lane may have been skipped for want of quota room
+                reason, detail = _unevaluated_reason(plan, spec)
+                if reason == engine.PendingReason.LOOKAHEAD.value:
+                    reason, detail = None, None  # within the published top: no reason yet
+            value = (i + 1, reason, detail, start)
+            if self.published.get(jid) != value:
+                self.published[jid] = value
+                rows.append(publications.Publication(jid, *value))
+        for jid in [j for j in self.published if j not in listed and j in state.queue]:
+            reason, detail = _unevaluated_reason(plan, state.queue.get(jid))
+            if reason == engine.PendingReason.LOOKAHEAD.value:
+                detail = f"beyond the top {limit} considered"
+            value = (None, reason, detail, None)
+            if self.published[jid] != value:
+                self.published[jid] = value
+                rows.append(publications.Publication(jid, *value))
+        for jid in [j for j in self.published if j not in state.queue]:
+            del self.published[jid]
+        written = 0
+        if rows:
+            written = await publications.publish_positions(self.pool, scope=self.scope, epoch=epoch, rows=rows)
+        res_rows = tuple(
+            sorted(
+                (
+                    r.job_id,
+                    r.expected_start if math.isfinite(r.expected_start) else None,
+                    tuple(sorted(cluster.reservation_nodes(r))),
+                    tuple(r.blocks),
+                )
+                for r in reservations.values()
+            )
+        )
+        if res_rows != self.published_res:
+            await publications.publish_reservations(
+                self.pool,
+                scope=self.scope,
+                epoch=epoch,
+                rows=[
+                    publications.ReservationRow(
+                        jid, datetime.fromtimestamp(es, timezone.utc) if es is not None else None, nodes, blocks
+                    )
+                    for jid, es, nodes, blocks in res_rows
+                ],
+            )
+            self.published_res = res_rows
+        spares = {nid: owner for owner in cluster.spare_owners() for nid in cluster.spares(owner)}
+        if spares != self.published_spares:
+            await publications.publish_hot_spares(self.pool, scope=self.scope, epoch=epoch, spares=spares)
+            self.published_spares = spares
+        return written
+
+    async def _start_missing_workflows(self) -> int:
+        ids = await jobs.unstarted_queued_jobs(self.pool, older_than_s=UNSTARTED_SWEEP_S)
+        started: list[str] = []
+        for jid in ids:
+            try:
+                if await start_job_workflow(self.client, self.settings, jid):
+                    started.append(jid)
+            except Exception as e:
+                log.warning("cannot start the workflow of %s: %s", jid, e)
+        await jobs.mark_workflow_started(self.pool, started)
+        return len(started)
+
+
+def _unevaluated_reason(plan: Plan, spec: Any) -> tuple[str, str | None]:
+    """Why a job the cycle did not evaluate waits: ``quota`` when its team's lane for
+    its size was skipped for want of quota room, else ``lookahead``."""
+    reason = plan.reason_for(spec) if spec is not None else None
+    if reason is engine.PendingReason.QUOTA:
+        return reason.value, "the team has no quota room for a job of this size"
+    return engine.PendingReason.LOOKAHEAD.value, None

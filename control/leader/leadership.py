@@ -1,0 +1,120 @@
+"""Leadership: the Postgres leader row with its fencing epoch (docs/design.md, Leadership).
+
+``Leadership.run()`` takes the row when it is free or expired (epoch + 1) and renews it
+every ``leader_renew_s``; a refused renewal, or none that succeeded for ``leader_ttl_s``,
+loses it. It talks to Postgres only: nothing here waits on Temporal, so a Temporal
+outage never costs the lease. ``on_acquire(epoch)`` runs before the epoch is claimed
+(a failure resigns it at once); ``on_lose(why)`` when it goes.
+
+    lead = Leadership(pool, settings, holder="c1", grpc_addr=addr, on_acquire=..., on_lose=...)
+    task = asyncio.create_task(lead.run())
+    ...
+    await lead.stop(resign=True)      # a clean stop: the successor need not wait for expiry
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+
+from common.settings import Settings
+from store import leadership as rows
+from store.tx import Pool
+
+log = logging.getLogger("gpufleet.control.leader")
+
+
+class Leadership:
+    def __init__(
+        self,
+        pool: Pool,
+        settings: Settings,
+        *,
+        holder: str,
+        grpc_addr: str,
+        on_acquire: Callable[[int], Awaitable[None]],
+        on_lose: Callable[[str], None],
+    ) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.holder = holder
+        self.grpc_addr = grpc_addr
+        self.on_acquire = on_acquire
+        self.on_lose = on_lose
+        self.epoch: int | None = None
+        self.leader_grpc_addr = ""  # the leader's, as a follower last read it
+        self.takeovers = 0
+        self._last_renew = 0.0
+        self._stopping = asyncio.Event()
+
+    @property
+    def scope(self) -> str:
+        return self.settings.leader_scope
+
+    async def run(self) -> None:
+        s = self.settings
+        while not self._stopping.is_set():
+            try:
+                if self.epoch is None:
+                    await self._try_acquire()
+                else:
+                    await self._renew()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("leadership: %s", e)
+                if self.epoch is not None and time.monotonic() - self._last_renew > s.leader_ttl_s:
+                    self.lose(f"no renewal for {s.leader_ttl_s}s")
+            interval = s.leader_renew_s if self.epoch is not None else min(s.leader_renew_s, s.leader_ttl_s / 3)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _try_acquire(self) -> None:
+        s = self.settings
+        epoch = await rows.acquire_leadership(
+            self.pool, scope=self.scope, holder=self.holder, grpc_addr=self.grpc_addr, ttl_s=s.leader_ttl_s
+        )
+        if epoch is None:
+            self.leader_grpc_addr = await rows.leader_grpc_addr(self.pool, self.scope)
+            return
+        self._last_renew = time.monotonic()
+        log.info("control %s takes leadership with epoch %d", self.holder, epoch)
+        try:
+            await self.on_acquire(epoch)
+        except Exception:
+            await rows.resign_leadership(self.pool, scope=self.scope, holder=self.holder, epoch=epoch)
+            raise
+        self.epoch = epoch
+        self.takeovers += 1
+
+    async def _renew(self) -> None:
+        assert self.epoch is not None
+        ok = await rows.renew_leadership(
+            self.pool, scope=self.scope, holder=self.holder, epoch=self.epoch, ttl_s=self.settings.leader_ttl_s
+        )
+        if ok:
+            self._last_renew = time.monotonic()
+        else:
+            self.lose("renewal refused (expired or deposed)")
+
+    def lose(self, why: str) -> None:
+        if self.epoch is not None:
+            log.warning("control %s loses leadership (epoch %d): %s", self.holder, self.epoch, why)
+            self.epoch = None
+            self.on_lose(why)
+
+    async def stop(self, *, resign: bool) -> None:
+        """Stop the loop; with ``resign`` give the lease up so a successor need not wait."""
+        self._stopping.set()
+        epoch = self.epoch
+        if resign and epoch is not None:
+            try:
+                await rows.resign_leadership(self.pool, scope=self.scope, holder=self.holder, epoch=epoch)
+            except Exception as e:
+                log.warning("resign failed: %s", e)
+        self.lose("stopping")

@@ -1,0 +1,182 @@
+"""The leader's signals to job workflows: allocations and preemptions, delivered at least once.
+
+A signal Temporal accepted is in the workflow's history and cannot be lost; one that
+was not accepted (the RPC failed, or this process died before sending it) is re-sent
+with a doubling interval until it is, or until the job's state says it is no longer
+needed. A new leader re-derives what to send from the store (every STARTING and
+PREEMPTING job), so nothing here needs to survive a change of leader.
+
+``signal_allocation`` is a signal-with-start: a committed gang always reaches a
+workflow, even one the API never managed to start. Under REJECT_DUPLICATE a closed
+workflow is never started again (a closed job workflow = a finished job), so a late
+re-signal to a finished job is a harmless no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from temporalio.client import Client
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from common.settings import Settings
+from placement.lifecycle import JobState
+from store import allocations
+from store.tx import Db
+from workflows import messages as m
+from workflows.job import JobWorkflow
+
+log = logging.getLogger("gpufleet.control.leader")
+
+MAX_RESIGNAL_S = 60.0
+# signals in flight: a burst of concurrent writes overruns the embedded server's single
+# SQLite writer (persistence deadlines, then retries seconds later); a few at a time flow
+IN_FLIGHT = 8
+
+
+async def allocation_for(db: Db, settings: Settings, job_id: str, attempt: int) -> m.Allocation | None:
+    """The ``allocated`` signal of a committed gang, from its live leases (None: none live)."""
+    rows = await allocations.live_gang(db, job_id, attempt)
+    return m.allocation_from_leases(job_id, attempt, rows, settings.node_task_queue)
+
+
+async def signal_allocation(client: Client, settings: Settings, alloc: m.Allocation) -> bool:
+    """Deliver ``allocated`` (starting the workflow if it does not exist). False: the
+    job's workflow has closed, nobody will act on it."""
+    try:
+        await client.start_workflow(
+            JobWorkflow.run,
+            m.JobInput(job_id=alloc.job_id),
+            id=alloc.job_id,
+            task_queue=settings.control_task_queue,
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            start_signal=m.SIGNAL_ALLOCATED,
+            start_signal_args=[alloc],
+        )
+        return True
+    except WorkflowAlreadyStartedError:
+        return False
+
+
+async def signal_preempt(client: Client, req: m.PreemptRequest) -> bool:
+    try:
+        await client.get_workflow_handle(req.job_id).signal(JobWorkflow.preempt, req)
+        return True
+    except RPCError as e:
+        if e.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+
+
+async def start_job_workflow(client: Client, settings: Settings, job_id: str) -> bool:
+    """Start a QUEUED job's workflow if it is not running (docs/design.md, Submit). True
+    when a workflow now runs (or ran) for it."""
+    try:
+        await client.start_workflow(
+            JobWorkflow.run,
+            m.JobInput(job_id=job_id),
+            id=job_id,
+            task_queue=settings.control_task_queue,
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        )
+        return True
+    except WorkflowAlreadyStartedError:
+        return True
+
+
+@dataclass
+class _Pending:
+    kind: JobState  # STARTING: an allocation; PREEMPTING: a preemption
+    attempt: int
+    message: m.Allocation | m.PreemptRequest
+    due: float  # monotonic
+    interval: float
+
+
+class JobSignals:
+    """Allocations and preemptions sent by this leader, kept until Temporal accepts them."""
+
+    def __init__(self, db: Db, client: Client, settings: Settings) -> None:
+        self.db = db
+        self.client = client
+        self.settings = settings
+        self.pending: dict[str, _Pending] = {}
+        self._sem = asyncio.Semaphore(IN_FLIGHT)
+        self._in_flight: set[asyncio.Task] = set()
+
+    def clear(self) -> None:
+        self.pending.clear()
+
+    def send(self, msg: m.Allocation | m.PreemptRequest, now: float) -> None:
+        """Send ``msg`` now (in the background) and keep it until Temporal accepts it."""
+        kind = JobState.STARTING if isinstance(msg, m.Allocation) else JobState.PREEMPTING
+        first = self.settings.allocation_resignal_s
+        self.pending[msg.job_id] = _Pending(kind, msg.attempt, msg, now + first, first)
+        self._spawn(msg)
+
+    def resend_due(self, now: float) -> int:
+        """Re-send what is due (its interval doubling); returns how many."""
+        due = [p for p in self.pending.values() if p.due <= now]
+        for p in due:
+            p.interval = min(p.interval * 2, MAX_RESIGNAL_S)
+            p.due = now + p.interval
+            self._spawn(p.message)
+        return len(due)
+
+    def forget(self, job_id: str) -> None:
+        self.pending.pop(job_id, None)
+
+    def keep_if(self, job_id: str, state: str, attempt: int) -> bool:
+        """Drop what is pending for ``job_id`` unless the job is still in the state (and
+        attempt) it was sent for; True when something is still pending."""
+        p = self.pending.get(job_id)
+        if p is None:
+            return False
+        if p.kind != state or p.attempt != attempt:
+            del self.pending[job_id]
+            return False
+        return True
+
+    async def adopt(self, job_id: str, state: str, attempt: int, epoch: int, now: float) -> None:
+        """Signal a gang or a victim this leader did not signal itself (another leader's
+        commit, or a cycle that failed after committing), due at once."""
+        first = self.settings.allocation_resignal_s
+        if state == JobState.STARTING:
+            alloc = await allocation_for(self.db, self.settings, job_id, attempt)
+            if alloc is not None:
+                self.pending[job_id] = _Pending(JobState.STARTING, attempt, alloc, now, first)
+        elif state == JobState.PREEMPTING:
+            req = m.PreemptRequest(job_id, attempt, epoch, "preempted (re-signalled)")
+            self.pending[job_id] = _Pending(JobState.PREEMPTING, attempt, req, now, first)
+
+    def _spawn(self, msg: m.Allocation | m.PreemptRequest) -> None:
+        # the cycle (and the next one) does not wait for Temporal round trips
+        t = asyncio.create_task(self._signal(msg))
+        self._in_flight.add(t)
+        t.add_done_callback(self._in_flight.discard)
+
+    async def _signal(self, msg: m.Allocation | m.PreemptRequest) -> None:
+        async with self._sem:
+            try:
+                if isinstance(msg, m.Allocation):
+                    await signal_allocation(self.client, self.settings, msg)
+                else:
+                    await signal_preempt(self.client, msg)
+            except Exception as e:  # re-sent later
+                log.warning("signal to %s failed: %s", msg.job_id, e)
+                return
+            # accepted: recorded in the workflow's history (or the workflow has closed), so
+            # re-sending would only load a busy server
+            p = self.pending.get(msg.job_id)
+            if p is not None and p.message is msg:
+                del self.pending[msg.job_id]
+
+    async def close(self) -> None:
+        for t in list(self._in_flight):
+            t.cancel()
+        await asyncio.gather(*self._in_flight, return_exceptions=True)
