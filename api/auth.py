@@ -37,7 +37,9 @@ async def current_principal(
     request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)
 ) -> Principal:
     if creds is None or not creds.credentials:
-        raise ApiError(401, "unauthenticated", "this route needs a bearer token (Authorization: Bearer ...)", headers=_CHALLENGE)
+        raise ApiError(
+            401, "unauthenticated", "this route needs a bearer token (Authorization: Bearer ...)", headers=_CHALLENGE
+        )
     table: TokenTable = request.app.state.tokens
     principal = table.lookup(creds.credentials)
     if principal is None:

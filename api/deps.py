@@ -45,7 +45,9 @@ def page_size(request: Request, limit: int | None) -> int:
         return min(s.default_page_size, s.max_page_size)
     if limit > s.max_page_size:
         raise ApiError(
-            422, "page_size_too_large", f"limit {limit} is above the largest page ({s.max_page_size})",
+            422,
+            "page_size_too_large",
+            f"limit {limit} is above the largest page ({s.max_page_size})",
             {"max_page_size": s.max_page_size},
         )
     return limit

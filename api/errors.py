@@ -64,7 +64,9 @@ def error_body(code: str, message: str, details: Any = None) -> dict[str, Any]:
     }
 
 
-def error_response(status: int, code: str, message: str, details: Any = None, headers: dict | None = None) -> JSONResponse:
+def error_response(
+    status: int, code: str, message: str, details: Any = None, headers: dict | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(code, message, details), status_code=status, headers=headers)
 
 
@@ -120,7 +122,12 @@ def _clean_validation_errors(errors: Any) -> list[dict[str, Any]]:
 def translate_exception(exc: BaseException) -> tuple[int, str, str, Any] | None:
     """Map a non-HTTP exception to (status, code, message, details); None = internal error."""
     if isinstance(exc, _BAD_TEXT):
-        return 400, "invalid_characters", "the request contains characters that cannot be stored (NUL or lone surrogates)", None
+        return (
+            400,
+            "invalid_characters",
+            "the request contains characters that cannot be stored (NUL or lone surrogates)",
+            None,
+        )
     if isinstance(exc, _DB_UNAVAILABLE):
         return 503, "database_unavailable", "the database is unreachable; retry later", None
     return None

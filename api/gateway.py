@@ -134,5 +134,10 @@ class TemporalGateway:
             if e.status == RPCStatusCode.FAILED_PRECONDITION:
                 raise WorkflowClosed(job_id) from e
             raise ControlUnavailable(str(e)) from e
-        except (WorkflowUpdateRPCTimeoutOrCancelledError, RPCTimeoutOrCancelledError, asyncio.TimeoutError, OSError) as e:
+        except (
+            WorkflowUpdateRPCTimeoutOrCancelledError,
+            RPCTimeoutOrCancelledError,
+            asyncio.TimeoutError,
+            OSError,
+        ) as e:
             raise ControlUnavailable(str(e) or type(e).__name__) from e

@@ -60,7 +60,9 @@ DurationValue = Annotated[
 class Topology(BaseModel):
     model_config = ConfigDict(extra="forbid")
     pack: Literal["block", "node", "any"] = Field("any", description="block: fewest blocks; node: one node; any")
-    max_blocks: int | None = Field(None, ge=1, le=10_000, description="with pack=block, the most blocks the job may span")
+    max_blocks: int | None = Field(
+        None, ge=1, le=10_000, description="with pack=block, the most blocks the job may span"
+    )
     max_blocks_wait_seconds: float | None = Field(
         None,
         ge=0,

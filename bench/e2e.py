@@ -38,7 +38,16 @@ from typing import Any
 
 from temporalio import activity
 
-from common.contracts import START_TASK, STOP_TASK, StartTask, StartTaskResult, StopTask, StopTaskResult, TaskState, TaskStatus
+from common.contracts import (
+    START_TASK,
+    STOP_TASK,
+    StartTask,
+    StartTaskResult,
+    StopTask,
+    StopTaskResult,
+    TaskState,
+    TaskStatus,
+)
 
 
 def _free_port() -> int:
@@ -220,7 +229,12 @@ async def _lean_baseline(client: Any, pool: Any, jobs: int, rate: float) -> dict
 
 
 async def _bench(
-    root: Path, jobs: int, rate: float, job_seconds: float, settle_s: float, log_dir: Path,
+    root: Path,
+    jobs: int,
+    rate: float,
+    job_seconds: float,
+    settle_s: float,
+    log_dir: Path,
     with_baseline: bool = True,
 ) -> dict[str, Any]:
     import httpx
@@ -276,9 +290,19 @@ async def _bench(
         log = open(log_dir / "control.log", "ab")
         control = subprocess.Popen(
             # BENCH_CONTROL_WRAPPER: a script run instead of `-m cli.main` (profiling experiments)
-            [sys.executable, *([os.environ["BENCH_CONTROL_WRAPPER"]] if os.environ.get("BENCH_CONTROL_WRAPPER")
-                               else ["-m", "cli.main"]),
-             "control", "--holder", "bench", "--log-level", "WARNING"],
+            [
+                sys.executable,
+                *(
+                    [os.environ["BENCH_CONTROL_WRAPPER"]]
+                    if os.environ.get("BENCH_CONTROL_WRAPPER")
+                    else ["-m", "cli.main"]
+                ),
+                "control",
+                "--holder",
+                "bench",
+                "--log-level",
+                "WARNING",
+            ],
             env=_settings_env(settings),
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -339,7 +363,9 @@ async def _bench(
         running: dict[str, float] = {}
         deadline = time.monotonic() + settle_s
         while time.monotonic() < deadline:
-            rows = await pool.fetch("SELECT job_id, min(at) AS at FROM job_events WHERE event = 'running' GROUP BY job_id")
+            rows = await pool.fetch(
+                "SELECT job_id, min(at) AS at FROM job_events WHERE event = 'running' GROUP BY job_id"
+            )
             running = {r["job_id"]: r["at"].timestamp() for r in rows}
             if all(j in running for j in sent):
                 break
@@ -361,18 +387,20 @@ async def _bench(
                 seg["api_ms"].append((float(r["sub"]) - sent[j]) * 1000)
                 seg["queue_to_allocated_ms"].append((float(r["alloc"]) - float(r["sub"])) * 1000)
                 seg["allocated_to_running_ms"].append((running[j] - float(r["alloc"])) * 1000)
-        breakdown = {
-            k: {"p50": round(_pct(v, 50), 1), "p95": round(_pct(v, 95), 1)} for k, v in seg.items() if v
-        }
+        breakdown = {k: {"p50": round(_pct(v, 50), 1), "p95": round(_pct(v, 95), 1)} for k, v in seg.items() if v}
         never = [j for j in sent if j not in running]
         if never:
             errors.append(f"{len(never)} job(s) not RUNNING within {settle_s:.0f}s of the last submit")
         states = {r["state"]: r["n"] for r in await pool.fetch("SELECT state, count(*) AS n FROM jobs GROUP BY state")}
-        events = {r["event"]: r["n"] for r in await pool.fetch("SELECT event, count(*) AS n FROM job_events GROUP BY event")}
+        events = {
+            r["event"]: r["n"] for r in await pool.fetch("SELECT event, count(*) AS n FROM job_events GROUP BY event")
+        }
         pending = {f"{r['pending_reason']}: {r['pending_detail']}": r["n"] for r in await pool.fetch(
             "SELECT pending_reason, pending_detail, count(*) AS n FROM jobs WHERE state = 'QUEUED'"
             " GROUP BY 1, 2 ORDER BY 3 DESC LIMIT 5")}  # fmt: skip
-        node_states = {r["state"]: r["n"] for r in await pool.fetch("SELECT state, count(*) AS n FROM nodes GROUP BY 1")}
+        node_states = {
+            r["state"]: r["n"] for r in await pool.fetch("SELECT state, count(*) AS n FROM nodes GROUP BY 1")
+        }
         failures = [r["reason"] for r in await pool.fetch(
             "SELECT DISTINCT reason FROM job_events WHERE event = 'attempt_failed' LIMIT 5")]  # fmt: skip
         cycles = await pool.fetchval("SELECT count(DISTINCT (detail->>'epoch')) FROM audit WHERE action = 'allocate'")

@@ -256,9 +256,7 @@ async def _run(nodes: int, seconds: float, rates: list[int], generators: int, ra
         "design_load_server_cpu_pct": steps[0]["server_cpu_pct"],
         "target_per_s": 6000,
         "met_target": bool(best and best["ingested_per_s"] >= 0.95 * 6000),
-        "limited_by": (
-            None if first_miss is None else "generators" if first_miss["generator_limited"] else "server"
-        ),
+        "limited_by": (None if first_miss is None else "generators" if first_miss["generator_limited"] else "server"),
         "generator_errors": sum(o.get("errors", 0) for o in outs if o),
         "steps": steps,
     }

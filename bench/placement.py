@@ -313,7 +313,11 @@ def _naive_plan(st: ClusterState, q: JobQueue, policy: Policy, now: float) -> Pl
             if len(chosen) < need:
                 continue
             slots = [
-                ReplicaSlot(r, chosen[r // per][0], tuple(range((r % per) * j.gpus_per_replica, (r % per + 1) * j.gpus_per_replica)))
+                ReplicaSlot(
+                    r,
+                    chosen[r // per][0],
+                    tuple(range((r % per) * j.gpus_per_replica, (r % per + 1) * j.gpus_per_replica)),
+                )
                 for r in range(j.replicas)
             ]
         else:
@@ -324,7 +328,10 @@ def _naive_plan(st: ClusterState, q: JobQueue, policy: Policy, now: float) -> Pl
             if not chosen:
                 continue
             nid, gp = chosen[0]
-            slots = [ReplicaSlot(r, nid, gp[r * j.gpus_per_replica : (r + 1) * j.gpus_per_replica]) for r in range(j.replicas)]
+            slots = [
+                ReplicaSlot(r, nid, gp[r * j.gpus_per_replica : (r + 1) * j.gpus_per_replica])
+                for r in range(j.replicas)
+            ]
         for nid, gp in chosen:
             free[nid] = [x for x in free[nid] if x not in gp]
         (bused if borrowed else gused)[k] = (bused if borrowed else gused).get(k, 0) + charge

@@ -20,7 +20,9 @@ from typing import Optional
 
 import typer
 
-agent_app = typer.Typer(help="the node agent: run it, inject simulated faults, list a node's ranks", no_args_is_help=True)
+agent_app = typer.Typer(
+    help="the node agent: run it, inject simulated faults, list a node's ranks", no_args_is_help=True
+)
 
 
 def _settings():
@@ -46,11 +48,17 @@ def _node_ids(settings, simulate: int, nodes: str) -> list[str]:
 def run(
     simulate: int = typer.Option(0, "--simulate", help="host N simulated nodes in this process (simulated NVML)"),
     nodes: str = typer.Option("", "--nodes", help="comma-separated node ids to host"),
-    backend: Optional[str] = typer.Option(None, "--backend", help="real | simulated (default: GPUFLEET_AGENT_NVML_BACKEND)"),
+    backend: Optional[str] = typer.Option(
+        None, "--backend", help="real | simulated (default: GPUFLEET_AGENT_NVML_BACKEND)"
+    ),
     control: Optional[str] = typer.Option(None, "--control", help="comma-separated control gRPC addresses"),
-    temporal_address: Optional[str] = typer.Option(None, "--temporal-address", help="Temporal frontend (default: settings)"),
+    temporal_address: Optional[str] = typer.Option(
+        None, "--temporal-address", help="Temporal frontend (default: settings)"
+    ),
     no_temporal: bool = typer.Option(False, "--no-temporal", help="heartbeats and reports only, no Temporal workers"),
-    listen: Optional[str] = typer.Option(None, "--listen", help="log service host:port (default: GPUFLEET_AGENT_LISTEN)"),
+    listen: Optional[str] = typer.Option(
+        None, "--listen", help="log service host:port (default: GPUFLEET_AGENT_LISTEN)"
+    ),
     boot_id: Optional[str] = typer.Option(None, "--boot-id", hidden=True, help="pretend this boot id (reboot tests)"),
     log_level: str = typer.Option("INFO", "--log-level"),
 ) -> None:
@@ -92,7 +100,18 @@ def run(
         except NvmlUnavailable as e:
             print(f"gpufleet agent: {e}", file=sys.stderr)
             return 2
-        print(json.dumps({"agent": "up", "nodes": node_ids, "backend": kind, "log_addr": agent.log_addr, "http_log_addr": agent.http_log_addr}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "agent": "up",
+                    "nodes": node_ids,
+                    "backend": kind,
+                    "log_addr": agent.log_addr,
+                    "http_log_addr": agent.http_log_addr,
+                }
+            ),
+            flush=True,
+        )
         await stop.wait()
         await agent.stop()
         return 0
@@ -128,7 +147,11 @@ def inject_fault(
     settings = _settings()
     fault = {"gpu": gpu, "xid": xid, "ecc": ecc, "hang": hang, "slow": slow, "link": link, "clear": clear}
     path = write_fault(settings.state_dir, node, **fault)
-    print(json.dumps({"node": node, "fault": {k: v for k, v in fault.items() if v not in (None, False)}, "file": str(path)}))
+    print(
+        json.dumps(
+            {"node": node, "fault": {k: v for k, v in fault.items() if v not in (None, False)}, "file": str(path)}
+        )
+    )
 
 
 @agent_app.command("ps")

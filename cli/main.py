@@ -187,7 +187,9 @@ def bench_placement(
     queue: int = typer.Option(50_000, help="queued jobs at the start"),
     baseline_cycles: int = typer.Option(50, help="cycles of the naive full-rescan baseline"),
     seed: int = typer.Option(1),
-    as_json: bool = typer.Option(True, "--json/--no-json", help="one JSON object (default), or a table of every figure"),
+    as_json: bool = typer.Option(
+        True, "--json/--no-json", help="one JSON object (default), or a table of every figure"
+    ),
 ) -> None:
     """Placement cycle time at cluster scale, against a naive full-rescan baseline."""
     result = _call(
@@ -201,7 +203,9 @@ def bench_heartbeat(
     nodes: int = typer.Option(3000, help="simulated nodes, each one authenticated gRPC stream"),
     seconds: float = typer.Option(10.0, help="measurement time per offered rate"),
     rates: str = typer.Option("", help="comma-separated heartbeats/s to offer (default: 600 then faster)"),
-    as_json: bool = typer.Option(True, "--json/--no-json", help="one JSON object (default), or a table of every figure"),
+    as_json: bool = typer.Option(
+        True, "--json/--no-json", help="one JSON object (default), or a table of every figure"
+    ),
 ) -> None:
     """Heartbeat ingestion by the control side: sustained rate, p99 handling time, CPU."""
     parsed = [int(r) for r in rates.split(",") if r.strip()] or None
@@ -214,9 +218,13 @@ def bench_e2e(
     rate: float = typer.Option(50.0, help="submissions per second"),
     job_seconds: float = typer.Option(300.0, help="how long each job runs"),
     settle_s: float = typer.Option(120.0, help="wait this long at most for the last job to run"),
-    baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="also run the lean job workflow (a same-run baseline)"),
+    baseline: bool = typer.Option(
+        True, "--baseline/--no-baseline", help="also run the lean job workflow (a same-run baseline)"
+    ),
     repeat: int = typer.Option(1, min=1, max=20, help="runs on fresh stacks; the run with the median p95 is reported"),
-    as_json: bool = typer.Option(True, "--json/--no-json", help="one JSON object (default), or a table of every figure"),
+    as_json: bool = typer.Option(
+        True, "--json/--no-json", help="one JSON object (default), or a table of every figure"
+    ),
 ) -> None:
     """Submit -> RUNNING latency on the embedded stack with a simulated fleet that has room."""
     from common.temporal import hard_exit

@@ -31,7 +31,9 @@ RETRY_STATUSES = {502, 503, 504}
 RETRY_DELAYS = (0.25, 0.5, 1.0, 2.0, 4.0)
 
 Url = Annotated[str | None, typer.Option("--url", help="API base URL (default: GPUFLEET_API_URL)", show_default=False)]
-Token = Annotated[str | None, typer.Option("--token", help="bearer token (default: GPUFLEET_TOKEN)", show_default=False)]
+Token = Annotated[
+    str | None, typer.Option("--token", help="bearer token (default: GPUFLEET_TOKEN)", show_default=False)
+]
 AsJson = Annotated[bool, typer.Option("--json", help="print the API's JSON")]
 
 
@@ -99,7 +101,9 @@ class ApiClient:
                 time.sleep(delay)
             try:
                 with httpx.Client(timeout=self.timeout) as client:
-                    r = client.request(method, self.url + path, json=json_body, params=params, headers=self._headers(key))
+                    r = client.request(
+                        method, self.url + path, json=json_body, params=params, headers=self._headers(key)
+                    )
             except httpx.TransportError as e:
                 last = e
                 continue
@@ -146,7 +150,9 @@ def _code(r: httpx.Response) -> str:
 def _api_error(r: httpx.Response) -> CliError:
     try:
         err = r.json()["error"]
-        return CliError(f"{err['message']}{_fields(err.get('details'))} [{err['code']}, HTTP {r.status_code}]", code=err["code"])
+        return CliError(
+            f"{err['message']}{_fields(err.get('details'))} [{err['code']}, HTTP {r.status_code}]", code=err["code"]
+        )
     except (ValueError, KeyError, TypeError):
         return CliError(f"HTTP {r.status_code} from the API: {r.text[:200]}", code=f"http_{r.status_code}")
 
@@ -270,7 +276,9 @@ def list_jobs(
     jobs: list[dict] = []
     cursor = None
     while True:
-        page = _run(api.request, "GET", "/v1/jobs", params={"team": team, "state": state, "limit": limit, "cursor": cursor})
+        page = _run(
+            api.request, "GET", "/v1/jobs", params={"team": team, "state": state, "limit": limit, "cursor": cursor}
+        )
         jobs += page["jobs"]
         cursor = page.get("next_cursor")
         if not (all_pages and cursor):
@@ -280,8 +288,15 @@ def list_jobs(
     t = Table("job", "name", "team", "class", "gpus", "state", "attempt", "position", "submitted")
     for j in jobs:
         t.add_row(
-            j["job_id"], _fmt(j.get("name")), j["team"], j["priority_class"], str(j["gpus"]), j["state"],
-            str(j["attempt"]), _fmt(j.get("queue_position")), str(j["submitted_at"])[:19],
+            j["job_id"],
+            _fmt(j.get("name")),
+            j["team"],
+            j["priority_class"],
+            str(j["gpus"]),
+            j["state"],
+            str(j["attempt"]),
+            _fmt(j.get("queue_position")),
+            str(j["submitted_at"])[:19],
         )
     _out().print(t)
     if cursor:
@@ -303,8 +318,15 @@ def events(job_id: str, url: Url = None, token: Token = None, as_json: AsJson = 
         return _print_json({"job_id": job_id, "events": out})
     t = Table("at", "attempt", "event", "from", "to", "actor", "reason")
     for e in out:
-        t.add_row(str(e["at"])[:19], str(e["attempt"]), e["event"], _fmt(e.get("from_state")), _fmt(e.get("to_state")),
-                  e["actor"], _fmt(e.get("reason")))
+        t.add_row(
+            str(e["at"])[:19],
+            str(e["attempt"]),
+            e["event"],
+            _fmt(e.get("from_state")),
+            _fmt(e.get("to_state")),
+            e["actor"],
+            _fmt(e.get("reason")),
+        )
     _out().print(t)
 
 
@@ -359,7 +381,11 @@ def extend(
 ) -> None:
     """Ask for more runtime (extensions are capped in number and size)."""
     r = _run(
-        _client(url, token).request, "POST", f"/v1/jobs/{job_id}:extend", json_body={"by": by, "reason": reason}, write=True
+        _client(url, token).request,
+        "POST",
+        f"/v1/jobs/{job_id}:extend",
+        json_body={"by": by, "reason": reason},
+        write=True,
     )
     if as_json:
         return _print_json(r)
@@ -394,7 +420,9 @@ def _my_team(api: ApiClient) -> str:
 
 
 def _quota_table(team: str, quota: dict[str, dict]) -> Table:
-    t = Table("gpu type", "guaranteed", "borrow limit", "in use", "borrowed", title=f"team {team}", title_justify="left")
+    t = Table(
+        "gpu type", "guaranteed", "borrow limit", "in use", "borrowed", title=f"team {team}", title_justify="left"
+    )
     for gpu_type, q in quota.items():
         t.add_row(gpu_type, str(q["guaranteed"]), str(q.get("borrow_limit", "-")), str(q["in_use"]), str(q["borrowed"]))
     return t
@@ -418,8 +446,15 @@ def queue(
     con.print("  ".join(f"{k}: {v}" for k, v in q["counts"].items()))
     t = Table("position", "job", "name", "class", "gpus", "pending", "expected start")
     for j in q["jobs"]:
-        t.add_row(_fmt(j.get("queue_position")), j["job_id"], _fmt(j.get("name")), j["priority_class"], str(j["gpus"]),
-                  _fmt(j.get("pending_reason")), _fmt(j.get("expected_start")))
+        t.add_row(
+            _fmt(j.get("queue_position")),
+            j["job_id"],
+            _fmt(j.get("name")),
+            j["priority_class"],
+            str(j["gpus"]),
+            _fmt(j.get("pending_reason")),
+            _fmt(j.get("expected_start")),
+        )
     con.print(t)
 
 
@@ -477,14 +512,27 @@ def nodes(
         if as_json:
             return _print_json(n)
         con = _out()
-        con.print(_kv_table(f"node {node_id}", [
-            ("block", n["block_id"]), ("type", n["gpu_type"]), ("state", n["state"]), ("reason", n.get("reason")),
-            ("gpus", f"{n['gpus_allocated']}/{n['gpus']} allocated"),
-        ]))
+        con.print(
+            _kv_table(
+                f"node {node_id}",
+                [
+                    ("block", n["block_id"]),
+                    ("type", n["gpu_type"]),
+                    ("state", n["state"]),
+                    ("reason", n.get("reason")),
+                    ("gpus", f"{n['gpus_allocated']}/{n['gpus']} allocated"),
+                ],
+            )
+        )
         t = Table("lease", "job", "team", "rank", "gpus")
         for lease in n["leases"]:
-            t.add_row(_fmt(lease.get("lease_id")), _fmt(lease.get("job_id")), _fmt(lease.get("team")),
-                      _fmt(lease.get("rank")), _fmt(lease["gpu_indices"]))
+            t.add_row(
+                _fmt(lease.get("lease_id")),
+                _fmt(lease.get("job_id")),
+                _fmt(lease.get("team")),
+                _fmt(lease.get("rank")),
+                _fmt(lease["gpu_indices"]),
+            )
         con.print(t)
         return
     out: list[dict] = []
@@ -500,8 +548,15 @@ def nodes(
     t = Table("node", "block", "type", "state", "allocated", "hot spare for", "reason")
     for n in out:
         spare = (n.get("hot_spare_for") or "(another team)") if n.get("hot_spare") else None
-        t.add_row(n["node_id"], n["block_id"], n["gpu_type"], n["state"], f"{n['gpus_allocated']}/{n['gpus']}",
-                  _fmt(spare), _fmt(n.get("reason")))
+        t.add_row(
+            n["node_id"],
+            n["block_id"],
+            n["gpu_type"],
+            n["state"],
+            f"{n['gpus_allocated']}/{n['gpus']}",
+            _fmt(spare),
+            _fmt(n.get("reason")),
+        )
     _out().print(t)
 
 
@@ -515,8 +570,11 @@ def drain(
 ) -> None:
     """Drain a node: no new placements (admin)."""
     r = _run(
-        _client(url, token).request, "POST", f"/v1/nodes/{node_id}:drain",
-        json_body={"reason": reason, "evict": evict}, write=True,
+        _client(url, token).request,
+        "POST",
+        f"/v1/nodes/{node_id}:drain",
+        json_body={"reason": reason, "evict": evict},
+        write=True,
     )
     if as_json:
         return _print_json(r)

@@ -40,12 +40,18 @@ class Settings(BaseSettings):
     # --- processes ---------------------------------------------------------
     api_host: str = Field("127.0.0.1", description="API listen address")
     api_port: int = Field(8000, description="API listen port")
-    control_task_queue: str = Field("gpufleet-control", description="task queue of JobWorkflow, BurnInWorkflow and their control activities")
+    control_task_queue: str = Field(
+        "gpufleet-control", description="task queue of JobWorkflow, BurnInWorkflow and their control activities"
+    )
     control_job_workers: int = Field(
-        1, ge=0, le=64,
+        1,
+        ge=0,
+        le=64,
         description="child processes of `control` that run job workflows (0: the control process runs them itself)",
     )
-    control_cached_workflows: int = Field(4000, ge=10, description="workflow runs a control worker keeps in memory (sticky cache)")
+    control_cached_workflows: int = Field(
+        4000, ge=10, description="workflow runs a control worker keeps in memory (sticky cache)"
+    )
     control_grpc_host: str = Field("127.0.0.1", description="control gRPC listen address (agent heartbeats)")
     control_grpc_port: int = Field(50051, description="control gRPC listen port")
     control_addresses: list[str] = Field(
@@ -53,7 +59,9 @@ class Settings(BaseSettings):
     )
     agent_task_queue_prefix: str = Field("gpufleet-node-", description="a node's task queue is this prefix + node id")
     agent_simulate: int = Field(16, description="simulated nodes hosted by `make up`'s agent process")
-    agent_nvml_backend: Literal["real", "simulated"] = Field("simulated", description="GPU health source: real NVML or the simulated backend")
+    agent_nvml_backend: Literal["real", "simulated"] = Field(
+        "simulated", description="GPU health source: real NVML or the simulated backend"
+    )
     agent_credentials: dict[str, str] = Field(default_factory=dict, description="node_id -> credential")
     agent_shared_secret: str = Field("dev-agent-secret", description="derives per-node credentials in dev")
 
@@ -68,7 +76,9 @@ class Settings(BaseSettings):
     placement_lookahead: int = Field(2000, description="queued jobs considered per cycle")
     hot_spare_fraction: float = Field(0.015, description="nodes kept free per large reservation for restarts")
     preemption_protect_s: float = Field(1800.0, description="no preemption this soon after a job starts")
-    preemption_daily_budget: int = Field(3, description="after this many preemptions in 24 h a job loses only borrowed capacity")
+    preemption_daily_budget: int = Field(
+        3, description="after this many preemptions in 24 h a job loses only borrowed capacity"
+    )
     claim_borrowed_reservations_after_s: float = Field(
         300.0,
         ge=0,
@@ -91,65 +101,117 @@ class Settings(BaseSettings):
             "prod-batch": 14 * 24 * 3600.0,
             "research": 7 * 24 * 3600.0,
             "preemptible": 3 * 24 * 3600.0,
-        }
+        },
     )
     max_extensions: int = Field(2, description="runtime extensions per job")
-    max_extension_fraction: float = Field(0.25, description="each extension at most this fraction of the original max_runtime")
+    max_extension_fraction: float = Field(
+        0.25, description="each extension at most this fraction of the original max_runtime"
+    )
     max_failed_attempts: int = Field(3, description="failed attempts (caused by the job) in 24 h before FAILED")
     failure_window_s: float = Field(24 * 3600.0, description="window in which max_failed_attempts are counted")
-    start_task_timeout_s: float = Field(60.0, description="one StartTask/StopTask activity try (the gang timeout bounds all tries)")
-    stop_margin_s: float = Field(10.0, description="after a stop's grace period, how long to wait for the agents' exit reports")
+    start_task_timeout_s: float = Field(
+        60.0, description="one StartTask/StopTask activity try (the gang timeout bounds all tries)"
+    )
+    stop_margin_s: float = Field(
+        10.0, description="after a stop's grace period, how long to wait for the agents' exit reports"
+    )
     strict_job_transitions: bool = Field(
         False,
         description="a job state change outside placement.lifecycle's table fails (the tests set it) instead of being logged",
     )
     job_start_delay_s: float = Field(
-        300.0, ge=0,
+        300.0,
+        ge=0,
         description="a new job workflow's first task waits this long unless a signal (allocation, cancel) comes first",
     )
-    allocation_resignal_s: float = Field(5.0, description="retry an allocation or preemption signal that Temporal did not accept after this (doubling)")
-    placement_wake_min_s: float = Field(0.1, description="least time between two placement cycles (a burst of changes runs one cycle)")
+    allocation_resignal_s: float = Field(
+        5.0, description="retry an allocation or preemption signal that Temporal did not accept after this (doubling)"
+    )
+    placement_wake_min_s: float = Field(
+        0.1, description="least time between two placement cycles (a burst of changes runs one cycle)"
+    )
 
     # --- health (DESIGN.md, Health) -----------------------------------------
     heartbeat_interval_s: float = Field(5.0, description="agent heartbeat interval")
     suspect_after_s: float = Field(30.0, description="no heartbeat this long: node suspect")
     down_after_s: float = Field(90.0, description="no heartbeat this long: node down")
-    unconfirmed_kill_s: float = Field(900.0, description="a rank whose lease is unconfirmed this long is killed by its supervisor")
+    unconfirmed_kill_s: float = Field(
+        900.0, description="a rank whose lease is unconfirmed this long is killed by its supervisor"
+    )
     fence_margin: float = Field(1.5, description="a silent node's GPUs are reused after unconfirmed_kill_s times this")
     hang_after_s: float = Field(600.0, description="step counter stalled this long with idle GPUs: hang")
     missing_task_release_s: float = Field(120.0, description="a lease whose task is missing this long is released")
-    health_sweep_s: float = Field(1.0, description="the leader's health sweep interval (silence, recovery re-signals, restart clock)")
-    ib_flap_threshold: int = Field(5, description="InfiniBand link flaps reported in one heartbeat that cordon the node")
-    hang_idle_util_pct: float = Field(1.0, description="GPU use at or below this percent counts as idle for hang detection")
-    recovery_resignal_s: float = Field(5.0, description="re-send node_failed to a job while its lease on a failed node is live")
+    health_sweep_s: float = Field(
+        1.0, description="the leader's health sweep interval (silence, recovery re-signals, restart clock)"
+    )
+    ib_flap_threshold: int = Field(
+        5, description="InfiniBand link flaps reported in one heartbeat that cordon the node"
+    )
+    hang_idle_util_pct: float = Field(
+        1.0, description="GPU use at or below this percent counts as idle for hang detection"
+    )
+    recovery_resignal_s: float = Field(
+        5.0, description="re-send node_failed to a job while its lease on a failed node is live"
+    )
     burn_in_timeout_s: float = Field(900.0, description="a burn-in not passed within this is failed")
     burn_in_retry_s: float = Field(300.0, description="after a failed burn-in, wait this long before the next")
     burn_in_seconds: float = Field(60.0, description="how long the burn-in stress test runs (matmul + NCCL all-reduce)")
 
     # --- agent (worker-agent; DESIGN.md, Processes and Health) ---------------
-    agent_node_id: str | None = Field(None, description="node id of `gpufleet agent run` without --nodes/--simulate; unset = hostname")
-    agent_runtime: Literal["process", "container"] = Field("process", description="how ranks run: the command directly, or under agent_container_engine")
-    agent_container_engine: Literal["docker", "podman"] = Field("docker", description="container engine of the container runtime")
-    agent_task_queue_mode: Literal["per_node", "shared"] = Field("per_node", description="per_node: a Temporal worker per node task queue; shared: one worker on agent_shared_task_queue routing by node id (large simulated fleets; callers must use that queue)")
-    agent_shared_task_queue: str = Field("gpufleet-nodes-shared", description="the one node task queue when agent_task_queue_mode is shared")
-    agent_listen: str = Field("127.0.0.1:0", description="where an agent process serves rank logs over gRPC (NodeAgent.ReadLog; host:port, port 0 = any)")
-    agent_http_listen: str = Field("127.0.0.1:0", description="where an agent process serves rank logs to the API over HTTP (GET /v1/leases/{id}/logs; host:port, port 0 = any; advertised in heartbeats as agent_addr)")
-    agent_poll_s: float = Field(0.5, description="how often agents and rank supervisors check exits, steps, stop requests and confirmations")
-    agent_fence_grace_s: float = Field(30.0, description="SIGTERM to SIGKILL when a supervisor kills a rank whose lease went unconfirmed")
-    fatal_xids: list[int] = Field(default_factory=lambda: [48, 63, 64, 74, 79, 94, 95], description="Xid errors that mark a GPU failed (cordon at once)")
+    agent_node_id: str | None = Field(
+        None, description="node id of `gpufleet agent run` without --nodes/--simulate; unset = hostname"
+    )
+    agent_runtime: Literal["process", "container"] = Field(
+        "process", description="how ranks run: the command directly, or under agent_container_engine"
+    )
+    agent_container_engine: Literal["docker", "podman"] = Field(
+        "docker", description="container engine of the container runtime"
+    )
+    agent_task_queue_mode: Literal["per_node", "shared"] = Field(
+        "per_node",
+        description="per_node: a Temporal worker per node task queue; shared: one worker on agent_shared_task_queue routing by node id (large simulated fleets; callers must use that queue)",
+    )
+    agent_shared_task_queue: str = Field(
+        "gpufleet-nodes-shared", description="the one node task queue when agent_task_queue_mode is shared"
+    )
+    agent_listen: str = Field(
+        "127.0.0.1:0",
+        description="where an agent process serves rank logs over gRPC (NodeAgent.ReadLog; host:port, port 0 = any)",
+    )
+    agent_http_listen: str = Field(
+        "127.0.0.1:0",
+        description="where an agent process serves rank logs to the API over HTTP (GET /v1/leases/{id}/logs; host:port, port 0 = any; advertised in heartbeats as agent_addr)",
+    )
+    agent_poll_s: float = Field(
+        0.5, description="how often agents and rank supervisors check exits, steps, stop requests and confirmations"
+    )
+    agent_fence_grace_s: float = Field(
+        30.0, description="SIGTERM to SIGKILL when a supervisor kills a rank whose lease went unconfirmed"
+    )
+    fatal_xids: list[int] = Field(
+        default_factory=lambda: [48, 63, 64, 74, 79, 94, 95],
+        description="Xid errors that mark a GPU failed (cordon at once)",
+    )
 
     # --- API ----------------------------------------------------------------
     api_tokens: dict[str, Principal] = Field(default_factory=dict, description="bearer token -> principal")
     allowed_registries: list[str] = Field(
-        description="image prefixes jobs may use",default_factory=lambda: ["registry/"])
+        description="image prefixes jobs may use", default_factory=lambda: ["registry/"]
+    )
     max_queued_per_team: int = Field(5000, description="admission: queued jobs per team")
     max_page_size: int = Field(500, description="largest list page")
     max_request_bytes: int = Field(1_000_000, description="largest request body")
     idempotency_ttl_s: float = Field(24 * 3600.0, description="how long idempotency keys are kept")
-    idempotency_wait_s: float = Field(0.5, description="a retry waits this long for an in-flight first request, then 409")
+    idempotency_wait_s: float = Field(
+        0.5, description="a retry waits this long for an in-flight first request, then 409"
+    )
     default_page_size: int = Field(50, description="list page size when the request gives none")
-    api_temporal_timeout_s: float = Field(5.0, description="API calls to Temporal (start, signal, update) give up after this")
-    agent_log_token: str = Field("dev-agent-log-token", description="bearer token the API presents to agents' log endpoint")
+    api_temporal_timeout_s: float = Field(
+        5.0, description="API calls to Temporal (start, signal, update) give up after this"
+    )
+    agent_log_token: str = Field(
+        "dev-agent-log-token", description="bearer token the API presents to agents' log endpoint"
+    )
     api_url: str | None = Field(None, description="where the CLI reaches the API; unset = http://api_host:api_port")
     token: str | None = Field(None, description="the CLI's bearer token")
 

@@ -46,6 +46,8 @@ def settings_for_child() -> Settings | None:
     """In a job-worker child: the parent's settings from the file it named, else None."""
     path = os.environ.get(SETTINGS_FILE_ENV)
     return Settings.model_validate_json(Path(path).read_text()) if path else None
+
+
 STOP_GRACE_S = 10.0
 
 

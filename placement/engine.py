@@ -328,7 +328,13 @@ class _Cycle:
         if try_free:
             fail, placed = self._try_place(job, ti, shape, borrowed, restrict, own_spares)
             if placed is not None:
-                if borrowed and not serving and shape.whole and policy.guarantee_gangs_first and not self.evictable_placement:
+                if (
+                    borrowed
+                    and not serving
+                    and shape.whole
+                    and policy.guarantee_gangs_first
+                    and not self.evictable_placement
+                ):
                     placed = self._guarantee_gang(job, shape, placed)
                 self._commit(job, placed, own_res)
                 return
@@ -398,9 +404,17 @@ class _Cycle:
         t = job.topology
         own = job.job_id in state._reservations
         tkey = (
-            job.gpu_type, job.gpus_per_replica, job.replicas, t.pack, t.max_blocks, job.rank,
-            job.max_runtime_s, restrict, state.res_free_version,
-            borrowed if policy.evictable_backfill else None, self.claim_team,
+            job.gpu_type,
+            job.gpus_per_replica,
+            job.replicas,
+            t.pack,
+            t.max_blocks,
+            job.rank,
+            job.max_runtime_s,
+            restrict,
+            state.res_free_version,
+            borrowed if policy.evictable_backfill else None,
+            self.claim_team,
         )
         if not own and not own_spares:
             hit = self.try_memo.get(tkey)
@@ -544,8 +558,16 @@ class _Cycle:
             return False
         t = job.topology
         fkey = (
-            job.gpu_type, mode, job.gpus_per_replica, job.replicas, t.pack, t.max_blocks,
-            job.max_runtime_s, job.job_id in state._reservations, state.res_free_version, self.claim_team,
+            job.gpu_type,
+            mode,
+            job.gpus_per_replica,
+            job.replicas,
+            t.pack,
+            t.max_blocks,
+            job.max_runtime_s,
+            job.job_id in state._reservations,
+            state.res_free_version,
+            self.claim_team,
         )
         if fkey in self.preempt_fail:
             return False
@@ -649,16 +671,15 @@ class _Cycle:
     def _reserve(self, job: JobSpec, ti: _TypeIndex, shape: Shape, borrowed: bool) -> bool:
         state, policy, now = self.state, self.policy, self.now
         mine = [
-            r
-            for r in state.reservations()
-            if r.gpu_type == job.gpu_type and r.kind is ReservationKind.HEAD_OF_LINE
+            r for r in state.reservations() if r.gpu_type == job.gpu_type and r.kind is ReservationKind.HEAD_OF_LINE
         ]
         if len(mine) >= policy.max_reservations_per_type:
             # the slot goes to a lower class's gang, or (a guaranteed gang) to a borrowing one
             # of its class: seen, a team's guaranteed 4,096-GPU gang never started in 2.4 h
             # while another team's borrowing gang held the only slot
             weaker = [
-                r for r in mine
+                r
+                for r in mine
                 if r.priority_rank > job.rank
                 or (
                     policy.guaranteed_gangs_reserve_first
@@ -726,9 +747,7 @@ def _replace_replicas(
     if topo.pack is Pack.NODE and rj.held:
         search = Search(state, ti, search.excl, frozenset(rj.held))  # back onto its node
     elif max_b is not None and len(blocks_now) >= max_b:
-        search = Search(
-            state, ti, search.excl, frozenset(n for b in blocks_now for n in state._blocks[b].nodes)
-        )
+        search = Search(state, ti, search.excl, frozenset(n for b in blocks_now for n in state._blocks[b].nodes))
     if rj.whole:
         per = ti.node_gpus // gpr
         want = math.ceil(len(missing) / per)
@@ -792,9 +811,7 @@ def _replace_replicas(
         if not slots:
             return None
     blocks = [state._nodes[n].block for n, _ in held]
-    return make_placement(
-        job, held, slots, blocks, rj.borrowed, sum(len(g) for _, g in held), replacement=True
-    )
+    return make_placement(job, held, slots, blocks, rj.borrowed, sum(len(g) for _, g in held), replacement=True)
 
 
 # ---------------------------------------------------------------------- apply
@@ -920,8 +937,9 @@ def fail_node(state: ClusterState, node_id: str, now: float, health: NodeHealth 
     return NodeFailure(tuple(released), tuple(degraded))
 
 
-def requeue_spec(job: JobSpec, now: float, *, preempted: bool = False, front: bool = False,
-                 checkpoint_at: float | None = None) -> JobSpec:
+def requeue_spec(
+    job: JobSpec, now: float, *, preempted: bool = False, front: bool = False, checkpoint_at: float | None = None
+) -> JobSpec:
     """The spec to queue again after a preemption (attempt + 1, same submit time, preemption
     recorded) or a failed attempt (``front``: ahead of its class)."""
     times = job.preemption_times + ((now,) if preempted else ())

@@ -73,9 +73,7 @@ def check_state(state: ClusterState, strict_quota: bool = True, respect_topology
                 errs.append(f"{jid}: replica {r} uses GPUs it does not hold")
         if not missing:
             held = {n: indices_of(m) for n, m in rj.held.items()}
-            errs.extend(
-                _shape_errors(state, jid, rj.spec, sorted(rj.held), held, respect_topology, rj.started_at)
-            )
+            errs.extend(_shape_errors(state, jid, rj.spec, sorted(rj.held), held, respect_topology, rj.started_at))
     # indexes
     for t, ti in state._types.items():
         buckets = [[] for _ in range(ti.node_gpus + 1)]
@@ -104,7 +102,12 @@ def check_state(state: ClusterState, strict_quota: bool = True, respect_topology
         for f in range(1, ti.node_gpus + 1):
             if sorted(buckets[f]) != ti.buckets[f]:
                 errs.append(f"{t}: bucket {f} wrong")
-        if (free_gpus, free_nodes, un_g, un_n) != (ti.free_gpus, ti.free_nodes, ti.unready_idle_gpus, ti.unready_idle_nodes):
+        if (free_gpus, free_nodes, un_g, un_n) != (
+            ti.free_gpus,
+            ti.free_nodes,
+            ti.unready_idle_gpus,
+            ti.unready_idle_nodes,
+        ):
             errs.append(f"{t}: free totals wrong")
         if blocks_free != ti.blocks_free:
             errs.append(f"{t}: blocks_free wrong")
@@ -242,7 +245,9 @@ def _reserved_node_errors(
     return errs
 
 
-def check_plan(state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy, respect_topology: bool = True) -> list[str]:
+def check_plan(
+    state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy, respect_topology: bool = True
+) -> list[str]:
     """Check a plan against the state it was made from (before ``apply``)."""
     errs: list[str] = []
     now = plan.now
@@ -363,7 +368,9 @@ def check_plan(state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy,
                 and rj.charge < policy.reserve_min_gpus
             )
             if not (rj.rank > ben.rank or (rj.borrowed and (rj.rank == ben.rank or higher_small))):
-                errs.append(f"{pr.victim} (rank {rj.rank}) is not lower class or same-class borrowed for {pr.beneficiary}")
+                errs.append(
+                    f"{pr.victim} (rank {rj.rank}) is not lower class or same-class borrowed for {pr.beneficiary}"
+                )
             if rj.team == ben.team and (rj.rank <= ben.rank or ben_borrowed) and not evicted:
                 errs.append(f"{pr.beneficiary}: reclaims its own team's borrowed {pr.victim}")
             if rj.gpu_type != ben.gpu_type:

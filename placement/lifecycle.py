@@ -72,7 +72,10 @@ EDGES: dict[tuple[JobState, JobEvent], tuple[JobState, str]] = {
     (S.STARTING, E.RANK_FAILED): (S.QUEUED, "failed attempt: whole gang released, front of its class"),
     (S.STARTING, E.NODE_FAILED): (S.QUEUED, "a node died during start: released, front of its class"),
     (S.STARTING, E.CANCEL): (S.CANCELLING, "stop the ranks already started"),
-    (S.STARTING, E.CANCEL_STOPPED): (S.CANCELLED, "cancelled before the workflow started any rank (or a failed start stopped them)"),
+    (S.STARTING, E.CANCEL_STOPPED): (
+        S.CANCELLED,
+        "cancelled before the workflow started any rank (or a failed start stopped them)",
+    ),
     (S.STARTING, E.PREEMPT): (S.PREEMPTING, "a victim still starting: its started ranks get StopTask"),
     (S.STARTING, E.EXIT_FAIL): (S.FAILED, "a rank failed by itself before the gang was up, no retries left"),
     (S.RUNNING, E.EXIT_OK): (S.SUCCEEDED, "finished"),
@@ -108,6 +111,8 @@ STATE_CHANGES: frozenset[tuple[JobState, JobState]] = frozenset((a, b) for (a, _
 def allowed_change(from_state: JobState | str, to_state: JobState | str) -> bool:
     """Whether some event moves a job from ``from_state`` to ``to_state``."""
     return (JobState(from_state), JobState(to_state)) in STATE_CHANGES
+
+
 ACTIVE: frozenset[JobState] = frozenset({S.STARTING, S.RUNNING, S.PREEMPTING, S.CANCELLING})
 
 

@@ -335,14 +335,22 @@ PRESETS: dict[str, Policy] = {
     "gpufleet": DEFAULT_POLICY,
     # plain FIFO over every class, first fit, no reservations/backfill/preemption; quotas still apply
     "fifo_first_fit": Policy(
-        ordering=Ordering.FIFO, topology=False, reservations=False, backfill=False, preemption=False,
+        ordering=Ordering.FIFO,
+        topology=False,
+        reservations=False,
+        backfill=False,
+        preemption=False,
         **_NO_REFINEMENTS,
     ),
     # everything but topology awareness, reservations and backfill
     "no_topology_no_reservation": Policy(topology=False, reservations=False, backfill=False, **_NO_REFINEMENTS),
     # classic EASY backfill: one reservation per GPU type, backfill, no borrowing, no preemption
     "easy_backfill": Policy(
-        ordering=Ordering.CLASS_FIFO, borrowing=False, preemption=False, reservations=True, backfill=True,
+        ordering=Ordering.CLASS_FIFO,
+        borrowing=False,
+        preemption=False,
+        reservations=True,
+        backfill=True,
         **_NO_REFINEMENTS,
     ),
 }

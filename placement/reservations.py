@@ -66,7 +66,17 @@ class Exclusions:
     """
 
     __slots__ = (
-        "state", "job", "now", "policy", "class_rule", "evictably", "claim_team", "cache", "key", "own", "own_pre",
+        "state",
+        "job",
+        "now",
+        "policy",
+        "class_rule",
+        "evictably",
+        "claim_team",
+        "cache",
+        "key",
+        "own",
+        "own_pre",
     )
 
     def __init__(
@@ -98,8 +108,14 @@ class Exclusions:
         # a new reservation only takes capacity away, and answers are per owner: the key changes
         # only when a reservation goes (or is replaced)
         self.key = (
-            job.gpu_type, job.rank, job.max_runtime_s, own, class_rule, state.res_free_version,
-            evictably, claim_team,
+            job.gpu_type,
+            job.rank,
+            job.max_runtime_s,
+            own,
+            class_rule,
+            state.res_free_version,
+            evictably,
+            claim_team,
         )
 
     def __contains__(self, owner: object) -> bool:

@@ -361,7 +361,9 @@ def _select(
     need = k - len(free_nodes)
     if need <= 0:
         return None  # it fits without victims (the caller's search should have found it)
-    cand = [n for bid in targets for n in index.by_block.get(bid, ()) if _clearable_now(state, search, n, mode, now, policy)]
+    cand = [
+        n for bid in targets for n in index.by_block.get(bid, ()) if _clearable_now(state, search, n, mode, now, policy)
+    ]
     if len(cand) < need:
         return None
     running = state._running

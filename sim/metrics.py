@@ -352,7 +352,7 @@ class Metrics:
                         if any_borrow.get(gt, 0) - own_b > 0:
                             loose = True
                         # capacity this class may take back: borrowed work of the same or a lower class
-                        others = sum(reclaimable[gt][max(rank, 1):]) - own_b
+                        others = sum(reclaimable[gt][max(rank, 1) :]) - own_b
                         if others > 0:
                             strict = True
                             break
@@ -499,9 +499,7 @@ class Metrics:
         return {
             "allocation": {
                 "healthy_gpu_pct": r(100.0 * self.i_alloc / self.i_healthy, 2) if self.i_healthy else None,
-                "healthy_gpu_pct_while_demand_exceeds_capacity": r(
-                    100.0 * self.i_over_alloc / self.i_over_healthy, 2
-                )
+                "healthy_gpu_pct_while_demand_exceeds_capacity": r(100.0 * self.i_over_alloc / self.i_over_healthy, 2)
                 if self.i_over_healthy
                 else None,
                 "hours_demand_exceeds_capacity": r(self.i_over_time / 3600.0, 3),
@@ -525,9 +523,7 @@ class Metrics:
             "wait_s": {
                 "by_class": {c: dist(waits_class.get(c, []), cens_class.get(c, 0)) for c in CLASSES},
                 "by_size": {b: dist(waits_size[b], cens_size.get(b, 0)) for b in SIZE_BUCKETS},
-                "by_class_and_size": {
-                    c: {b: dist(waits_cs.get((c, b), [])) for b in SIZE_BUCKETS} for c in CLASSES
-                },
+                "by_class_and_size": {c: {b: dist(waits_cs.get((c, b), [])) for b in SIZE_BUCKETS} for c in CLASSES},
                 "large_gangs": dist(large_waits, large_cens),
             },
             "teams": teams,

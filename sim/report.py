@@ -44,8 +44,10 @@ def rows(report: dict) -> list[tuple[str, list[str]]]:
     row("allocated % of healthy GPUs", lambda p: _pct(p["allocation"]["healthy_gpu_pct"]))
     row(
         "… while demand exceeds capacity",
-        lambda p: f"{_pct(p['allocation']['healthy_gpu_pct_while_demand_exceeds_capacity'])}"
-        f" ({p['allocation']['hours_demand_exceeds_capacity']:.1f} h)",
+        lambda p: (
+            f"{_pct(p['allocation']['healthy_gpu_pct_while_demand_exceeds_capacity'])}"
+            f" ({p['allocation']['hours_demand_exceeds_capacity']:.1f} h)"
+        ),
     )
     row(
         "… net of work lost (preemption, failures, spread placement)",
@@ -77,18 +79,24 @@ def rows(report: dict) -> list[tuple[str, list[str]]]:
         )
     row(
         "large gangs (≥1,024): wait p50 / mean / max (never started)",
-        lambda p: " / ".join(fmt_s(p["wait_s"]["large_gangs"][k]) for k in ("p50", "mean", "max"))
-        + f" ({p['wait_s']['large_gangs']['censored']})",
+        lambda p: (
+            " / ".join(fmt_s(p["wait_s"]["large_gangs"][k]) for k in ("p50", "mean", "max"))
+            + f" ({p['wait_s']['large_gangs']['censored']})"
+        ),
     )
     row(
         "jobs queued at the window's end / never started (drain after the window)",
-        lambda p: f"{p['jobs']['still_queued_at_window_end']} / {p['jobs']['never_started']}"
-        f" ({_num(p['jobs']['drain_h'], 1)} h)",
+        lambda p: (
+            f"{p['jobs']['still_queued_at_window_end']} / {p['jobs']['never_started']}"
+            f" ({_num(p['jobs']['drain_h'], 1)} h)"
+        ),
     )
     row(
         "large-gang placements: min blocks / ≤ max_blocks / all",
-        lambda p: f"{p['large_gangs']['in_min_blocks']} / {p['large_gangs']['in_min_blocks_or_within_max_blocks']}"
-        f" / {p['large_gangs']['placements']}",
+        lambda p: (
+            f"{p['large_gangs']['in_min_blocks']} / {p['large_gangs']['in_min_blocks_or_within_max_blocks']}"
+            f" / {p['large_gangs']['placements']}"
+        ),
     )
     row(
         "blocks per large gang: mean vs minimum",
@@ -96,8 +104,10 @@ def rows(report: dict) -> list[tuple[str, list[str]]]:
     )
     row(
         "head-of-line reservations: made / owner started / dropped while owner waits",
-        lambda p: f"{p['head_of_line_reservations']['made']} / {p['head_of_line_reservations']['owner_started']}"
-        f" / {p['head_of_line_reservations']['dropped_while_owner_waits']}",
+        lambda p: (
+            f"{p['head_of_line_reservations']['made']} / {p['head_of_line_reservations']['owner_started']}"
+            f" / {p['head_of_line_reservations']['dropped_while_owner_waits']}"
+        ),
     )
     row(
         "teams starved (max wait of any team)",
@@ -105,25 +115,29 @@ def rows(report: dict) -> list[tuple[str, list[str]]]:
     )
     row(
         "GPU-hours lost: preemption / failures / spread placement",
-        lambda p: f"{_num(p['lost_gpu_hours']['preemption'])} / {_num(p['lost_gpu_hours']['failures'])}"
-        f" / {_num(p['lost_gpu_hours']['spread_placement'])}",
+        lambda p: (
+            f"{_num(p['lost_gpu_hours']['preemption'])} / {_num(p['lost_gpu_hours']['failures'])}"
+            f" / {_num(p['lost_gpu_hours']['spread_placement'])}"
+        ),
     )
     row(
         "borrowed-GPU reclaim: p50 / p99 (n, over grace+2 cycles)",
-        lambda p: f"{fmt_s(p['reclaim']['p50_s'])} / {fmt_s(p['reclaim']['p99_s'])}"
-        f" ({p['reclaim']['count']}, {p['reclaim']['over_grace_plus_2_cycles']})",
+        lambda p: (
+            f"{fmt_s(p['reclaim']['p50_s'])} / {fmt_s(p['reclaim']['p99_s'])}"
+            f" ({p['reclaim']['count']}, {p['reclaim']['over_grace_plus_2_cycles']})"
+        ),
     )
     row(
         "preemptions: total / per job mean / max",
-        lambda p: f"{p['preemptions']['total']} / {_num(p['preemptions']['per_job_mean'], 3)}"
-        f" / {p['preemptions']['per_job_max'] if p['preemptions']['per_job_max'] is not None else '–'}",
+        lambda p: (
+            f"{p['preemptions']['total']} / {_num(p['preemptions']['per_job_mean'], 3)}"
+            f" / {p['preemptions']['per_job_max'] if p['preemptions']['per_job_max'] is not None else '–'}"
+        ),
     )
     row("cycles", lambda p: _num(p["cycles"]))
     row(
         "cycle time p50 / p99 (wall clock)",
-        lambda p: f"{p['timing']['cycle_ms']['p50']} / {p['timing']['cycle_ms']['p99']} ms"
-        if p.get("timing")
-        else "–",
+        lambda p: f"{p['timing']['cycle_ms']['p50']} / {p['timing']['cycle_ms']['p99']} ms" if p.get("timing") else "–",
     )
     row("run time (wall clock)", lambda p: f"{p['timing']['wall_s']:.0f} s" if p.get("timing") else "–")
     return out

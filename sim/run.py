@@ -59,7 +59,9 @@ def resolve_policy(spec: str) -> tuple[str, Policy]:
         key, sep, value = ov.partition("=")
         key = key.strip()
         if not sep or key not in known:
-            raise ValueError(f"bad policy override {ov!r}: field=value with a field of placement.Policy ({', '.join(known)})")
+            raise ValueError(
+                f"bad policy override {ov!r}: field=value with a field of placement.Policy ({', '.join(known)})"
+            )
         cur = getattr(policy, key)
         v = value.strip()
         if "None" in str(known[key].type) and v.lower() == "none":
@@ -143,9 +145,7 @@ def checks(report: dict) -> dict:
         return {}
     o = pol["ours"]
     a = o["allocation"]["healthy_gpu_pct_while_demand_exceeds_capacity"]
-    small = {
-        c: o["wait_s"]["by_class_and_size"][c]["<=8"]["p95"] for c in CLASSES
-    }
+    small = {c: o["wait_s"]["by_class_and_size"][c]["<=8"]["p95"] for c in CLASSES}
     prod_small = [small[c] for c in ("prod-serving", "prod-batch") if small[c] is not None]
     lg = o["large_gangs"]
     rc = o["reclaim"]

@@ -195,9 +195,7 @@ async def release_job(
         )
         if not rows:
             return 0
-        await conn.execute(
-            "DELETE FROM allocations WHERE lease_id = ANY($1::text[])", [r["lease_id"] for r in rows]
-        )
+        await conn.execute("DELETE FROM allocations WHERE lease_id = ANY($1::text[])", [r["lease_id"] for r in rows])
         await write_audit(
             conn,
             actor,
@@ -259,7 +257,13 @@ async def lease_rows(db: Db, lease_ids: Sequence[str]) -> dict[str, LeaseRow]:
     )
     return {
         r["lease_id"]: LeaseRow(
-            r["lease_id"], r["job_id"], r["attempt"], r["rank"], r["node_id"], tuple(r["gpu_indices"]), r["epoch"],
+            r["lease_id"],
+            r["job_id"],
+            r["attempt"],
+            r["rank"],
+            r["node_id"],
+            tuple(r["gpu_indices"]),
+            r["epoch"],
             r["state"] == "live",
         )
         for r in rows

@@ -45,9 +45,7 @@ async def _lock(conn: asyncpg.Connection, job_id: str) -> asyncpg.Record:
     return row
 
 
-async def mark_running(
-    db: Db, job_id: str, attempt: int, *, actor: str, epoch: int | None = None
-) -> Outcome:
+async def mark_running(db: Db, job_id: str, attempt: int, *, actor: str, epoch: int | None = None) -> Outcome:
     """STARTING -> RUNNING once every rank has started. Anything else reports the state."""
     async with transaction(db) as conn:
         job = await _lock(conn, job_id)
@@ -59,28 +57,39 @@ async def mark_running(
             job_id,
         )
         await write_job_event(
-            conn, job_id, attempt, "running", JobState.STARTING, JobState.RUNNING, actor, "every rank started", {"epoch": epoch}
+            conn,
+            job_id,
+            attempt,
+            "running",
+            JobState.STARTING,
+            JobState.RUNNING,
+            actor,
+            "every rank started",
+            {"epoch": epoch},
         )
         return Outcome(True, JobState.RUNNING, attempt)
 
 
-async def mark_cancelling(
-    db: Db, job_id: str, attempt: int, *, actor: str, reason: str
-) -> Outcome:
+async def mark_cancelling(db: Db, job_id: str, attempt: int, *, actor: str, reason: str) -> Outcome:
     """STARTING / RUNNING / PREEMPTING -> CANCELLING (ranks are being stopped), audited as a cancel."""
     async with transaction(db) as conn:
         job = await _lock(conn, job_id)
         if job["attempt"] != attempt or job["state"] not in (JobState.STARTING, JobState.RUNNING, JobState.PREEMPTING):
             return Outcome(False, job["state"], job["attempt"])
-        await conn.execute(
-            "UPDATE jobs SET state = 'CANCELLING', updated_at = now() WHERE job_id = $1", job_id
+        await conn.execute("UPDATE jobs SET state = 'CANCELLING', updated_at = now() WHERE job_id = $1", job_id)
+        await write_job_event(
+            conn, job_id, attempt, "cancel_requested", job["state"], JobState.CANCELLING, actor, reason
         )
-        await write_job_event(conn, job_id, attempt, "cancel_requested", job["state"], JobState.CANCELLING, actor, reason)
         await write_audit(conn, actor, "cancel", job_id, reason, {"attempt": attempt, "from_state": job["state"]})
         return Outcome(True, JobState.CANCELLING, attempt)
 
 
-_FINISH_EVENT = {JobState.SUCCEEDED: "succeeded", JobState.FAILED: "failed", JobState.CANCELLED: "cancelled", JobState.TIMED_OUT: "timed_out"}
+_FINISH_EVENT = {
+    JobState.SUCCEEDED: "succeeded",
+    JobState.FAILED: "failed",
+    JobState.CANCELLED: "cancelled",
+    JobState.TIMED_OUT: "timed_out",
+}
 
 
 async def finish_job(
@@ -122,7 +131,9 @@ async def finish_job(
             checkpoint_uri,
         )
         detail = {"exit_code": exit_code, "released": released}
-        await write_job_event(conn, job_id, attempt, _FINISH_EVENT[to_state], job["state"], to_state, actor, reason, detail)
+        await write_job_event(
+            conn, job_id, attempt, _FINISH_EVENT[to_state], job["state"], to_state, actor, reason, detail
+        )
         return Outcome(True, to_state, attempt, released)
 
 
@@ -389,8 +400,14 @@ async def restart_replica(
             "restart_replica",
             job_id,
             reason,
-            {"attempt": attempt, "rank": rank, "old_lease": old["lease_id"], "new_lease": new_id,
-             "node": old["node_id"], "gpus": list(old["gpu_indices"])},
+            {
+                "attempt": attempt,
+                "rank": rank,
+                "old_lease": old["lease_id"],
+                "new_lease": new_id,
+                "node": old["node_id"],
+                "gpus": list(old["gpu_indices"]),
+            },
         )
         return await conn.fetchrow(
             "SELECT l.*, n.task_queue FROM leases l JOIN nodes n USING (node_id) WHERE l.lease_id = $1", new_id
@@ -425,6 +442,8 @@ async def mark_preempting(
             job_id,
         )
         detail = {"attempt": attempt, "epoch": epoch, "by_job": by_job}
-        await write_job_event(conn, job_id, attempt, "preempting", job["state"], JobState.PREEMPTING, actor, reason, detail)
+        await write_job_event(
+            conn, job_id, attempt, "preempting", job["state"], JobState.PREEMPTING, actor, reason, detail
+        )
         await write_audit(conn, actor, "preempt", job_id, reason, detail)
         return Outcome(True, JobState.PREEMPTING, attempt)

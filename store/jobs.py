@@ -16,9 +16,7 @@ import asyncpg
 from store.allocations import live_gang
 from store.tx import Db, transaction
 
-CLASS_RANK_SQL = (
-    "CASE {col} WHEN 'prod-serving' THEN 0 WHEN 'prod-batch' THEN 1 WHEN 'research' THEN 2 ELSE 3 END"
-)
+CLASS_RANK_SQL = "CASE {col} WHEN 'prod-serving' THEN 0 WHEN 'prod-batch' THEN 1 WHEN 'research' THEN 2 ELSE 3 END"
 
 
 async def lock_team_queue(conn: asyncpg.Connection, team: str) -> None:
@@ -35,8 +33,7 @@ async def estimate_queue_position(db: Db, priority_class: str, cap: int) -> int:
     rank_col = CLASS_RANK_SQL.format(col="priority_class")
     rank_new = CLASS_RANK_SQL.format(col="$1::text")
     ahead = await db.fetchval(
-        f"SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'QUEUED' AND {rank_col} <= {rank_new}"
-        " LIMIT $2) t",
+        f"SELECT count(*) FROM (SELECT 1 FROM jobs WHERE state = 'QUEUED' AND {rank_col} <= {rank_new} LIMIT $2) t",
         priority_class,
         cap,
     )
@@ -181,5 +178,7 @@ async def unstarted_queued_jobs(db: Db, *, older_than_s: float, limit: int = 500
 
 async def job_attempts(db: Db, job_ids: Sequence[str]) -> dict[str, tuple[str, int, Any]]:
     """job_id -> (state, attempt, started_at) for the failure -> restart clock."""
-    rows = await db.fetch("SELECT job_id, state, attempt, started_at FROM jobs WHERE job_id = ANY($1::text[])", list(job_ids))
+    rows = await db.fetch(
+        "SELECT job_id, state, attempt, started_at FROM jobs WHERE job_id = ANY($1::text[])", list(job_ids)
+    )
     return {r["job_id"]: (r["state"], r["attempt"], r["started_at"]) for r in rows}

@@ -39,9 +39,7 @@ async def acquire_leadership(db: Db, *, scope: str, holder: str, grpc_addr: str,
         )
 
 
-async def renew_leadership(
-    db: Db, *, scope: str, holder: str, epoch: int, ttl_s: float
-) -> bool:
+async def renew_leadership(db: Db, *, scope: str, holder: str, epoch: int, ttl_s: float) -> bool:
     """Extend our lease; False means we are no longer the leader (expired or deposed)."""
     async with transaction(db) as conn:
         status = await conn.execute(

@@ -57,7 +57,9 @@ async def set_node_state(
             to,
             reason,
         )
-        await write_audit(conn, actor, "node_state", node_id, reason, {"from": old, "to": to, "epoch": epoch, **(detail or {})})
+        await write_audit(
+            conn, actor, "node_state", node_id, reason, {"from": old, "to": to, "epoch": epoch, **(detail or {})}
+        )
         return True
 
 
@@ -114,7 +116,11 @@ async def audit_wrong_gpus(db: Db, *, node_id: str, lease_id: str, job_id: str,
                            reported: Sequence[int], held: Sequence[int], actor: str) -> None:  # fmt: skip
     async with transaction(db) as conn:
         await write_audit(
-            conn, actor, "kill_wrong_gpus", job_id, "reconciliation: a rank runs on GPUs its lease does not hold",
+            conn,
+            actor,
+            "kill_wrong_gpus",
+            job_id,
+            "reconciliation: a rank runs on GPUs its lease does not hold",
             {"node": node_id, "lease_id": lease_id, "reported_gpus": list(reported), "lease_gpus": list(held)},
         )
 

@@ -24,9 +24,7 @@ class Publication:
     expected_start: datetime | None
 
 
-async def publish_positions(
-    db: Db, *, scope: str, epoch: int, rows: Sequence[Publication]
-) -> int:
+async def publish_positions(db: Db, *, scope: str, epoch: int, rows: Sequence[Publication]) -> int:
     """Write queue positions / pending reasons of QUEUED jobs (the caller sends changed rows
     only; the SQL skips rows that already hold these values). Returns rows written."""
     if not rows:
@@ -58,9 +56,7 @@ class ReservationRow:
     blocks: tuple[str, ...]
 
 
-async def publish_reservations(
-    db: Db, *, scope: str, epoch: int, rows: Sequence[ReservationRow]
-) -> None:
+async def publish_reservations(db: Db, *, scope: str, epoch: int, rows: Sequence[ReservationRow]) -> None:
     """Replace the published reservations with ``rows`` (the caller calls only on change)."""
     async with transaction(db) as conn:
         await check_epoch(conn, scope, epoch)
@@ -75,9 +71,7 @@ async def publish_reservations(
             )
 
 
-async def publish_hot_spares(
-    db: Db, *, scope: str, epoch: int, spares: Mapping[str, str]
-) -> None:
+async def publish_hot_spares(db: Db, *, scope: str, epoch: int, spares: Mapping[str, str]) -> None:
     """Make the published hot spares ``spares`` (node_id -> job it is held for); rows not in it
     are deleted, rows whose job changed are rewritten (the caller calls only on change)."""
     async with transaction(db) as conn:

@@ -22,9 +22,7 @@ class TeamQuota:
     borrow_limit: int
 
 
-async def set_quota(
-    conn: asyncpg.Connection, quota: TeamQuota, *, actor: str, reason: str
-) -> None:
+async def set_quota(conn: asyncpg.Connection, quota: TeamQuota, *, actor: str, reason: str) -> None:
     """Create the team if needed and set its quota for one GPU type, audited."""
     async with conn.transaction():
         await conn.execute("INSERT INTO teams (name) VALUES ($1) ON CONFLICT DO NOTHING", quota.team)
@@ -122,13 +120,17 @@ async def team_state_counts(db: Db, team: str) -> dict[str, int]:
     return counts
 
 
-async def team_queue(db: Db, team: str, *, after: tuple[int, int, datetime, str] | None, limit: int) -> list[asyncpg.Record]:
+async def team_queue(
+    db: Db, team: str, *, after: tuple[int, int, datetime, str] | None, limit: int
+) -> list[asyncpg.Record]:
     """Queued jobs of a team in queue order: published position first (unranked last),
     then class, then submit time."""
     args: list[Any] = [team]
     where = "team = $1 AND state = 'QUEUED'"
     key = (
-        "coalesce(queue_position, 2147483647), " + CLASS_RANK_SQL.format(col="priority_class") + ", submitted_at, job_id"
+        "coalesce(queue_position, 2147483647), "
+        + CLASS_RANK_SQL.format(col="priority_class")
+        + ", submitted_at, job_id"
     )
     if after is not None:
         args.extend(after)

@@ -28,7 +28,16 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
-from common.contracts import StartTask, StartTaskResult, StopTask, StopTaskResult, TaskState, TaskStatus, start_task, stop_task
+from common.contracts import (
+    StartTask,
+    StartTaskResult,
+    StopTask,
+    StopTaskResult,
+    TaskState,
+    TaskStatus,
+    start_task,
+    stop_task,
+)
 from placement.lifecycle import TERMINAL, JobState, allowed_change
 from workflows import activity_interfaces as acts
 from workflows import messages as m
@@ -44,6 +53,7 @@ LOCAL = dict(
     start_to_close_timeout=timedelta(seconds=15),
     retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=5)),
 )
+
 
 class IllegalTransition(RuntimeError):
     """The workflow asked for a job state change that placement.lifecycle's table has no
@@ -229,16 +239,18 @@ class JobWorkflow:
         self._preempts = {a: x for a, x in self._preempts.items() if a >= self._attempt}
 
         carry = inp.carry
-        if carry is not None and carry.attempt == snap.attempt and snap.state in (JobState.RUNNING, JobState.PREEMPTING, JobState.CANCELLING):
+        if (
+            carry is not None
+            and carry.attempt == snap.attempt
+            and snap.state in (JobState.RUNNING, JobState.PREEMPTING, JobState.CANCELLING)
+        ):
             return await self._supervise()  # restored above
 
         if snap.allocation is not None:
             self._allocs.setdefault(self._attempt, snap.allocation)
         if snap.state in (JobState.QUEUED, JobState.STARTING):
             await workflow.wait_condition(
-                lambda: self._cancel is not None
-                or self._attempt in self._allocs
-                or self._attempt in self._preempts
+                lambda: self._cancel is not None or self._attempt in self._allocs or self._attempt in self._preempts
             )
             if self._attempt not in self._allocs:
                 if self._cancel is not None:
@@ -273,10 +285,12 @@ class JobWorkflow:
         timed_out = False
         try:
             await workflow.wait_condition(
-                lambda: self._cancel is not None
-                or self._attempt in self._preempts
-                or self._any_failed()
-                or self._all_started(),
+                lambda: (
+                    self._cancel is not None
+                    or self._attempt in self._preempts
+                    or self._any_failed()
+                    or self._all_started()
+                ),
                 timeout=None if no_timer else timedelta(seconds=snap.gang_start_timeout_s),
             )
         except asyncio.TimeoutError:
@@ -321,12 +335,14 @@ class JobWorkflow:
                 return await self._time_out()
             try:
                 await workflow.wait_condition(
-                    lambda: self._cancel is not None
-                    or self._attempt in self._preempts
-                    or self._any_failed()
-                    or self._all_exited()
-                    or self._deadline != deadline
-                    or self._history_long(),
+                    lambda: (
+                        self._cancel is not None
+                        or self._attempt in self._preempts
+                        or self._any_failed()
+                        or self._all_exited()
+                        or self._deadline != deadline
+                        or self._history_long()
+                    ),
                     timeout=timedelta(seconds=remaining),
                 )
             except asyncio.TimeoutError:
@@ -361,8 +377,9 @@ class JobWorkflow:
         await self._stop_all(req.reason if req else "preempted")
         if self._cancel is not None:
             return await self._finish(JobState.CANCELLED, self._cancel.reason, actor=self._cancel.actor)
-        return await self._requeue("preempted", req.reason if req else "preempted", job_fault=False,
-                                   epoch=req.epoch if req else None)
+        return await self._requeue(
+            "preempted", req.reason if req else "preempted", job_fault=False, epoch=req.epoch if req else None
+        )
 
     async def _fail_attempt(self, reason: str, *, job_fault: bool) -> m.JobResult:
         workflow.logger.info("job %s attempt %d failed: %s", self._job_id, self._attempt, reason)
@@ -400,7 +417,11 @@ class JobWorkflow:
         for rc in carry.ranks:
             r = self._ranks[rc.rank]
             r.started, r.exited, r.exit_code, r.outcome, r.restarts = (
-                rc.started, rc.exited, rc.exit_code, rc.outcome, rc.restarts
+                rc.started,
+                rc.exited,
+                rc.exit_code,
+                rc.outcome,
+                rc.restarts,
             )
             r.checkpoints = list(rc.checkpoints)
         self._running_since = carry.running_since
@@ -412,9 +433,7 @@ class JobWorkflow:
         assert self._alloc is not None and self._running_since is not None and self._deadline is not None
         return m.RunCarry(
             attempt=self._attempt,
-            allocation=dataclasses.replace(
-                self._alloc, ranks=[self._ranks[k].placement for k in sorted(self._ranks)]
-            ),
+            allocation=dataclasses.replace(self._alloc, ranks=[self._ranks[k].placement for k in sorted(self._ranks)]),
             running_since=self._running_since,
             deadline=self._deadline,
             ranks=[
@@ -541,7 +560,8 @@ class JobWorkflow:
             )
         except asyncio.TimeoutError:
             workflow.logger.warning(
-                "job %s: %d rank(s) sent no exit report after their stop", self._job_id,
+                "job %s: %d rank(s) sent no exit report after their stop",
+                self._job_id,
                 sum(1 for r in targets if not r.exited),
             )
 
@@ -565,7 +585,10 @@ class JobWorkflow:
             res = await self._local(
                 acts.restart_replica,
                 m.RestartReplica(
-                    self._job_id, self._attempt, r.placement.rank, r.placement.lease_id,
+                    self._job_id,
+                    self._attempt,
+                    r.placement.rank,
+                    r.placement.lease_id,
                     f"replica {r.placement.rank} failed; restart {r.restarts}",
                 ),
             )
@@ -670,12 +693,19 @@ class JobWorkflow:
         if to != self._state and not allowed_change(self._state, to):
             raise IllegalTransition(f"job {self._job_id}: {self._state} -> {to} is not an edge of the job state table")
 
-    async def _finish(self, state: str, reason: str, *, exit_code: int | None = None, actor: str = "workflow") -> m.JobResult:
+    async def _finish(
+        self, state: str, reason: str, *, exit_code: int | None = None, actor: str = "workflow"
+    ) -> m.JobResult:
         self._expect(state)
         res = await self._local(
             acts.finish_job,
             m.JobTransition(
-                self._job_id, self._attempt, state, reason, actor=actor, exit_code=exit_code,
+                self._job_id,
+                self._attempt,
+                state,
+                reason,
+                actor=actor,
+                exit_code=exit_code,
                 checkpoint_uri=self._checkpoint,
             ),
         )

@@ -187,7 +187,12 @@ async def submit_job(
         }
         await write_job_event(conn, job_id, 1, "submitted", None, JobState.QUEUED, principal.name, "submitted", detail)
         await write_audit(conn, principal.name, "submit", job_id, None, detail)
-        body = {"job_id": job_id, "state": JobState.QUEUED, "queue_position": position, "queue_position_estimated": True}
+        body = {
+            "job_id": job_id,
+            "state": JobState.QUEUED,
+            "queue_position": position,
+            "queue_position_estimated": True,
+        }
 
         async def after() -> None:
             await start_workflow(job_id)
@@ -359,7 +364,9 @@ async def job_logs(
     request: Request,
     job_id: JobId,
     rank: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
-    attempt: Annotated[int | None, Query(ge=1, le=1_000_000, description="default: the newest attempt with this rank")] = None,
+    attempt: Annotated[
+        int | None, Query(ge=1, le=1_000_000, description="default: the newest attempt with this rank")
+    ] = None,
     follow: bool = False,
     offset: Annotated[int, Query(ge=0, le=2**53)] = 0,
     principal: Principal = Depends(current_principal),
@@ -407,7 +414,9 @@ async def cancel_job(
     async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
         job = await visible_job(conn, principal, job_id)
         if job["state"] in TERMINAL:
-            raise ApiError(409, "job_terminal", f"job {job_id} already finished ({job['state']})", {"state": job["state"]})
+            raise ApiError(
+                409, "job_terminal", f"job {job_id} already finished ({job['state']})", {"state": job["state"]}
+            )
         await write_audit(
             conn, principal.name, "cancel_request", job_id, reason, {"state": job["state"], "attempt": job["attempt"]}
         )
@@ -445,7 +454,9 @@ async def extend_job(
     async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
         job = await visible_job(conn, principal, job_id)
         if job["state"] in TERMINAL:
-            raise ApiError(409, "job_terminal", f"job {job_id} already finished ({job['state']})", {"state": job["state"]})
+            raise ApiError(
+                409, "job_terminal", f"job {job_id} already finished ({job['state']})", {"state": job["state"]}
+            )
         try:
             seconds = parse_duration(body.by)
         except ValueError as e:
@@ -482,7 +493,12 @@ async def extend_job(
             "extend_request",
             job_id,
             body.reason or None,
-            {"seconds": seconds, "by": format_duration(seconds), "new_deadline": result.new_deadline.isoformat() if result.new_deadline else None, "granted": True},
+            {
+                "seconds": seconds,
+                "by": format_duration(seconds),
+                "new_deadline": result.new_deadline.isoformat() if result.new_deadline else None,
+                "granted": True,
+            },
         )
         out = {
             "job_id": job_id,

@@ -146,7 +146,12 @@ async def drain_node(
     return await idempotency.run(request, principal, idempotency_key, work)
 
 
-@router.post("/nodes/{node_id}:return", status_code=202, response_model=ReturnAccepted, summary="Return a node to service (admin)")
+@router.post(
+    "/nodes/{node_id}:return",
+    status_code=202,
+    response_model=ReturnAccepted,
+    summary="Return a node to service (admin)",
+)
 async def return_node(
     request: Request,
     node_id: NodeId,

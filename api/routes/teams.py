@@ -51,7 +51,9 @@ async def put_quota(
 
     async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
         if not TEAM_NAME.fullmatch(team):
-            raise ApiError(422, "invalid_team_name", "a team name is lowercase letters, digits and dashes, starting with a letter")
+            raise ApiError(
+                422, "invalid_team_name", "a team name is lowercase letters, digits and dashes, starting with a letter"
+            )
         if not await nodes.gpu_type_exists(conn, body.gpu_type):
             raise ApiError(422, "unknown_gpu_type", f"this cluster has no GPU type {body.gpu_type!r}")
         borrow_limit = body.borrow_limit
@@ -96,7 +98,9 @@ async def get_queue(
         rows = rows[:n]
         last = rows[-1]
         pos = last["queue_position"] if last["queue_position"] is not None else 2147483647
-        next_cursor = encode_cursor("queue", [pos, last["class_rank"], last["submitted_at"].isoformat(), last["job_id"]])
+        next_cursor = encode_cursor(
+            "queue", [pos, last["class_rank"], last["submitted_at"].isoformat(), last["job_id"]]
+        )
     jobs = [{k: r[k] for k in r.keys() if k != "class_rank"} for r in rows]
     return {
         "team": team,

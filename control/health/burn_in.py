@@ -129,7 +129,10 @@ class BurnIns:
             if b.exit_code != 0:
                 verdict, why = Event.BURN_IN_FAILED, f"burn-in exited with {b.exit_code}"
             elif len(b.busy) < gpus:
-                verdict, why = Event.BURN_IN_FAILED, f"GPUs never busy during burn-in: {sorted(set(range(gpus)) - b.busy)}"
+                verdict, why = (
+                    Event.BURN_IN_FAILED,
+                    f"GPUs never busy during burn-in: {sorted(set(range(gpus)) - b.busy)}",
+                )
             else:
                 verdict, why = Event.BURN_IN_PASSED, "burn-in passed on every GPU"
         elif now - b.started > self.settings.burn_in_timeout_s:

@@ -10,7 +10,9 @@ FAILURE_TO_RESTART = Histogram(
     ["cause"],
     buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600),
 )
-NODE_TRANSITIONS = Counter("gpufleet_node_transitions_total", "Node state changes written", ["from_state", "to_state", "event"])
+NODE_TRANSITIONS = Counter(
+    "gpufleet_node_transitions_total", "Node state changes written", ["from_state", "to_state", "event"]
+)
 NODES = Gauge("gpufleet_nodes", "Nodes per health state (leader's view)", ["state"])
 RECOVERIES = Counter("gpufleet_gang_recoveries_total", "Jobs ended by a node failure and re-queued", ["cause"])
 RECONCILE = Counter("gpufleet_reconciliation_total", "Reconciliation actions", ["action"])

@@ -34,7 +34,16 @@ from common.contracts import TaskStatus
 from common.settings import Settings
 from control.health.burn_in import BurnIns, is_burn_in
 from control.health.metrics import HOT_SPARES, NODE_TRANSITIONS, NODES
-from control.health.node_states import Action, Decision, Event, GpuView, HealthParams, NodeObservation, NodeState, decide
+from control.health.node_states import (
+    Action,
+    Decision,
+    Event,
+    GpuView,
+    HealthParams,
+    NodeObservation,
+    NodeState,
+    decide,
+)
 from control.health.recovery import Recoveries
 from control.health.reconcile import Reconciler, rank_views
 from control.leader.state import LeaderState
@@ -234,7 +243,9 @@ class HealthMonitor:
         running = ()
         if entry is not None:
             rep = entry.report()
-            gpus = tuple(GpuView(g.index, g.health, g.sm_util, g.ecc_dbe, tuple(g.xids), tuple(g.faults)) for g in rep.gpus)
+            gpus = tuple(
+                GpuView(g.index, g.health, g.sm_util, g.ecc_dbe, tuple(g.xids), tuple(g.faults)) for g in rep.gpus
+            )
             running = tuple(r for r in rank_views(rep) if not is_burn_in(r.lease_id))
         return NodeObservation(
             node_id=node_id,
@@ -301,7 +312,9 @@ class HealthMonitor:
         del self.decisions[:-1000]
         self.states[node_id] = to
         if to in (NodeState.SUSPECT, NodeState.DOWN) and node_id not in self.silent_since:
-            self.silent_since[node_id] = obs.last_heartbeat_at if obs.last_heartbeat_at is not None else self.took_over_at
+            self.silent_since[node_id] = (
+                obs.last_heartbeat_at if obs.last_heartbeat_at is not None else self.took_over_at
+            )
         elif to == NodeState.READY:
             self.silent_since.pop(node_id, None)
             self.burn_ins.passed(node_id)

@@ -247,7 +247,9 @@ def silence(obs: NodeObservation, now: float) -> float:
     return now - (obs.last_heartbeat_at if obs.last_heartbeat_at is not None else obs.took_over_at)
 
 
-def derive_event(obs: NodeObservation, params: HealthParams, now: float) -> tuple[Event, str, tuple[RankView, ...]] | None:
+def derive_event(
+    obs: NodeObservation, params: HealthParams, now: float
+) -> tuple[Event, str, tuple[RankView, ...]] | None:
     """The one event that describes the node now (the most severe first); None: nothing to say
     (a node not heard yet in the takeover quiet period)."""
     age = silence(obs, now)
@@ -258,10 +260,18 @@ def derive_event(obs: NodeObservation, params: HealthParams, now: float) -> tupl
         hung = hung_ranks(obs, params)
         if hung:
             what = ", ".join(r.lease_id for r in hung[:4])
-            return Event.HANG, f"{len(hung)} rank(s) stalled {params.hang_after_s:.0f}s with idle GPUs: {what}", tuple(hung)
+            return (
+                Event.HANG,
+                f"{len(hung)} rank(s) stalled {params.hang_after_s:.0f}s with idle GPUs: {what}",
+                tuple(hung),
+            )
         fenced = obs.silent_since is not None and now - obs.silent_since >= params.fence_window_s
         if not obs.live_leases and (not obs.running or fenced):
-            return Event.CLEAR, "no fault, no live lease, no rank left" if not obs.running else "fence window passed", ()
+            return (
+                Event.CLEAR,
+                "no fault, no live lease, no rank left" if not obs.running else "fence window passed",
+                (),
+            )
         return Event.HEARTBEAT, "", ()
     if now - obs.took_over_at < params.takeover_quiet_s:
         return None  # DESIGN.md, Leadership: a new leader has not heard the heartbeats yet
@@ -299,9 +309,7 @@ class Reconciliation:
     found: tuple[str, ...] = ()  # leases reported running again
 
 
-def reconcile(
-    running: Sequence[RankView], live: Mapping[str, LeaseView]
-) -> Reconciliation:
+def reconcile(running: Sequence[RankView], live: Mapping[str, LeaseView]) -> Reconciliation:
     """Compare what an agent runs with the store's live leases on that node (one fresh heartbeat)."""
     wrong = []
     seen = set()
@@ -313,13 +321,34 @@ def reconcile(
         if r.epoch != lz.epoch:
             continue  # an older or newer epoch of the same lease: the agent orders them
         if r.gpu_indices and tuple(sorted(r.gpu_indices)) != tuple(sorted(lz.gpu_indices)):
-            wrong.append((r.lease_id, r.epoch, f"reconciliation: rank on GPUs {list(r.gpu_indices)}, lease holds {list(lz.gpu_indices)}"))
+            wrong.append(
+                (
+                    r.lease_id,
+                    r.epoch,
+                    f"reconciliation: rank on GPUs {list(r.gpu_indices)}, lease holds {list(lz.gpu_indices)}",
+                )
+            )
     missing = tuple(sorted(set(live) - seen))
     return Reconciliation(tuple(wrong), missing, tuple(sorted(seen)))
 
 
 __all__ = [
-    "Action", "Decision", "Event", "GpuView", "HealthParams", "LeaseView", "NodeObservation", "NodeState",
-    "RankView", "Reconciliation", "TABLE", "decide", "derive_event", "fatal_faults", "hung_ranks", "reconcile",
-    "silence", "transition",
+    "Action",
+    "Decision",
+    "Event",
+    "GpuView",
+    "HealthParams",
+    "LeaseView",
+    "NodeObservation",
+    "NodeState",
+    "RankView",
+    "Reconciliation",
+    "TABLE",
+    "decide",
+    "derive_event",
+    "fatal_faults",
+    "hung_ranks",
+    "reconcile",
+    "silence",
+    "transition",
 ]

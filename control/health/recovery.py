@@ -85,7 +85,9 @@ class Recoveries:
                 rec = _Recovery(lz.job_id, lz.attempt, node_id, cause, failed_at)
                 self.recovering[key] = rec
                 RECOVERIES.labels(cause).inc()
-                log.warning("recovering job %s attempt %d: node %s %s (%s)", lz.job_id, lz.attempt, node_id, cause, d.detail)
+                log.warning(
+                    "recovering job %s attempt %d: node %s %s (%s)", lz.job_id, lz.attempt, node_id, cause, d.detail
+                )
             await self._signal_failed(rec, f"node {node_id}: {cause}: {d.detail}"[:300])
 
     async def _signal_failed(self, rec: _Recovery, reason: str) -> None:

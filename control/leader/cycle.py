@@ -173,7 +173,9 @@ class PlacementCycles:
         plan = engine.plan(cluster, state.queue, self.policy, now)
 
         for rl in plan.relabels:
-            await allocations.relabel_job(self.pool, scope=self.scope, epoch=epoch, job_id=rl.job_id, borrowed=rl.borrowed)
+            await allocations.relabel_job(
+                self.pool, scope=self.scope, epoch=epoch, job_id=rl.job_id, borrowed=rl.borrowed
+            )
 
         committed: set[str] = set()
         allocated: list[m.Allocation] = []

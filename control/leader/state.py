@@ -274,7 +274,9 @@ class LeaderState:
         for n in await leader_view.nodes_by_id(self.pool, sorted(node_ids)):
             nid = n["node_id"]
             old = self.nodes.get(nid)
-            self.nodes[nid] = KnownNode(n["block_id"], n["gpu_type"], n["gpus"], n["state"], n["task_queue"], n["agent_addr"])
+            self.nodes[nid] = KnownNode(
+                n["block_id"], n["gpu_type"], n["gpus"], n["state"], n["task_queue"], n["agent_addr"]
+            )
             if old is None:
                 self.cluster.add_node(nid, n["block_id"], n["gpu_type"], n["gpus"], NodeHealth(n["state"]))
             elif old.state != n["state"]:

@@ -22,7 +22,9 @@ from common.settings import Settings
 from worker_agent import statefiles as sf
 
 PY = sys.executable
-TRAIN_COUNTER = str(Path(__file__).resolve().parents[2] / "worker-agent" / "worker_agent" / "examples" / "train_counter.py")
+TRAIN_COUNTER = str(
+    Path(__file__).resolve().parents[2] / "worker-agent" / "worker_agent" / "examples" / "train_counter.py"
+)
 
 FAST = {
     "heartbeat_interval_s": 0.2,

@@ -45,9 +45,7 @@ class AgentProc:
     """`python -m cli.agent_cmd run --nodes ...` with scaled settings in its environment."""
 
     def __init__(self, settings, temporal_address: str, nodes: list[str], log: Path) -> None:
-        self.env = {
-            k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")
-        } | {
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")} | {
             "GPUFLEET_STATE_DIR": str(settings.state_dir),
             "GPUFLEET_TEMPORAL_ADDRESS": temporal_address,
             "GPUFLEET_CONTROL_ADDRESSES": json.dumps(settings.control_addresses),
@@ -129,7 +127,9 @@ async def test_agent_killed_and_restarted_readopts_its_rank(temporal_env, tmp_pa
     pid = None
     try:
         await a.start()
-        h = await client.start_workflow(RankWorkflow.run, RankJob(task, queue), id=names["wf"], task_queue=names["wf_queue"])
+        h = await client.start_workflow(
+            RankWorkflow.run, RankJob(task, queue), id=names["wf"], task_queue=names["wf_queue"]
+        )
         st = await wait_for(lambda: _query_running(h), timeout=30, what="rank RUNNING")
         pid = st["pid"]
         await wait_for(lambda: c.server.table.get("node-p") and c.server.table.get("node-p").lease_ids == ["lease-p"],
@@ -139,10 +139,12 @@ async def test_agent_killed_and_restarted_readopts_its_rank(temporal_env, tmp_pa
         await asyncio.sleep(0.5)
         assert pid_alive(pid)
         await b.start()
+
         # the restarted agent reports the rank in its heartbeats, same pid
         def readopted():
             e = c.server.table.get("node-p")
             return e is not None and e.report().running and e.report().running[0].pid == pid and e.message.seq
+
         seq = await wait_for(readopted, timeout=15, what="re-adopted rank in a heartbeat")
         # a redelivered StartTask (e.g. the workflow's retry) does not start a second process
         dup: RankOutcome = await client.execute_workflow(
@@ -264,7 +266,10 @@ def test_real_backend_without_nvml_is_a_clear_error(tmp_path):
     except pynvml.NVMLError:
         pass
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")} | {
-        "GPUFLEET_STATE_DIR": str(tmp_path), "GPUFLEET_AGENT_NVML_BACKEND": "real", "LD_LIBRARY_PATH": "/nonexistent"}
+        "GPUFLEET_STATE_DIR": str(tmp_path),
+        "GPUFLEET_AGENT_NVML_BACKEND": "real",
+        "LD_LIBRARY_PATH": "/nonexistent",
+    }
     out = subprocess.run([PY, "-m", "cli.agent_cmd", "run", "--nodes", "gpu-node", "--no-temporal"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 2

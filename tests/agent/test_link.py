@@ -52,7 +52,12 @@ async def test_heartbeats_carry_the_design_fields_and_acks_confirm_leases(agent,
     assert r.gpus[3].mem_used and r.gpus[3].mem_total and r.gpus[3].temperature_c
     lease = r.running[0]
     assert (lease.lease_id, lease.job_id, lease.epoch, lease.pid, lease.gpu_indices) == (
-        "lease-hb", "job-lease-hb", 1, res.pid, (1, 3))
+        "lease-hb",
+        "job-lease-hb",
+        1,
+        res.pid,
+        (1, 3),
+    )
     assert r.cached_images == ("registry/test:1",)
     # the ack confirmed the lease: the supervisor's clock file moved
     before = sf.read_json(node.leases["lease-hb"].dir / sf.CONFIRMED)
@@ -208,6 +213,7 @@ async def test_a_hung_gpu_freezes_the_ranks_step_and_zeroes_utilization(agent, c
         e = control.server.table.get("node-a")
         r = e.report()
         return r.gpus[4].sm_util == 0 and r.running and r.running[0].step_age_s > 0.5 and r
+
     r1 = await wait_for(frozen, timeout=5, what="frozen step")
     await asyncio.sleep(0.5)
     r2 = control.server.table.get("node-a").report()

@@ -78,7 +78,9 @@ async def test_stop_gives_sigterm_and_the_script_checkpoints_inside_the_grace(no
     assert stop.checkpoint_uri and stop.checkpoint_uri.startswith(ckpt + "/step-")
     rec = node.leases["lease-stop"].exit
     assert rec["state"] == "STOPPED" and not rec["killed"]
-    saved = json.loads((tmp_path / "ckpt" / stop.checkpoint_uri.rsplit("/", 1)[1] / "rank-0" / "state.json").read_text())
+    saved = json.loads(
+        (tmp_path / "ckpt" / stop.checkpoint_uri.rsplit("/", 1)[1] / "rank-0" / "state.json").read_text()
+    )
     assert saved["step"] == rec["checkpoint_step"] > 0
     assert not pid_alive(res.pid)
     states = [m.state for m in node.outbox.values()]

@@ -93,7 +93,7 @@ def test_docker_command_line():
     assert launch.env["CUDA_VISIBLE_DEVICES"] == "0,1"  # inside the container the GPUs are renumbered
     assert launch.env["LR"] == "0.1" and launch.env["PATH"] == "/usr/bin"
     assert launch.kill_argv == ["docker", "kill", "--signal", "KILL", "gpufleet-lease-7"]
-    assert ["--network", "host"] == argv[argv.index("--network"):argv.index("--network") + 2]
+    assert ["--network", "host"] == argv[argv.index("--network") : argv.index("--network") + 2]
 
 
 def test_podman_command_line_uses_cdi_devices():

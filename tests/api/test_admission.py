@@ -48,9 +48,20 @@ CASES = [
     (ALPHA, {"gpu_type": "tpu"}, 422, "unknown_gpu_type", ["tpu"]),
     (ALPHA, {"priority_class": "vip"}, 422, "unknown_priority_class", ["vip", "prod-serving"]),
     (ALPHA, {"team": "beta"}, 403, "forbidden_team", ["alpha"]),
-    (ALPHA, {"replicas": 3, "gpus_per_replica": 8, "topology": {"pack": "block", "max_blocks": 1}}, 422,
-     "exceeds_topology", ["1 block"]),
-    (ALPHA, {"replicas": 2, "gpus_per_replica": 8, "topology": {"pack": "node"}}, 422, "exceeds_topology", ["one node"]),
+    (
+        ALPHA,
+        {"replicas": 3, "gpus_per_replica": 8, "topology": {"pack": "block", "max_blocks": 1}},
+        422,
+        "exceeds_topology",
+        ["1 block"],
+    ),
+    (
+        ALPHA,
+        {"replicas": 2, "gpus_per_replica": 8, "topology": {"pack": "node"}},
+        422,
+        "exceeds_topology",
+        ["one node"],
+    ),
 ]
 
 
@@ -67,7 +78,9 @@ async def test_each_admission_error(client, pool, token, over, status, code, wor
 
 
 async def test_queue_full_is_429(settings, pool, cluster, temporal_env):
-    app = create_app(settings.model_copy(update={"max_queued_per_team": 3}), pool=pool, temporal_client=temporal_env.client)
+    app = create_app(
+        settings.model_copy(update={"max_queued_per_team": 3}), pool=pool, temporal_client=temporal_env.client
+    )
     async with pool.acquire() as conn:
         for i in range(3):
             await queued_job(conn, f"old{i}", "alpha")
@@ -81,8 +94,14 @@ async def test_queue_full_is_429(settings, pool, cluster, temporal_env):
 
 
 async def test_body_validation_is_422_with_the_error_shape(client, pool):
-    for bad in ({"replicas": 0}, {"gpus_per_replica": 9}, {"command": []}, {"env": {"1BAD": "x"}}, {"unknown": 1},
-                {"name": "nul\x00"}):
+    for bad in (
+        {"replicas": 0},
+        {"gpus_per_replica": 9},
+        {"command": []},
+        {"env": {"1BAD": "x"}},
+        {"unknown": 1},
+        {"name": "nul\x00"},
+    ):
         r = await submit(client, **bad)
         assert r.status_code == 422, (bad, r.text)
         assert r.json()["error"]["code"] == "validation_error"

@@ -146,7 +146,9 @@ async def test_writes_record_the_principal_in_the_audit_trail(client, pool, work
     await client.post(f"/v1/jobs/{job_id}:extend", json={"by": "10m"}, headers=auth(ALPHA, new_key()))
     await client.delete(f"/v1/jobs/{job_id}", headers=auth(ALPHA, new_key()))
     await client.put(
-        "/v1/teams/beta/quota", json={"gpu_type": "h100", "guaranteed": 8, "reason": "r"}, headers=auth(ADMIN, new_key())
+        "/v1/teams/beta/quota",
+        json={"gpu_type": "h100", "guaranteed": 8, "reason": "r"},
+        headers=auth(ADMIN, new_key()),
     )
     await client.post("/v1/nodes/b0-n0:drain", json={"reason": "r"}, headers=auth(ADMIN, new_key()))
     rows = await pool.fetch("SELECT actor, action FROM audit WHERE actor IN ('alice', 'root') ORDER BY id")
@@ -168,7 +170,9 @@ async def test_unknown_token_is_401_and_malformed_authorization_too(client):
 async def test_admin_routes_refuse_team_tokens_before_looking_at_the_request(client):
     """Whatever the body or headers, a team token on an admin route is 403 (not 400/422)."""
     for method, path in (
-        ("PUT", "/v1/teams/alpha/quota"), ("POST", "/v1/nodes/b0-n0:drain"), ("POST", "/v1/nodes/b0-n0:return"),
+        ("PUT", "/v1/teams/alpha/quota"),
+        ("POST", "/v1/nodes/b0-n0:drain"),
+        ("POST", "/v1/nodes/b0-n0:return"),
     ):
         for headers, body in ((auth(ALPHA), None), (auth(ALPHA), {"junk": 1}), (auth(ALPHA, new_key()), {"x": []})):
             r = await client.request(method, path, json=body, headers=headers)

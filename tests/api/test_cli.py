@@ -101,7 +101,9 @@ async def test_submit_follow_logs_cancel(cli_app, server, pool, temporal_env, wo
     r = await run(cli_app, "submit", "-f", str(spec), "--json", url=server.url)
     assert r.exit_code == 0, r.output
     job_id = json.loads(r.stdout)["job_id"]
-    row = await pool.fetchrow("SELECT team, name, spec, max_runtime_s, workflow_started FROM jobs WHERE job_id = $1", job_id)
+    row = await pool.fetchrow(
+        "SELECT team, name, spec, max_runtime_s, workflow_started FROM jobs WHERE job_id = $1", job_id
+    )
     assert row["name"] == "cli-job" and row["max_runtime_s"] == 4 * 3600 and row["workflow_started"]
     assert row["spec"]["command"] == ["python", "train.py", "--lr", "0.1"]
 
@@ -143,8 +145,21 @@ async def test_submit_follow_logs_cancel(cli_app, server, pool, temporal_env, wo
 async def test_admin_commands_and_errors(cli_app, server, pool):
     r = await run(cli_app, "quota", "get", "alpha", url=server.url, token=ADMIN)
     assert r.exit_code == 0 and "h100" in r.stdout and "16" in r.stdout
-    r = await run(cli_app, "quota", "set", "alpha", "--gpu-type", "h100", "--guaranteed", "24", "--reason", "grant",
-                  "--json", url=server.url, token=ADMIN)
+    r = await run(
+        cli_app,
+        "quota",
+        "set",
+        "alpha",
+        "--gpu-type",
+        "h100",
+        "--guaranteed",
+        "24",
+        "--reason",
+        "grant",
+        "--json",
+        url=server.url,
+        token=ADMIN,
+    )
     assert r.exit_code == 0 and json.loads(r.stdout)["h100"]["guaranteed"] == 24
     r = await run(cli_app, "drain", "b1-n1", "--reason", "bad fan", "--evict", url=server.url, token=ADMIN)
     assert r.exit_code == 0 and "ready -> draining (evicting)" in r.stdout
@@ -262,12 +277,22 @@ def test_gpufleet_api_serve_runs_uvicorn_and_stops_cleanly(db_dsn, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
-    env |= {"GPUFLEET_DATABASE_URL": db_dsn, "GPUFLEET_API_PORT": str(port), "GPUFLEET_TEMPORAL_ADDRESS": "127.0.0.1:1",
-            "GPUFLEET_API_TOKENS": json.dumps({"t": {"name": "a", "admin": True}})}
+    env |= {
+        "GPUFLEET_DATABASE_URL": db_dsn,
+        "GPUFLEET_API_PORT": str(port),
+        "GPUFLEET_TEMPORAL_ADDRESS": "127.0.0.1:1",
+        "GPUFLEET_API_TOKENS": json.dumps({"t": {"name": "a", "admin": True}}),
+    }
     code = "import typer; from cli.api_cmd import serve; typer.run(serve)"
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen([sys.executable, "-c", code, "--log-level", "warning"], cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "--log-level", "warning"],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -275,7 +300,9 @@ def test_gpufleet_api_serve_runs_uvicorn_and_stops_cleanly(db_dsn, tmp_path):
                 r = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
                 break
             except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+                assert proc.poll() is None and time.monotonic() < deadline, (
+                    proc.stdout.read() if proc.poll() else "timeout"
+                )
                 time.sleep(0.2)
         assert r.status_code == 200
         assert httpx.get(f"http://127.0.0.1:{port}/v1/me", headers={"Authorization": "Bearer t"}).json()["admin"]

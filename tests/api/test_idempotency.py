@@ -79,10 +79,12 @@ async def test_while_the_first_is_in_flight_a_retry_gets_409(client, pool, db_ds
         first = asyncio.create_task(submit(client, key=key))
 
         async def claimed() -> bool:
-            return bool(await blocker.fetchval(
-                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
-                " WHERE NOT l.granted AND l.relation = 'jobs'::regclass"
-            ))
+            return bool(
+                await blocker.fetchval(
+                    "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+                    " WHERE NOT l.granted AND l.relation = 'jobs'::regclass"
+                )
+            )
 
         from tests.support import eventually
 

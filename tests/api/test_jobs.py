@@ -189,10 +189,14 @@ async def test_cancel_of_a_job_whose_workflow_never_started_starts_and_cancels_i
 
 async def test_extend_asks_the_workflow(client, pool, worker):
     job_id = (await submit(client)).json()["job_id"]
-    r = await client.post(f"/v1/jobs/{job_id}:extend", json={"by": "1h", "reason": "almost done"}, headers=auth(ALPHA, new_key()))
+    r = await client.post(
+        f"/v1/jobs/{job_id}:extend", json={"by": "1h", "reason": "almost done"}, headers=auth(ALPHA, new_key())
+    )
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["granted"] is True and body["code"] == "granted" and body["extensions_used"] == 1 and body["new_deadline"]
+    assert (
+        body["granted"] is True and body["code"] == "granted" and body["extensions_used"] == 1 and body["new_deadline"]
+    )
     audit = await pool.fetchrow("SELECT actor, reason, detail FROM audit WHERE action = 'extend_request'")
     assert audit["actor"] == "alice" and audit["reason"] == "almost done" and audit["detail"]["seconds"] == 3600
     r = await client.post(f"/v1/jobs/{job_id}:extend", json={"by": "3h"}, headers=auth(ALPHA, new_key()))
@@ -266,7 +270,10 @@ async def test_a_block_limit_with_a_wait_is_stored_and_reaches_the_engine(client
     spec = spec_from_row(row, 30.0)
     assert spec.topology.max_blocks == 1 and spec.topology.max_blocks_wait_s == 300
     before = await pool.fetchval("SELECT count(*) FROM jobs")
-    for bad in ({"pack": "block", "max_blocks_wait_seconds": 300}, {"pack": "any", "max_blocks": 1, "max_blocks_wait_seconds": 1}):
+    for bad in (
+        {"pack": "block", "max_blocks_wait_seconds": 300},
+        {"pack": "any", "max_blocks": 1, "max_blocks_wait_seconds": 1},
+    ):
         r = await submit(client, topology=bad)
         assert r.status_code == 422 and r.json()["error"]["code"] == "validation_error", r.text
         assert "max_blocks_wait_seconds" in r.text

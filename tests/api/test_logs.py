@@ -26,7 +26,11 @@ async def place(pool, job_id: str, nodes: list[str], agent_addr: str | None, att
         epoch = await pool.fetchval("SELECT epoch FROM leader")
     await pool.execute("UPDATE nodes SET agent_addr = $1", agent_addr)
     return await allocations.commit_gang(
-        pool, scope="placement", epoch=epoch, job_id=job_id, attempt=attempt,
+        pool,
+        scope="placement",
+        epoch=epoch,
+        job_id=job_id,
+        attempt=attempt,
         placements=gang(*[(n, (0, 1, 2, 3)) for n in nodes]),
     )
 

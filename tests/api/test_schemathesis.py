@@ -42,8 +42,14 @@ pytestmark = pytest.mark.slow
 # that exist on the test cluster, so the accepted paths are fuzzed too.
 VALID = {
     "POST /v1/jobs": {
-        "team": "alpha", "priority_class": "research", "image": "registry/fuzz:1", "gpu_type": "h100",
-        "max_runtime": "1h", "replicas": 1, "gpus_per_replica": 1, "topology": {"pack": "any"},
+        "team": "alpha",
+        "priority_class": "research",
+        "image": "registry/fuzz:1",
+        "gpu_type": "h100",
+        "max_runtime": "1h",
+        "replicas": 1,
+        "gpus_per_replica": 1,
+        "topology": {"pack": "any"},
     },
     "PUT /v1/teams/{team}/quota": {"gpu_type": "h100"},
     "POST /v1/jobs/{job_id}:extend": {"by": "30m"},
@@ -84,9 +90,7 @@ async def test_api_conforms_to_its_openapi_schema(settings, pool, cluster, worke
     async with pool.acquire() as conn:
         known_job = await queued_job(conn, "j-known", "alpha")
         running_job = await queued_job(conn, "j-running", "alpha")  # its workflow answers extend
-    await temporal_env.client.start_workflow(
-        JOB_WORKFLOW, JobInput(running_job), id=running_job, task_queue=task_queue
-    )
+    await temporal_env.client.start_workflow(JOB_WORKFLOW, JobInput(running_job), id=running_job, task_queue=task_queue)
     app = create_app(settings)  # no injected pool: the lifespan opens one from settings
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     known = {"job_id": known_job, "node_id": "b0-n1", "team": "alpha"}
@@ -112,8 +116,13 @@ async def test_api_conforms_to_its_openapi_schema(settings, pool, cluster, worke
                 for token in (ADMIN, ALPHA):
                     try:
                         _run_operation(
-                            op, mode=mode, examples=n, headers=auth(token), statuses=statuses,
-                            path_parameters=params, patch=patch,
+                            op,
+                            mode=mode,
+                            examples=n,
+                            headers=auth(token),
+                            statuses=statuses,
+                            path_parameters=params,
+                            patch=patch,
                         )
                     except Unsatisfiable:
                         pass  # nothing to make invalid (no parameters, no body)

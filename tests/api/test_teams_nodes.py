@@ -43,7 +43,9 @@ async def test_admin_sets_a_quota_with_an_audited_reason_and_borrowed_flags_foll
     assert r.status_code == 200, r.text
     # borrow_limit kept; the newest 8 GPUs are now borrowed (invariant 4)
     assert r.json() == {"h100": {"guaranteed": 8, "in_use": 16, "borrowed": 8, "borrow_limit": 16}}
-    audit = await pool.fetchrow("SELECT actor, reason, detail FROM audit WHERE action = 'quota_change' ORDER BY id DESC")
+    audit = await pool.fetchrow(
+        "SELECT actor, reason, detail FROM audit WHERE action = 'quota_change' ORDER BY id DESC"
+    )
     assert audit["actor"] == "root" and audit["reason"] == "rebalance for Q3"
     assert audit["detail"]["old"]["guaranteed"] == 16 and audit["detail"]["new"]["guaranteed"] == 8
     again = await client.put("/v1/teams/alpha/quota", json=body, headers=auth(ADMIN, key))
@@ -54,14 +56,22 @@ async def test_admin_sets_a_quota_with_an_audited_reason_and_borrowed_flags_foll
     assert r.status_code == 403 and r.json()["error"]["code"] == "admin_required"
     # a new team is created by its first quota
     r = await client.put(
-        "/v1/teams/vision/quota", json={"gpu_type": "h100", "guaranteed": 4, "borrow_limit": 4, "reason": "new team"},
+        "/v1/teams/vision/quota",
+        json={"gpu_type": "h100", "guaranteed": 4, "borrow_limit": 4, "reason": "new team"},
         headers=auth(ADMIN, new_key()),
     )
     assert r.status_code == 200 and r.json()["h100"]["guaranteed"] == 4
-    for team, b, code in (("Bad_Name", {"gpu_type": "h100"}, "invalid_team_name"), ("alpha", {"gpu_type": "tpu"}, "unknown_gpu_type")):
-        r = await client.put(f"/v1/teams/{team}/quota", json=b | {"guaranteed": 1, "reason": "x"}, headers=auth(ADMIN, new_key()))
+    for team, b, code in (
+        ("Bad_Name", {"gpu_type": "h100"}, "invalid_team_name"),
+        ("alpha", {"gpu_type": "tpu"}, "unknown_gpu_type"),
+    ):
+        r = await client.put(
+            f"/v1/teams/{team}/quota", json=b | {"guaranteed": 1, "reason": "x"}, headers=auth(ADMIN, new_key())
+        )
         assert r.status_code == 422 and r.json()["error"]["code"] == code
-    r = await client.put("/v1/teams/alpha/quota", json={"gpu_type": "h100", "guaranteed": 1}, headers=auth(ADMIN, new_key()))
+    r = await client.put(
+        "/v1/teams/alpha/quota", json={"gpu_type": "h100", "guaranteed": 1}, headers=auth(ADMIN, new_key())
+    )
     assert r.status_code == 422  # the reason is required
 
 
@@ -107,15 +117,25 @@ async def test_nodes_list_and_detail(client, pool):
 
 async def test_drain_sets_draining_with_reason_and_audit(client, pool):
     key = new_key()
-    r = await client.post("/v1/nodes/b1-n1:drain", json={"reason": "fan noise", "evict": True}, headers=auth(ADMIN, key))
+    r = await client.post(
+        "/v1/nodes/b1-n1:drain", json={"reason": "fan noise", "evict": True}, headers=auth(ADMIN, key)
+    )
     assert r.status_code == 202, r.text
-    assert r.json() == {"node_id": "b1-n1", "state": "draining", "previous_state": "ready", "reason": "fan noise", "evict": True}
+    assert r.json() == {
+        "node_id": "b1-n1",
+        "state": "draining",
+        "previous_state": "ready",
+        "reason": "fan noise",
+        "evict": True,
+    }
     row = await pool.fetchrow("SELECT state, reason, drain_evict FROM nodes WHERE node_id = 'b1-n1'")
     assert tuple(row) == ("draining", "fan noise", True)
     audit = await pool.fetchrow("SELECT actor, action, reason, detail FROM audit WHERE subject = 'b1-n1'")
     assert (audit["actor"], audit["action"], audit["reason"]) == ("root", "drain", "fan noise")
     assert audit["detail"] == {"from_state": "ready", "evict": True}
-    again = await client.post("/v1/nodes/b1-n1:drain", json={"reason": "fan noise", "evict": True}, headers=auth(ADMIN, key))
+    again = await client.post(
+        "/v1/nodes/b1-n1:drain", json={"reason": "fan noise", "evict": True}, headers=auth(ADMIN, key)
+    )
     assert again.status_code == 202 and again.headers["idempotent-replayed"] == "true"
     r = await client.post("/v1/nodes/b1-n0:drain", json={"reason": "x"}, headers=auth(ALPHA, new_key()))
     assert r.status_code == 403 and r.json()["error"]["code"] == "admin_required"
@@ -137,7 +157,9 @@ async def test_return_moves_a_drained_node_to_burn_in_with_audit(client, pool):
     assert r.json() == {"node_id": "b1-n1", "state": "burn_in", "previous_state": "draining", "reason": "fan replaced"}
     row = await pool.fetchrow("SELECT state, reason, drain_evict FROM nodes WHERE node_id = 'b1-n1'")
     assert tuple(row) == ("burn_in", "fan replaced", False)
-    audit = await pool.fetchrow("SELECT actor, reason, detail FROM audit WHERE subject = 'b1-n1' AND action = 'node_return'")
+    audit = await pool.fetchrow(
+        "SELECT actor, reason, detail FROM audit WHERE subject = 'b1-n1' AND action = 'node_return'"
+    )
     assert (audit["actor"], audit["reason"]) == ("root", "fan replaced")
     assert audit["detail"] == {"from": "draining", "to": "burn_in"}
     again = await client.post("/v1/nodes/b1-n1:return", json={"reason": "fan replaced"}, headers=auth(ADMIN, key))
@@ -176,7 +198,10 @@ async def test_nodes_show_the_hot_spares_the_leader_published(client, pool):
     assert page["hot_spares"] == 3
     by_id = {n["node_id"]: n for n in page["nodes"]}
     assert {n: (v["hot_spare"], v["hot_spare_for"]) for n, v in by_id.items()} == {
-        "b0-n0": (False, None), "b0-n1": (True, None), "b1-n0": (True, alpha_job), "b1-n1": (True, alpha_job),
+        "b0-n0": (False, None),
+        "b0-n1": (True, None),
+        "b1-n0": (True, alpha_job),
+        "b1-n1": (True, alpha_job),
     }
     assert by_id["b0-n0"]["state"] == "ready"  # the existing fields stay
     admin = (await client.get("/v1/nodes", params={"limit": 2}, headers=auth(ADMIN))).json()

@@ -28,7 +28,9 @@ from common.temporal import connect
 from tests.support import eventually
 
 PY = sys.executable
-TRAIN_COUNTER = str(Path(__file__).resolve().parents[2] / "worker-agent" / "worker_agent" / "examples" / "train_counter.py")
+TRAIN_COUNTER = str(
+    Path(__file__).resolve().parents[2] / "worker-agent" / "worker_agent" / "examples" / "train_counter.py"
+)
 TOKENS = {
     "tok-admin": Principal(name="root", admin=True),
     "tok-alpha": Principal(name="alice", team="alpha"),
@@ -80,10 +82,15 @@ def e2e_settings(tmp: Path, db_dsn: str, temporal_target: str, **over: Any) -> S
     return Settings(**values)
 
 
-async def seed_cluster(pool: asyncpg.Pool, settings: Settings, *, blocks: int = 1, nodes_per_block: int = 4) -> list[str]:
+async def seed_cluster(
+    pool: asyncpg.Pool, settings: Settings, *, blocks: int = 1, nodes_per_block: int = 4
+) -> list[str]:
     async with pool.acquire() as conn:
         nodes = await ensure_cluster(
-            conn, gpu_type="h100", blocks=blocks, nodes_per_block=nodes_per_block,
+            conn,
+            gpu_type="h100",
+            blocks=blocks,
+            nodes_per_block=nodes_per_block,
             task_queue_prefix=settings.agent_task_queue_prefix,
         )
         total = blocks * nodes_per_block * 8
@@ -170,14 +177,19 @@ class Stack:
             return await eventually(probe, timeout=timeout, interval=0.1, what=f"{job_id} in {states}")
         except AssertionError as e:
             row = await self.job(job_id)
-            events = [(r["attempt"], r["event"], r["to_state"], r["reason"]) for r in await self.pool.fetch(
-                "SELECT * FROM job_events WHERE job_id = $1 ORDER BY id", job_id)]
+            events = [
+                (r["attempt"], r["event"], r["to_state"], r["reason"])
+                for r in await self.pool.fetch("SELECT * FROM job_events WHERE job_id = $1 ORDER BY id", job_id)
+            ]
             raise AssertionError(f"{e}; the job is {row['state']} attempt {row['attempt']}; events: {events}") from None
 
     async def transitions(self, job_id: str) -> list[tuple[int, str | None, str | None]]:
         rows = await self.pool.fetch("SELECT * FROM job_events WHERE job_id = $1 ORDER BY id", job_id)
-        return [(e["attempt"], e["from_state"], e["to_state"]) for e in rows
-                if e["to_state"] is not None and e["from_state"] != e["to_state"]]
+        return [
+            (e["attempt"], e["from_state"], e["to_state"])
+            for e in rows
+            if e["to_state"] is not None and e["from_state"] != e["to_state"]
+        ]
 
     async def audit(self, job_id: str) -> list[asyncpg.Record]:
         return await self.pool.fetch("SELECT * FROM audit WHERE subject = $1 ORDER BY id", job_id)

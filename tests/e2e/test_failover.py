@@ -56,14 +56,18 @@ async def leader_row(pool, settings):
     return await pool.fetchrow("SELECT * FROM leader WHERE scope = $1 AND expires_at > now()", settings.leader_scope)
 
 
-async def test_leader_killed_mid_run_the_other_takes_over_and_fences_the_old_epoch(pool, db_dsn, temporal_env, tmp_path):
+async def test_leader_killed_mid_run_the_other_takes_over_and_fences_the_old_epoch(
+    pool, db_dsn, temporal_env, tmp_path
+):
     from api.main import create_app
     from tests.workflows.test_placement_control import assert_no_gpu_had_two_live_leases
     from worker_agent.agent import AgentProcess
 
     ports = [free_port(), free_port()]
     settings = e2e_settings(
-        tmp_path, db_dsn, temporal_env.client.service_client.config.target_host,
+        tmp_path,
+        db_dsn,
+        temporal_env.client.service_client.config.target_host,
         control_addresses=[f"127.0.0.1:{p}" for p in ports],
     )
     nodes = await seed_cluster(pool, settings)
@@ -84,7 +88,8 @@ async def test_leader_killed_mid_run_the_other_takes_over_and_fences_the_old_epo
         await agent.start()
         http = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=create_app(settings, pool=pool, temporal_client=client)),
-            base_url="http://api", timeout=30,
+            base_url="http://api",
+            timeout=30,
         )
         stack = Stack(settings, pool, client, http, nodes, agent, [])
         long_jobs = [
@@ -106,11 +111,16 @@ async def test_leader_killed_mid_run_the_other_takes_over_and_fences_the_old_epo
         assert second["epoch"] > first["epoch"]
         assert took < 30, f"takeover took {took:.1f}s"
         # the old leader's epoch can no longer write
-        stale = await stack.submit(command=[PY, "-c", "pass"], priority_class="preemptible", replicas=1,
-                                   gpus_per_replica=1)
+        stale = await stack.submit(
+            command=[PY, "-c", "pass"], priority_class="preemptible", replicas=1, gpus_per_replica=1
+        )
         with pytest.raises(errors.StaleEpoch):
             await allocations.commit_gang(
-                pool, scope=settings.leader_scope, epoch=first["epoch"], job_id=stale, attempt=1,
+                pool,
+                scope=settings.leader_scope,
+                epoch=first["epoch"],
+                job_id=stale,
+                attempt=1,
                 placements=[allocations.GangPlacement(0, nodes[3], (7,), False)],
             )
         # jobs that ran through the failover finish; new ones are placed by the new leader

@@ -18,13 +18,18 @@ async def test_one_gpu_job_runs_to_success_with_matching_events_and_audit(stack)
     row = await stack.wait_state(job, "SUCCEEDED")
     assert row["exit_code"] == 0 and row["attempt"] == 1
     assert await stack.transitions(job) == [
-        (1, None, "QUEUED"), (1, "QUEUED", "STARTING"), (1, "STARTING", "RUNNING"), (1, "RUNNING", "SUCCEEDED"),
+        (1, None, "QUEUED"),
+        (1, "QUEUED", "STARTING"),
+        (1, "STARTING", "RUNNING"),
+        (1, "RUNNING", "SUCCEEDED"),
     ]
     audit = await stack.audit(job)
     assert [a["action"] for a in audit] == ["submit", "allocate", "release"]
     alloc = audit[1]["detail"]
     lease = await stack.pool.fetchrow("SELECT * FROM leases WHERE job_id = $1", job)
-    assert alloc["placements"] == [{"rank": 0, "node": lease["node_id"], "gpus": list(lease["gpu_indices"]), "borrowed": False}]
+    assert alloc["placements"] == [
+        {"rank": 0, "node": lease["node_id"], "gpus": list(lease["gpu_indices"]), "borrowed": False}
+    ]
     assert audit[2]["detail"]["leases"][0]["lease_id"] == lease["lease_id"]
     assert lease["state"] == "released" and await stack.pool.fetchval("SELECT count(*) FROM allocations") == 0
     out = (stack.lease_dir(lease["node_id"], lease["lease_id"]) / "stdout.log").read_text()
@@ -50,7 +55,11 @@ async def test_research_job_preempted_by_prod_batch_resumes_from_its_checkpoint(
     spec.loader.exec_module(tc)
     steps = 150
     research = await stack.submit(
-        token="tok-beta", team="beta", priority_class="research", replicas=4, gpus_per_replica=8,
+        token="tok-beta",
+        team="beta",
+        priority_class="research",
+        replicas=4,
+        gpus_per_replica=8,
         command=[PY, TRAIN_COUNTER, "--steps", str(steps), "--step-time", "0.03", "--checkpoint-every", "10"],
         checkpoint={"preemptible": True, "grace_seconds": 10},
     )
@@ -68,8 +77,9 @@ async def test_research_job_preempted_by_prod_batch_resumes_from_its_checkpoint(
         return (await stack.client.get_workflow_handle(research).query("status"))["checkpoint"]
 
     await eventually(gang_checkpoint, timeout=20, what="a checkpoint every rank reported")
-    prod = await stack.submit(priority_class="prod-batch", replicas=1, gpus_per_replica=8,
-                              command=[PY, "-c", "import time; time.sleep(1)"])
+    prod = await stack.submit(
+        priority_class="prod-batch", replicas=1, gpus_per_replica=8, command=[PY, "-c", "import time; time.sleep(1)"]
+    )
     row = await stack.wait_state(research, "QUEUED", "STARTING", "RUNNING", attempt=2, timeout=40)
     ck = row["last_checkpoint"]
     assert ck, "the preempted job recorded its checkpoint"
@@ -90,8 +100,14 @@ async def test_research_job_preempted_by_prod_batch_resumes_from_its_checkpoint(
         assert "resumed from step" in text
         assert _result(stack, lz["node_id"], lz["lease_id"]) == (steps, tc.expected(steps))
     assert await stack.transitions(research) == [
-        (1, None, "QUEUED"), (1, "QUEUED", "STARTING"), (1, "STARTING", "RUNNING"), (1, "RUNNING", "PREEMPTING"),
-        (2, "PREEMPTING", "QUEUED"), (2, "QUEUED", "STARTING"), (2, "STARTING", "RUNNING"), (2, "RUNNING", "SUCCEEDED"),
+        (1, None, "QUEUED"),
+        (1, "QUEUED", "STARTING"),
+        (1, "STARTING", "RUNNING"),
+        (1, "RUNNING", "PREEMPTING"),
+        (2, "PREEMPTING", "QUEUED"),
+        (2, "QUEUED", "STARTING"),
+        (2, "STARTING", "RUNNING"),
+        (2, "RUNNING", "SUCCEEDED"),
     ]
 
 
@@ -103,8 +119,12 @@ async def test_gang_rank_failure_releases_all_32_gpus_and_reruns_ahead_of_later_
         "time.sleep(1.0); "
         "sys.exit(7) if (first and os.environ['RANK'] == '2') else time.sleep(1.5 if not first else 60)"
     )
-    gang = await stack.submit(replicas=4, gpus_per_replica=8, command=[PY, "-c", crash_once],
-                              checkpoint={"preemptible": False, "grace_seconds": 2})
+    gang = await stack.submit(
+        replicas=4,
+        gpus_per_replica=8,
+        command=[PY, "-c", crash_once],
+        checkpoint={"preemptible": False, "grace_seconds": 2},
+    )
     await stack.wait_state(gang, "RUNNING")
     later = await stack.submit(replicas=4, gpus_per_replica=8, command=[PY, "-c", "pass"])
     row = await stack.wait_state(gang, "QUEUED", "STARTING", "RUNNING", "SUCCEEDED", attempt=2, timeout=40)
@@ -112,8 +132,7 @@ async def test_gang_rank_failure_releases_all_32_gpus_and_reruns_ahead_of_later_
     released = [a for a in await stack.audit(gang) if a["action"] == "release"]
     assert len(released[0]["detail"]["leases"]) == 4
     assert sum(len(lz["gpus"]) for lz in released[0]["detail"]["leases"]) == 32
-    failed = await stack.pool.fetchrow(
-        "SELECT * FROM job_events WHERE job_id = $1 AND event = 'attempt_failed'", gang)
+    failed = await stack.pool.fetchrow("SELECT * FROM job_events WHERE job_id = $1 AND event = 'attempt_failed'", gang)
     assert failed["detail"]["job_fault"] is True and "rank 2 exited with code 7" in failed["reason"]
     # every rank of attempt 1 stopped: none is left running on the agents
     for lz in await stack.pool.fetch("SELECT * FROM leases WHERE job_id = $1 AND attempt = 1", gang):
@@ -169,8 +188,11 @@ async def test_cancel_while_queued_starting_and_running(stack):
 
 
 async def test_max_runtime_expiry_and_extensions(stack):
-    job = await stack.submit(command=[PY, "-c", "import time; time.sleep(60)"], max_runtime=8,
-                             checkpoint={"preemptible": False, "grace_seconds": 1})
+    job = await stack.submit(
+        command=[PY, "-c", "import time; time.sleep(60)"],
+        max_runtime=8,
+        checkpoint={"preemptible": False, "grace_seconds": 1},
+    )
     await stack.wait_state(job, "RUNNING")
     refused = await stack.extend(job, 3)  # > 25% of 8 s
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "extension_too_long"
@@ -186,8 +208,9 @@ async def test_max_runtime_expiry_and_extensions(stack):
 async def test_a_task_without_a_live_lease_is_stopped_and_its_attempt_requeued(stack):
     from store import allocations
 
-    job = await stack.submit(command=[PY, "-c", "import time; time.sleep(60)"],
-                             checkpoint={"preemptible": False, "grace_seconds": 1})
+    job = await stack.submit(
+        command=[PY, "-c", "import time; time.sleep(60)"], checkpoint={"preemptible": False, "grace_seconds": 1}
+    )
     await stack.wait_state(job, "RUNNING")
     lease = await stack.pool.fetchrow("SELECT * FROM leases WHERE job_id = $1", job)
     # the lease goes away behind the job's back (e.g. released by an operator's repair)

@@ -52,7 +52,7 @@ def main() -> int:
     step, value, resumed_from = 0, 1, None
     resume = os.environ.get("GPUFLEET_RESUME_FROM")
     if resume:
-        path = resume[len("file://"):] if resume.startswith("file://") else resume
+        path = resume[len("file://") :] if resume.startswith("file://") else resume
         state = json.loads((Path(path) / f"rank-{rank}.json").read_text())
         step, value, resumed_from = state["step"], state["value"], resume
 

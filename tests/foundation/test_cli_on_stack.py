@@ -19,12 +19,7 @@ from tests.support import OutputReader
 
 pytestmark = pytest.mark.e2e
 
-RANK = (
-    "import time\n"
-    "for i in range(40):\n"
-    "    print(f'tick {i}', flush=True)\n"
-    "    time.sleep(0.5)\n"
-)
+RANK = "import time\nfor i in range(40):\n    print(f'tick {i}', flush=True)\n    time.sleep(0.5)\n"
 
 JOB = """\
 team: pretrain

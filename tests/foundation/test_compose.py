@@ -42,7 +42,7 @@ def test_every_gpufleet_variable_is_a_real_setting():
     fields = {f.upper() for f in Settings.model_fields}
     seen = 0
     for name, svc in compose()["services"].items():
-        for var in (svc.get("environment") or {}):
+        for var in svc.get("environment") or {}:
             if var.startswith("GPUFLEET_"):
                 seen += 1
                 assert var.removeprefix("GPUFLEET_") in fields, f"{name}: {var} is not a setting"

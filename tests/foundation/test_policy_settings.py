@@ -14,7 +14,9 @@ def test_policy_from_settings_carries_the_placement_durations() -> None:
     p = policy_from_settings(s)
     assert p.preemption_protect_s == 60 and p.claim_borrowed_reservations_after_s == 5
     assert p.reclaim_small_borrowed_after_s == 7
-    assert policy_from_settings(Settings(claim_borrowed_reservations_after_s="inf")).claim_borrowed_reservations_after_s == float("inf")
+    assert policy_from_settings(
+        Settings(claim_borrowed_reservations_after_s="inf")
+    ).claim_borrowed_reservations_after_s == float("inf")
     with pytest.raises(ValidationError, match="greater than or equal to 0"):
         Settings(claim_borrowed_reservations_after_s=-1)
     with pytest.raises(ValidationError, match="greater than or equal to 0"):

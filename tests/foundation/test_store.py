@@ -16,9 +16,7 @@ SCOPE = "placement"
 
 
 async def leader(pool, holder="c1") -> int:
-    epoch = await leadership.acquire_leadership(
-        pool, scope=SCOPE, holder=holder, grpc_addr="127.0.0.1:1", ttl_s=30
-    )
+    epoch = await leadership.acquire_leadership(pool, scope=SCOPE, holder=holder, grpc_addr="127.0.0.1:1", ttl_s=30)
     assert epoch is not None
     return epoch
 
@@ -41,7 +39,9 @@ async def test_second_allocation_of_same_gpu_fails(pool, cluster):
     async with pool.acquire() as conn:
         await queued_job(conn, "j1", "alpha")
         await queued_job(conn, "j2", "beta")
-    await allocations.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id="j1", attempt=1, placements=gang(("b0-n0", (3,))))
+    await allocations.commit_gang(
+        pool, scope=SCOPE, epoch=epoch, job_id="j1", attempt=1, placements=gang(("b0-n0", (3,)))
+    )
     with pytest.raises(AllocationConflict):
         await allocations.commit_gang(
             pool, scope=SCOPE, epoch=epoch, job_id="j2", attempt=1, placements=gang(("b0-n0", (3,)))
@@ -82,11 +82,15 @@ async def test_commit_with_stale_epoch_fails_and_writes_nothing(pool, cluster):
     async with pool.acquire() as conn:
         await queued_job(conn, "j1", "alpha")
     with pytest.raises(StaleEpoch):
-        await allocations.commit_gang(pool, scope=SCOPE, epoch=old, job_id="j1", attempt=1, placements=gang(("b0-n0", (0,))))
+        await allocations.commit_gang(
+            pool, scope=SCOPE, epoch=old, job_id="j1", attempt=1, placements=gang(("b0-n0", (0,)))
+        )
     assert await count(pool, "SELECT count(*) FROM allocations") == 0
     assert await count(pool, "SELECT count(*) FROM leases") == 0
     assert await count(pool, "SELECT count(*) FROM audit WHERE action = 'allocate'") == 0
-    await allocations.commit_gang(pool, scope=SCOPE, epoch=new, job_id="j1", attempt=1, placements=gang(("b0-n0", (0,))))
+    await allocations.commit_gang(
+        pool, scope=SCOPE, epoch=new, job_id="j1", attempt=1, placements=gang(("b0-n0", (0,)))
+    )
 
 
 async def test_fifty_racing_commits_leave_one_owner_per_gpu(pool, cluster):
@@ -102,7 +106,9 @@ async def test_fifty_racing_commits_leave_one_owner_per_gpu(pool, cluster):
         a, b = i % 5, (i * 3) % 5
         placements = gang(("b0-n0", tuple(range(a, a + 4))), ("b0-n1", tuple(range(b, b + 4))))
         try:
-            await allocations.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id=f"r{i}", attempt=1, placements=placements)
+            await allocations.commit_gang(
+                pool, scope=SCOPE, epoch=epoch, job_id=f"r{i}", attempt=1, placements=placements
+            )
             return "ok"
         except AllocationConflict as e:
             return e
@@ -131,9 +137,13 @@ async def test_guaranteed_usage_above_guarantee_is_refused(pool, cluster):
         await queued_job(conn, "g2", "small", gpus_per_replica=1)
         await queued_job(conn, "b1", "small", gpus_per_replica=2)
         await queued_job(conn, "b2", "small", gpus_per_replica=1)
-    await allocations.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id="g1", attempt=1, placements=gang(("b0-n0", (0, 1, 2, 3))))
+    await allocations.commit_gang(
+        pool, scope=SCOPE, epoch=epoch, job_id="g1", attempt=1, placements=gang(("b0-n0", (0, 1, 2, 3)))
+    )
     with pytest.raises(QuotaExceeded):
-        await allocations.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id="g2", attempt=1, placements=gang(("b0-n0", (4,))))
+        await allocations.commit_gang(
+            pool, scope=SCOPE, epoch=epoch, job_id="g2", attempt=1, placements=gang(("b0-n0", (4,)))
+        )
     # borrowing is allowed up to the borrow limit, and marked
     await allocations.commit_gang(
         pool, scope=SCOPE, epoch=epoch, job_id="b1", attempt=1, placements=gang(("b0-n0", (4, 5)), borrowed=True)
@@ -167,9 +177,13 @@ async def test_release_by_lease_never_frees_a_newer_lease(pool, cluster):
     async with pool.acquire() as conn:
         await queued_job(conn, "j1", "alpha")
         await queued_job(conn, "j2", "alpha")
-    (l1,) = await allocations.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id="j1", attempt=1, placements=gang(("b0-n0", (0,))))
+    (l1,) = await allocations.commit_gang(
+        pool, scope=SCOPE, epoch=epoch, job_id="j1", attempt=1, placements=gang(("b0-n0", (0,)))
+    )
     assert await allocations.release_lease(pool, l1, reason="exited", actor="test")
-    (l2,) = await allocations.commit_gang(pool, scope=SCOPE, epoch=epoch, job_id="j2", attempt=1, placements=gang(("b0-n0", (0,))))
+    (l2,) = await allocations.commit_gang(
+        pool, scope=SCOPE, epoch=epoch, job_id="j2", attempt=1, placements=gang(("b0-n0", (0,)))
+    )
     # a stale, duplicated "task exited" for the old lease
     assert not await allocations.release_lease(pool, l1, reason="exited", actor="test")
     assert await pool.fetchval("SELECT lease_id FROM allocations WHERE node_id = 'b0-n0' AND gpu_index = 0") == l2
@@ -177,9 +191,7 @@ async def test_release_by_lease_never_frees_a_newer_lease(pool, cluster):
 
 async def test_leadership_is_exclusive_and_epochs_increase(pool):
     e1 = await leader(pool, "c1")
-    assert await leadership.acquire_leadership(
-        pool, scope=SCOPE, holder="c2", grpc_addr="a", ttl_s=30
-    ) is None
+    assert await leadership.acquire_leadership(pool, scope=SCOPE, holder="c2", grpc_addr="a", ttl_s=30) is None
     assert await leadership.renew_leadership(pool, scope=SCOPE, holder="c1", epoch=e1, ttl_s=30)
     await leadership.resign_leadership(pool, scope=SCOPE, holder="c1", epoch=e1)
     e2 = await leader(pool, "c2")

@@ -52,7 +52,12 @@ def start(state: Path, ports: dict[str, int]) -> subprocess.Popen:
         }
     )
     return subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "up"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", "cli.main", "up"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 

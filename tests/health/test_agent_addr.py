@@ -22,7 +22,9 @@ async def test_heartbeat_agent_addr_is_written_to_the_node_row(pool, tmp_path, m
     settings = scaled_settings(tmp_path, health_sweep_s=0.1, takeover_quiet_s=60.0)
     async with pool.acquire() as conn:
         await small_cluster(conn, blocks=1, nodes_per_block=2)
-    epoch = await leadership.acquire_leadership(pool, scope=settings.leader_scope, holder="test", grpc_addr="-", ttl_s=3600)
+    epoch = await leadership.acquire_leadership(
+        pool, scope=settings.leader_scope, holder="test", grpc_addr="-", ttl_s=3600
+    )
     table = HeartbeatTable()
     state = LeaderState(pool, settings, JobSignals(pool, None, settings))  # type: ignore[arg-type]
     monitor = HealthMonitor(pool, None, settings, state=state, table=lambda: table)  # type: ignore[arg-type]

@@ -60,7 +60,8 @@ async def gang_checkpoint(stack, job):
 
 async def requeued_ahead_not_its_fault(stack, job):
     ev = await stack.pool.fetchrow(
-        "SELECT * FROM job_events WHERE job_id = $1 AND event = 'requeued' ORDER BY id LIMIT 1", job)
+        "SELECT * FROM job_events WHERE job_id = $1 AND event = 'requeued' ORDER BY id LIMIT 1", job
+    )
     assert ev["detail"]["cause"] == "failed" and ev["detail"]["job_fault"] is False, dict(ev)
     row = await stack.job(job)
     assert row["failed_attempts"] == 0, "a node failure is not the job's fault"
@@ -72,8 +73,9 @@ def train(steps=400):
 
 async def test_dead_agent_node_suspect_then_down_gang_restarted_elsewhere_from_checkpoint(stack):
     steps = 400
-    job = await stack.submit(replicas=4, gpus_per_replica=8, command=train(steps),
-                             checkpoint={"preemptible": True, "grace_seconds": 5})
+    job = await stack.submit(
+        replicas=4, gpus_per_replica=8, command=train(steps), checkpoint={"preemptible": True, "grace_seconds": 5}
+    )
     await stack.wait_state(job, "RUNNING", timeout=40)
     await gang_checkpoint(stack, job)
     leases = await stack.pool.fetch("SELECT * FROM leases WHERE job_id = $1 AND attempt = 1 ORDER BY rank", job)
@@ -98,8 +100,10 @@ async def test_dead_agent_node_suspect_then_down_gang_restarted_elsewhere_from_c
         return [r for r in monitor(stack).restarts if r.job_id == job]
 
     sample = (await eventually(measured, timeout=10, what="failure -> restart measured"))[0]
-    print(f"\nfailure -> restart (node down, 4x8 gang): {sample.seconds:.2f}s "
-          f"(suspect after {suspect_s:.2f}s, down after {down_s:.2f}s)")
+    print(
+        f"\nfailure -> restart (node down, 4x8 gang): {sample.seconds:.2f}s "
+        f"(suspect after {suspect_s:.2f}s, down after {down_s:.2f}s)"
+    )
     assert sample.cause == "node_down" and 0 < sample.seconds < 30
 
     # the dead node's GPUs are not handed out again: it stays down (no confirmation; the fence window
@@ -108,9 +112,12 @@ async def test_dead_agent_node_suspect_then_down_gang_restarted_elsewhere_from_c
     assert final["attempt"] == 2
     assert await node_state(stack, dead) == "down"
     reused = await stack.pool.fetchval(
-        "SELECT count(*) FROM leases WHERE node_id = $1 AND created_at > $2", dead, killed_at)
+        "SELECT count(*) FROM leases WHERE node_id = $1 AND created_at > $2", dead, killed_at
+    )
     assert reused == 0
-    audit = await stack.pool.fetch("SELECT detail FROM audit WHERE subject = $1 AND action = 'node_state' ORDER BY id", dead)
+    audit = await stack.pool.fetch(
+        "SELECT detail FROM audit WHERE subject = $1 AND action = 'node_state' ORDER BY id", dead
+    )
     assert [(a["detail"]["from"], a["detail"]["to"]) for a in audit] == [("ready", "suspect"), ("suspect", "down")]
     for lz in again:
         text = (stack.lease_dir(lz["node_id"], lz["lease_id"]) / "stdout.log").read_text()
@@ -118,8 +125,9 @@ async def test_dead_agent_node_suspect_then_down_gang_restarted_elsewhere_from_c
 
 
 async def test_xid_79_cordons_at_once_gang_restarts_elsewhere_burn_in_returns_the_node(stack):
-    job = await stack.submit(replicas=4, gpus_per_replica=8, command=train(400),
-                             checkpoint={"preemptible": True, "grace_seconds": 5})
+    job = await stack.submit(
+        replicas=4, gpus_per_replica=8, command=train(400), checkpoint={"preemptible": True, "grace_seconds": 5}
+    )
     await stack.wait_state(job, "RUNNING", timeout=40)
     leases = await stack.pool.fetch("SELECT * FROM leases WHERE job_id = $1 AND attempt = 1 ORDER BY rank", job)
     bad = leases[2]["node_id"]
@@ -132,8 +140,11 @@ async def test_xid_79_cordons_at_once_gang_restarts_elsewhere_burn_in_returns_th
     await requeued_ahead_not_its_fault(stack, job)
     again = await stack.pool.fetch("SELECT node_id FROM leases WHERE job_id = $1 AND attempt = 2", job)
     assert bad not in {lz["node_id"] for lz in again}
-    sample = (await eventually(lambda: _v([r for r in monitor(stack).restarts if r.job_id == job]), timeout=10,
-                               what="restart measured"))[0]
+    sample = (
+        await eventually(
+            lambda: _v([r for r in monitor(stack).restarts if r.job_id == job]), timeout=10, what="restart measured"
+        )
+    )[0]
     print(f"\nfailure -> restart (Xid 79, 4x8 gang): {sample.seconds:.2f}s (cordoned after {cordon_s:.2f}s)")
     assert sample.cause == "fatal_fault"
     # still faulty: it stays cordoned (no burn-in while the GPU reports the Xid)
@@ -143,16 +154,22 @@ async def test_xid_79_cordons_at_once_gang_restarts_elsewhere_burn_in_returns_th
     write_fault(stack.settings.state_dir, bad, gpu=3, clear=True)
     await wait_node(stack, bad, "burn_in", "ready", timeout=15)
     await wait_node(stack, bad, "ready", timeout=30)
-    audit = await stack.pool.fetch("SELECT detail FROM audit WHERE subject = $1 AND action = 'node_state' ORDER BY id", bad)
+    audit = await stack.pool.fetch(
+        "SELECT detail FROM audit WHERE subject = $1 AND action = 'node_state' ORDER BY id", bad
+    )
     assert [(a["detail"]["from"], a["detail"]["to"]) for a in audit] == [
-        ("ready", "cordoned"), ("cordoned", "burn_in"), ("burn_in", "ready")]
+        ("ready", "cordoned"),
+        ("cordoned", "burn_in"),
+        ("burn_in", "ready"),
+    ]
     assert audit[0]["detail"]["event"] == "fatal"
     await stack.wait_state(job, "SUCCEEDED", timeout=60)
 
 
 async def test_stalled_steps_with_idle_gpus_is_a_hang_and_is_recovered(stack):
-    job = await stack.submit(replicas=1, gpus_per_replica=8, command=train(2000),
-                             checkpoint={"preemptible": True, "grace_seconds": 3})
+    job = await stack.submit(
+        replicas=1, gpus_per_replica=8, command=train(2000), checkpoint={"preemptible": True, "grace_seconds": 3}
+    )
     await stack.wait_state(job, "RUNNING", timeout=40)
     lz = await stack.pool.fetchrow("SELECT * FROM leases WHERE job_id = $1 AND attempt = 1", job)
 
@@ -165,24 +182,41 @@ async def test_stalled_steps_with_idle_gpus_is_a_hang_and_is_recovered(stack):
     write_fault(stack.settings.state_dir, lz["node_id"], hang=True)
     await wait_node(stack, lz["node_id"], "cordoned", timeout=30)
     audit = await stack.pool.fetchrow(
-        "SELECT detail, reason FROM audit WHERE subject = $1 AND action = 'node_state' ORDER BY id DESC LIMIT 1", lz["node_id"])
+        "SELECT detail, reason FROM audit WHERE subject = $1 AND action = 'node_state' ORDER BY id DESC LIMIT 1",
+        lz["node_id"],
+    )
     assert audit["detail"]["event"] == "hang" and lz["lease_id"] in audit["reason"]
     row = await stack.wait_state(job, "RUNNING", attempt=2, timeout=40)
     await requeued_ahead_not_its_fault(stack, job)
-    assert (await stack.pool.fetchval("SELECT node_id FROM leases WHERE job_id = $1 AND attempt = 2", job)) != lz["node_id"]
+    assert (await stack.pool.fetchval("SELECT node_id FROM leases WHERE job_id = $1 AND attempt = 2", job)) != lz[
+        "node_id"
+    ]
     assert [r.cause for r in monitor(stack).restarts if r.job_id == job] in ([], ["hang"])
     await stack.cancel(job)
 
 
 async def test_reconciliation_orphans_vanished_ranks_and_stale_exits(stack):
     keep = stack.nodes[0]
-    await stack.pool.execute("UPDATE nodes SET state = 'draining', reason = 'test: one node only' WHERE node_id <> $1", keep)
+    await stack.pool.execute(
+        "UPDATE nodes SET state = 'draining', reason = 'test: one node only' WHERE node_id <> $1", keep
+    )
     node = stack.agent.nodes[keep]
 
     # (1) an orphan rank started outside any lease is stopped
-    orphan = StartTask(lease_id="orphan.a1.r0", job_id="orphan", attempt=1, epoch=1, node_id=keep, rank=0,
-                       world_size=1, image="registry/x:1", command=[PY, "-c", "import time; time.sleep(120)"],
-                       gpu_indices=[7], master_addr="127.0.0.1", master_port=29999)
+    orphan = StartTask(
+        lease_id="orphan.a1.r0",
+        job_id="orphan",
+        attempt=1,
+        epoch=1,
+        node_id=keep,
+        rank=0,
+        world_size=1,
+        image="registry/x:1",
+        command=[PY, "-c", "import time; time.sleep(120)"],
+        gpu_indices=[7],
+        master_addr="127.0.0.1",
+        master_port=29999,
+    )
     assert (await node.start_task(orphan)).accepted
 
     async def orphan_stopped():
@@ -206,20 +240,33 @@ async def test_reconciliation_orphans_vanished_ranks_and_stale_exits(stack):
     t0 = time.monotonic()
 
     async def released():
-        return (await stack.pool.fetchval("SELECT state FROM leases WHERE lease_id = $1", old["lease_id"])) == "released"
+        return (
+            await stack.pool.fetchval("SELECT state FROM leases WHERE lease_id = $1", old["lease_id"])
+        ) == "released"
 
     await eventually(released, timeout=20, what="missing lease released")
     assert time.monotonic() - t0 >= 2.0 - 0.6  # not before missing_task_release_s (heartbeat granularity)
     audit = await stack.pool.fetchrow(
-        "SELECT reason FROM audit WHERE subject = $1 AND action = 'release' ORDER BY id LIMIT 1", job)
+        "SELECT reason FROM audit WHERE subject = $1 AND action = 'release' ORDER BY id LIMIT 1", job
+    )
     assert audit["reason"].startswith("reconciliation: task missing")
     await stack.wait_state(job, "RUNNING", attempt=2, timeout=40)
     new = await stack.pool.fetchrow("SELECT * FROM leases WHERE job_id = $1 AND attempt = 2", job)
     same_gpu = (new["node_id"], list(new["gpu_indices"])) == (old["node_id"], list(old["gpu_indices"]))
 
     # (3) a stale "task exited" of the old lease does not release the new lease (same GPU)
-    stale = TaskStatus(node_id=keep, lease_id=old["lease_id"], job_id=job, attempt=1, epoch=old["epoch"], rank=0,
-                       state=TaskState.EXITED, at=datetime.now(UTC), exit_code=0, seq=1)
+    stale = TaskStatus(
+        node_id=keep,
+        lease_id=old["lease_id"],
+        job_id=job,
+        attempt=1,
+        epoch=old["epoch"],
+        rank=0,
+        state=TaskState.EXITED,
+        at=datetime.now(UTC),
+        exit_code=0,
+        seq=1,
+    )
     stack.controls[0]._on_task_status(stale)
     await asyncio.sleep(1.0)  # give a wrong release every chance to happen
     assert (await stack.pool.fetchval("SELECT state FROM leases WHERE lease_id = $1", new["lease_id"])) == "live"
@@ -235,13 +282,17 @@ async def _v(x):
 async def test_drain_with_evict_preempts_now_and_an_admin_return_burns_in(stack):
     from store import nodes
 
-    job = await stack.submit(replicas=1, gpus_per_replica=8, command=train(2000),
-                             checkpoint={"preemptible": True, "grace_seconds": 5})
+    job = await stack.submit(
+        replicas=1, gpus_per_replica=8, command=train(2000), checkpoint={"preemptible": True, "grace_seconds": 5}
+    )
     await stack.wait_state(job, "RUNNING", timeout=40)
     await gang_checkpoint(stack, job)
     node = await stack.pool.fetchval("SELECT node_id FROM leases WHERE job_id = $1 AND attempt = 1", job)
-    r = await stack.http.post(f"/v1/nodes/{node}:drain", json={"reason": "maintenance", "evict": True},
-                              headers={"Authorization": "Bearer tok-admin", "Idempotency-Key": "drain-1"})
+    r = await stack.http.post(
+        f"/v1/nodes/{node}:drain",
+        json={"reason": "maintenance", "evict": True},
+        headers={"Authorization": "Bearer tok-admin", "Idempotency-Key": "drain-1"},
+    )
     assert r.status_code < 300, r.text
     row = await stack.wait_state(job, "RUNNING", attempt=2, timeout=40)
     assert row["preemptions"] == 1 and row["last_checkpoint"], "evicted: checkpointed and re-queued"

@@ -11,13 +11,31 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from control.agent_link import HeartbeatTable
 from control.health.node_states import (
-    TABLE, Action, Event, GpuView, HealthParams, LeaseView, NodeObservation, NodeState, RankView,
-    decide, fatal_faults, reconcile, transition,
+    TABLE,
+    Action,
+    Event,
+    GpuView,
+    HealthParams,
+    LeaseView,
+    NodeObservation,
+    NodeState,
+    RankView,
+    decide,
+    fatal_faults,
+    reconcile,
+    transition,
 )
 from proto import agent_pb2 as pb
 
-P = HealthParams(suspect_after_s=30, down_after_s=90, takeover_quiet_s=30, hang_after_s=600,
-                 unconfirmed_kill_s=900, fence_margin=1.5, ib_flap_threshold=5)
+P = HealthParams(
+    suspect_after_s=30,
+    down_after_s=90,
+    takeover_quiet_s=30,
+    hang_after_s=600,
+    unconfirmed_kill_s=900,
+    fence_margin=1.5,
+    ib_flap_threshold=5,
+)
 
 OUT_OF_SERVICE = {NodeState.DOWN, NodeState.CORDONED, NodeState.BURN_IN}
 # what the table must do for each pair, stated independently of it
@@ -56,10 +74,16 @@ def test_every_state_event_pair(state, event):
     assert t.to == EXPECTED[(state, event)], t.why
     # a node becomes ready only by a heartbeat of a suspect node or a passed burn-in
     if t.to == NodeState.READY and state != NodeState.READY:
-        assert (state, event) in {(NodeState.SUSPECT, Event.HEARTBEAT), (NodeState.SUSPECT, Event.CLEAR),
-                                  (NodeState.BURN_IN, Event.BURN_IN_PASSED)}
+        assert (state, event) in {
+            (NodeState.SUSPECT, Event.HEARTBEAT),
+            (NodeState.SUSPECT, Event.CLEAR),
+            (NodeState.BURN_IN, Event.BURN_IN_PASSED),
+        }
     # leaving service because of a failure always recovers the gangs there
-    if state in (NodeState.READY, NodeState.SUSPECT, NodeState.DRAINING) and t.to in (NodeState.DOWN, NodeState.CORDONED):
+    if state in (NodeState.READY, NodeState.SUSPECT, NodeState.DRAINING) and t.to in (
+        NodeState.DOWN,
+        NodeState.CORDONED,
+    ):
         assert Action.RECOVER in t.actions
     # burn-in is started exactly when a node enters burn_in
     assert (Action.BURN_IN in t.actions) == (t.to == NodeState.BURN_IN and state != NodeState.BURN_IN)
@@ -99,21 +123,31 @@ def test_takeover_quiet_period_marks_nothing_suspect():
     assert decide(obs(hb=None, took=1000.0), P, 1091.0).event == Event.LOST
 
 
-@pytest.mark.parametrize("gpu,fatal", [
-    (GpuView(0, xids=(79,)), True), (GpuView(0, xids=(48,)), True), (GpuView(0, xids=(94,)), True),
-    (GpuView(0, xids=(13,)), False), (GpuView(0, xids=(31, 43)), False),
-    (GpuView(0, ecc_dbe=1), True), (GpuView(0, ecc_dbe=0), False),
-    (GpuView(0, faults=("nvlink:3:down",)), True),
-    (GpuView(0, faults=("ib:mlx5_0:flaps=5",)), True), (GpuView(0, faults=("ib:mlx5_0:flaps=4",)), False),
-    (GpuView(0, faults=("ib:mlx5_0:flap",) * 5), True),
-    (GpuView(0, health="failed", faults=("row_remap_failure",)), True),
-    (GpuView(0, health="degraded", faults=("slow:0.5",)), False),
-])
+@pytest.mark.parametrize(
+    "gpu,fatal",
+    [
+        (GpuView(0, xids=(79,)), True),
+        (GpuView(0, xids=(48,)), True),
+        (GpuView(0, xids=(94,)), True),
+        (GpuView(0, xids=(13,)), False),
+        (GpuView(0, xids=(31, 43)), False),
+        (GpuView(0, ecc_dbe=1), True),
+        (GpuView(0, ecc_dbe=0), False),
+        (GpuView(0, faults=("nvlink:3:down",)), True),
+        (GpuView(0, faults=("ib:mlx5_0:flaps=5",)), True),
+        (GpuView(0, faults=("ib:mlx5_0:flaps=4",)), False),
+        (GpuView(0, faults=("ib:mlx5_0:flap",) * 5), True),
+        (GpuView(0, health="failed", faults=("row_remap_failure",)), True),
+        (GpuView(0, health="degraded", faults=("slow:0.5",)), False),
+    ],
+)
 def test_fatal_faults_cordon_at_once(gpu, fatal):
     assert bool(fatal_faults([gpu], P)) == fatal
     d = decide(obs(gpus=[gpu], live=["x"]), P, 100.0)
     if fatal:
-        assert d.event == Event.FATAL and d.transition.to == NodeState.CORDONED and Action.RECOVER in d.transition.actions
+        assert (
+            d.event == Event.FATAL and d.transition.to == NodeState.CORDONED and Action.RECOVER in d.transition.actions
+        )
     else:
         assert d.event == Event.HEARTBEAT and not d.changes
 
@@ -122,10 +156,17 @@ def test_hang_needs_a_stalled_step_and_idle_gpus():
     idle = [GpuView(0, sm_util=0.0), GpuView(1, sm_util=0.0)]
     busy = [GpuView(0, sm_util=95.0), GpuView(1, sm_util=0.0)]
     assert decide(obs(gpus=idle, running=[rank(age=601, gpus=(0, 1))], live=["j.a1.r0"]), P, 100).event == Event.HANG
-    assert decide(obs(gpus=idle, running=[rank(age=599, gpus=(0, 1))], live=["j.a1.r0"]), P, 100).event == Event.HEARTBEAT
-    assert decide(obs(gpus=busy, running=[rank(age=601, gpus=(0, 1))], live=["j.a1.r0"]), P, 100).event == Event.HEARTBEAT
+    assert (
+        decide(obs(gpus=idle, running=[rank(age=599, gpus=(0, 1))], live=["j.a1.r0"]), P, 100).event == Event.HEARTBEAT
+    )
+    assert (
+        decide(obs(gpus=busy, running=[rank(age=601, gpus=(0, 1))], live=["j.a1.r0"]), P, 100).event == Event.HEARTBEAT
+    )
     # a rank that reports no steps is never a hang
-    assert decide(obs(gpus=idle, running=[rank(step=None, age=9999, gpus=(0,))], live=["j.a1.r0"]), P, 100).event == Event.HEARTBEAT
+    assert (
+        decide(obs(gpus=idle, running=[rank(step=None, age=9999, gpus=(0,))], live=["j.a1.r0"]), P, 100).event
+        == Event.HEARTBEAT
+    )
 
 
 def test_a_down_node_returns_only_when_clear_or_past_the_fence_window():
@@ -198,9 +239,13 @@ class AgentMessages(RuleBasedStateMachine):
         gpus, running = (), ()
         if e is not None:
             r = e.report()
-            gpus = tuple(GpuView(g.index, g.health, g.sm_util, g.ecc_dbe, tuple(g.xids), tuple(g.faults)) for g in r.gpus)
-            running = tuple(RankView(x.lease_id, x.job_id, x.epoch, x.attempt, x.step, x.step_age_s, tuple(x.gpu_indices))
-                            for x in r.running)
+            gpus = tuple(
+                GpuView(g.index, g.health, g.sm_util, g.ecc_dbe, tuple(g.xids), tuple(g.faults)) for g in r.gpus
+            )
+            running = tuple(
+                RankView(x.lease_id, x.job_id, x.epoch, x.attempt, x.step, x.step_age_s, tuple(x.gpu_indices))
+                for x in r.running
+            )
         o = NodeObservation("n1", self.state, self.last_hb, -100.0, gpus, running, frozenset(self.live))
         d = decide(o, P, self.now)
         if d is not None:

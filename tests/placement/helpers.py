@@ -29,7 +29,9 @@ def cluster(blocks: int = 2, nodes: int = 4, gpus: int = 8, gpu_type: str = "h10
     return st
 
 
-def add_blocks(st: ClusterState, blocks: int, nodes: int, gpus: int = 8, gpu_type: str = "h100", prefix: str = "") -> None:
+def add_blocks(
+    st: ClusterState, blocks: int, nodes: int, gpus: int = 8, gpu_type: str = "h100", prefix: str = ""
+) -> None:
     for b in range(blocks):
         for n in range(nodes):
             st.add_node(f"{prefix}b{b}n{n}", f"{prefix}b{b}", gpu_type, gpus)
@@ -97,8 +99,16 @@ def occupy(
     st.allocate(job, p, now if now is not None else started_at, started_at=started_at)
 
 
-def fill(st: ClusterState, node_ids: list[str], team: str = "filler", cls: str = "research", started_at: float = 0.0,
-         borrowed: bool = False, prefix: str = "f", **kw) -> list[str]:
+def fill(
+    st: ClusterState,
+    node_ids: list[str],
+    team: str = "filler",
+    cls: str = "research",
+    started_at: float = 0.0,
+    borrowed: bool = False,
+    prefix: str = "f",
+    **kw,
+) -> list[str]:
     """One whole-node job per node (the team gets a large quota if it has none)."""
     for t in st.gpu_types():
         if st.quota(team, t).guaranteed == 0 and not borrowed:
@@ -106,7 +116,9 @@ def fill(st: ClusterState, node_ids: list[str], team: str = "filler", cls: str =
     out = []
     for n in node_ids:
         jid = f"{prefix}-{n}"
-        occupy(st, spec(jid, team=team, cls=cls, gpr=st.node_size(n), **kw), [n], started_at=started_at, borrowed=borrowed)
+        occupy(
+            st, spec(jid, team=team, cls=cls, gpr=st.node_size(n), **kw), [n], started_at=started_at, borrowed=borrowed
+        )
         out.append(jid)
     return out
 

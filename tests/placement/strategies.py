@@ -145,7 +145,9 @@ def snapshot(stt: ClusterState) -> dict:
             borrowed=rj.borrowed,
             gpus=rj.charge,
         )
-        running.append((rj.spec, p, rj.started_at, rj.last_checkpoint_at, rj.preempting_for, stt.missing_replicas(rj.job_id)))
+        running.append(
+            (rj.spec, p, rj.started_at, rj.last_checkpoint_at, rj.preempting_for, stt.missing_replicas(rj.job_id))
+        )
     return {
         "nodes": nodes,
         "quotas": sorted((k[0], k[1], q.guaranteed, q.borrow_limit) for k, q in stt.quotas().items()),

@@ -54,10 +54,18 @@ def test_order_aging_one_step_per_hour_waited() -> None:
         st.set_usage(t, "h100", use, 0.0)
     now = 10 * HOUR
     # c is at position 2; its job waited 2.5 hours: key -0.5, ahead of a's fresh job (key 0)
-    q = queue_of(spec("a1", team="a", submit=now), spec("b1", team="b", submit=now), spec("c1", team="c", submit=now - 2.5 * HOUR))
+    q = queue_of(
+        spec("a1", team="a", submit=now),
+        spec("b1", team="b", submit=now),
+        spec("c1", team="c", submit=now - 2.5 * HOUR),
+    )
     assert order(st, q, now=now) == ["c1", "a1", "b1"]
     # waiting only 1.5 hours puts it between a (0) and b (1)
-    q = queue_of(spec("a1", team="a", submit=now), spec("b1", team="b", submit=now), spec("c1", team="c", submit=now - 1.5 * HOUR))
+    q = queue_of(
+        spec("a1", team="a", submit=now),
+        spec("b1", team="b", submit=now),
+        spec("c1", team="c", submit=now - 1.5 * HOUR),
+    )
     assert order(st, q, now=now) == ["a1", "c1", "b1"]
 
 

@@ -53,7 +53,11 @@ def test_best_fit_block_fewest_free_that_still_fit() -> None:
     big_quota(st, "t")
     fill(st, ["b1n0"])  # b1: 3 free
     fill(st, ["b2n0", "b2n1"])  # b2: 2 free
-    p = cycle(st, queue_of(spec("j2", replicas=2, gpr=8, pack="block"), spec("j3", replicas=3, gpr=8, pack="block", submit=1)), 100)
+    p = cycle(
+        st,
+        queue_of(spec("j2", replicas=2, gpr=8, pack="block"), spec("j3", replicas=3, gpr=8, pack="block", submit=1)),
+        100,
+    )
     assert blocks_of(p, "j2") == ("b2",)
     assert blocks_of(p, "j3") == ("b1",)
 
@@ -142,7 +146,11 @@ def test_jobs_run_only_on_their_gpu_type() -> None:
     add_blocks(st, 1, 2, gpu_type="h100", prefix="h")
     big_quota(st, "t", gpu_type="a100")
     big_quota(st, "t", gpu_type="h100")
-    p = cycle(st, queue_of(spec("h", gpr=8, gpu_type="h100"), spec("a", gpr=8, gpu_type="a100"), spec("x", gpu_type="v100")), 100)
+    p = cycle(
+        st,
+        queue_of(spec("h", gpr=8, gpu_type="h100"), spec("a", gpr=8, gpu_type="a100"), spec("x", gpu_type="v100")),
+        100,
+    )
     assert all(n.startswith("h") for n in nodes_of(p, "h"))
     assert all(n.startswith("a") for n in nodes_of(p, "a"))
     assert p.reason("x") is PendingReason.GPU_TYPE
@@ -171,7 +179,12 @@ def test_hot_spares_held_for_large_gangs_and_used_on_restart() -> None:
     spare = pl.spare_nodes[0]
     assert st.spares("big") == (spare,)
     # nobody else may take the spare
-    q2 = queue_of(spec("other", gpr=8, submit=1), spec("other2", gpr=8, submit=2), spec("other3", gpr=8, submit=3), spec("other4", gpr=8, submit=4))
+    q2 = queue_of(
+        spec("other", gpr=8, submit=1),
+        spec("other2", gpr=8, submit=2),
+        spec("other3", gpr=8, submit=3),
+        spec("other4", gpr=8, submit=4),
+    )
     p2 = cycle(st, q2, 110, policy)
     assert all(spare not in [n.node_id for n in pl2.nodes] for pl2 in p2.placements)
     assert len(p2.placements) == 3  # 12 nodes - 8 - 1 spare = 3 free

@@ -195,8 +195,25 @@ def test_least_lost_work_most_recent_checkpoint() -> None:
 def test_job_that_cannot_checkpoint_loses_everything_since_start() -> None:
     st = cluster(blocks=1, nodes=2)
     st.set_quota("me", "h100", 100)
-    fill(st, ["b0n0"], team="low", cls="preemptible", prefix="nockpt", preemptible=False, last_checkpoint_at=NOW - 60, started_at=NOW - 5 * HOUR)
-    fill(st, ["b0n1"], team="low", cls="preemptible", prefix="ckpt", last_checkpoint_at=NOW - HOUR, started_at=NOW - 5 * HOUR)
+    fill(
+        st,
+        ["b0n0"],
+        team="low",
+        cls="preemptible",
+        prefix="nockpt",
+        preemptible=False,
+        last_checkpoint_at=NOW - 60,
+        started_at=NOW - 5 * HOUR,
+    )
+    fill(
+        st,
+        ["b0n1"],
+        team="low",
+        cls="preemptible",
+        prefix="ckpt",
+        last_checkpoint_at=NOW - HOUR,
+        started_at=NOW - 5 * HOUR,
+    )
     p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW)
     assert victims(p) == ["ckpt-b0n1"]
 
@@ -353,8 +370,13 @@ def test_a_gang_is_not_preempted_to_free_one_node_when_single_node_victims_exist
     st = cluster(blocks=2, nodes=4)
     st.set_quota("me", "h100", 100)
     st.set_quota("other", "h100", 0, 100)
-    occupy(st, spec("gang", team="other", cls="prod-batch", replicas=4, gpr=8), ["b0n0", "b0n1", "b0n2", "b0n3"],
-           borrowed=True, started_at=NOW - 100)
+    occupy(
+        st,
+        spec("gang", team="other", cls="prod-batch", replicas=4, gpr=8),
+        ["b0n0", "b0n1", "b0n2", "b0n3"],
+        borrowed=True,
+        started_at=NOW - 100,
+    )
     fill(st, ["b1n0", "b1n1", "b1n2"], team="low", cls="preemptible", prefix="small")
     x = spec("x", team="me", cls="prod-batch", replicas=2, gpr=8, pack="block", max_blocks=1)
     p = cycle(st, queue_of(x), NOW, do_apply=False)
@@ -386,7 +408,6 @@ def test_a_higher_class_does_not_take_nodes_cleared_for_a_lower_class_beneficiar
     assert p.placement("hi") is None
 
 
-
 def test_free_gpus_a_reclaim_counts_on_are_not_given_to_a_like_job_in_the_same_cycle() -> None:
     # "x" (a whole node, below its guarantee) finds the one free node held for gang "g", then
     # reclaims b0n0: its 4 free GPUs plus those of borrowed "v". "y", of the same class and
@@ -398,8 +419,13 @@ def test_free_gpus_a_reclaim_counts_on_are_not_given_to_a_like_job_in_the_same_c
     st.set_quota("o", "h100", 0, 100)
     st.set_quota("w", "h100", 8)
     st.set_quota("big", "h100", 0, 100)
-    occupy(st, spec("v", team="o", cls="preemptible", gpr=4, runtime=100 * HOUR), {"b0n0": (0, 1, 2, 3)},
-           started_at=NOW - 60, borrowed=True)
+    occupy(
+        st,
+        spec("v", team="o", cls="preemptible", gpr=4, runtime=100 * HOUR),
+        {"b0n0": (0, 1, 2, 3)},
+        started_at=NOW - 60,
+        borrowed=True,
+    )
     occupy(st, spec("w", team="w", cls="prod-batch", gpr=8, runtime=2 * HOUR), ["b0n2"], started_at=NOW - HOUR)
     policy = Policy(reserve_min_gpus=16, borrowed_gangs_reclaim_lower=False)  # g reserves, never preempts
     q = queue_of(spec("g", team="big", cls="prod-batch", replicas=2, gpr=8, pack="block", submit=NOW))
@@ -434,8 +460,12 @@ def test_a_borrowing_gang_reclaims_only_borrowed_work_of_lower_classes() -> None
     st2.set_quota("lender", "h100", 0, 100)
     fill(st2, ["b1n0", "b1n1"], team="lender", cls="research", prefix="borr", borrowed=True)
     fill(st2, ["b0n0", "b0n1"], team="lender", cls="research", prefix="b2", borrowed=True)
-    p = cycle(st2, queue_of(spec("gang", team="me", cls="prod-batch", replicas=2, gpr=8)), NOW,
-              Policy(reserve_min_gpus=16, borrowed_gangs_reclaim_lower=False))
+    p = cycle(
+        st2,
+        queue_of(spec("gang", team="me", cls="prod-batch", replicas=2, gpr=8)),
+        NOW,
+        Policy(reserve_min_gpus=16, borrowed_gangs_reclaim_lower=False),
+    )
     assert p.preemptions == ()
 
 

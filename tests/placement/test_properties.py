@@ -149,7 +149,9 @@ def test_event_sequences_keep_every_invariant(data) -> None:
                     pass  # the driver would re-queue; here they simply leave
         elif action == "quota":
             team, t, _, _ = data.draw(st.sampled_from(sc.quotas))
-            stt.set_quota(team, t, data.draw(st.sampled_from([0, 8, 16, 64])), data.draw(st.sampled_from([0, 16, 1000])))
+            stt.set_quota(
+                team, t, data.draw(st.sampled_from([0, 8, 16, 64])), data.draw(st.sampled_from([0, 16, 1000]))
+            )
         elif action == "ckpt" and running:
             stt.set_checkpoint(data.draw(st.sampled_from(running)), now)
         now += data.draw(st.sampled_from([1.0, 60.0, 1800.0, 4 * HOUR]))
@@ -162,7 +164,9 @@ def test_permuted_input_gives_the_same_plan(data, seed: int) -> None:
     sc = data.draw(scenarios())
     base = build(sc)
     policy = data.draw(st.sampled_from(POLICIES))
-    populate(base, unique(data.draw(st.lists(job_specs(sc, "r"), max_size=12))), [0.0, 2500.0], Policy(reserve_min_gpus=8))
+    populate(
+        base, unique(data.draw(st.lists(job_specs(sc, "r"), max_size=12))), [0.0, 2500.0], Policy(reserve_min_gpus=8)
+    )
     queued = unique(data.draw(st.lists(job_specs(sc, "q"), max_size=12)))
     now = 3 * HOUR
     # a first cycle leaves reservations, preemptions and spares in the state

@@ -36,7 +36,11 @@ def test_head_of_line_large_gang_reserves_the_blocks_it_will_use() -> None:
 
 def test_only_jobs_ending_before_the_expected_start_backfill() -> None:
     st = setup()
-    q = queue_of(gang(), spec("short", team="t", gpr=8, runtime=1000, submit=1), spec("long", team="t", gpr=8, runtime=10 * HOUR, submit=2))
+    q = queue_of(
+        gang(),
+        spec("short", team="t", gpr=8, runtime=1000, submit=1),
+        spec("long", team="t", gpr=8, runtime=10 * HOUR, submit=2),
+    )
     p = cycle(st, q, 100, POL)
     assert p.placement("short") is not None and p.placement("short").backfill
     assert p.placement("short").blocks == ("b0",)
@@ -92,7 +96,12 @@ def test_only_the_head_of_line_gang_reserves() -> None:
 
 def test_small_jobs_do_not_reserve() -> None:
     st = setup()
-    p = cycle(st, queue_of(spec("mid", team="t", replicas=3, gpr=8, pack="block", max_blocks=1)), 100, Policy(reserve_min_gpus=64))
+    p = cycle(
+        st,
+        queue_of(spec("mid", team="t", replicas=3, gpr=8, pack="block", max_blocks=1)),
+        100,
+        Policy(reserve_min_gpus=64),
+    )
     assert p.reservations == ()
 
 
@@ -104,7 +113,19 @@ def test_higher_class_may_use_reserved_blocks_and_displace_the_reservation() -> 
     q.push(spec("hi1", team="hi", cls="prod-batch", gpr=8, runtime=10 * HOUR, submit=200))
     p = cycle(st, q, 200, POL)
     assert p.placement("hi1") is not None and p.placement("hi1").blocks == ("b0",)
-    q.push(spec("higang", team="hi", cls="prod-batch", replicas=4, gpr=8, pack="block", max_blocks=1, runtime=10 * HOUR, submit=300))
+    q.push(
+        spec(
+            "higang",
+            team="hi",
+            cls="prod-batch",
+            replicas=4,
+            gpr=8,
+            pack="block",
+            max_blocks=1,
+            runtime=10 * HOUR,
+            submit=300,
+        )
+    )
     p = cycle(st, q, 300, Policy(reserve_min_gpus=32, preemption=False))
     assert [r.job_id for r in p.reservations] == ["higang"]
 
@@ -147,8 +168,10 @@ def tight_setup():
     """b0: nodes busy until 1000, 2000, 9000, 9000; b1: until 1500, 1600, 1700, 9000."""
     st = cluster(blocks=2, nodes=4)
     st.set_quota("t", "h100", 1000)
-    for n, end in zip(["b0n0", "b0n1", "b0n2", "b0n3", "b1n0", "b1n1", "b1n2", "b1n3"],
-                      [1000, 2000, 9000, 9000, 1500, 1600, 1700, 9000]):
+    for n, end in zip(
+        ["b0n0", "b0n1", "b0n2", "b0n3", "b1n0", "b1n1", "b1n2", "b1n3"],
+        [1000, 2000, 9000, 9000, 1500, 1600, 1700, 9000],
+    ):
         fill(st, [n], team="run", runtime=end, prefix=f"e{end}")
     return st
 

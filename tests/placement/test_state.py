@@ -109,7 +109,13 @@ def test_events() -> None:
 def test_requeue_spec_keeps_submit_time_and_counts_preemptions() -> None:
     j = spec("a", submit=5.0)
     r = requeue_spec(j, 100.0, preempted=True, checkpoint_at=90.0)
-    assert (r.attempt, r.submit_time, r.preemption_times, r.last_checkpoint_at, r.front) == (1, 5.0, (100.0,), 90.0, False)
+    assert (r.attempt, r.submit_time, r.preemption_times, r.last_checkpoint_at, r.front) == (
+        1,
+        5.0,
+        (100.0,),
+        90.0,
+        False,
+    )
     f = requeue_spec(r, 200.0, front=True)
     assert (f.attempt, f.preemption_times, f.front) == (2, (100.0,), True)
 
@@ -133,7 +139,9 @@ def test_free_reserved_nodes_are_counted_per_block_and_owner_set() -> None:
     st.set_quota("t", "h100", 1000)
 
     def res(jid: str, nodes: tuple[str, ...]) -> Reservation:
-        return Reservation(jid, "h100", ReservationKind.PREEMPTION, ("b0",), nodes, len(nodes), 8 * len(nodes), 2, 0.0, 0.0)
+        return Reservation(
+            jid, "h100", ReservationKind.PREEMPTION, ("b0",), nodes, len(nodes), 8 * len(nodes), 2, 0.0, 0.0
+        )
 
     st.add_reservation(res("A", ("b0n0", "b0n1", "b0n2")))
     st.add_reservation(res("B", ("b0n1",)))

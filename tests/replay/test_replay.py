@@ -103,8 +103,12 @@ async def test_record_histories(stand):
     await c.get_workflow_handle(cx).signal("cancel", {"actor": "alice", "reason": "recorded"})
     assert (await stand.result(cx)).state == "CANCELLED"
     # gang failure, then the re-run succeeds
-    cmd = [PY, "-c", "import os, sys, time; time.sleep(0.5);"
-           " sys.exit(3) if (os.environ['RANK'] == '2' and os.environ['GPUFLEET_ATTEMPT'] == '1') else None"]
+    cmd = [
+        PY,
+        "-c",
+        "import os, sys, time; time.sleep(0.5);"
+        " sys.exit(3) if (os.environ['RANK'] == '2' and os.environ['GPUFLEET_ATTEMPT'] == '1') else None",
+    ]
     g = await stand.submit("rec-gang", command=cmd, replicas=4, gpus_per_replica=8, grace_s=1.0)
     await stand.allocate(g, *[(n, tuple(range(8))) for n in stand.nodes[:4]])
     await stand.wait_state(g, "QUEUED", attempt=2)

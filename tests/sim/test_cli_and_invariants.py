@@ -100,7 +100,13 @@ def test_policy_overrides_try_a_change_side_by_side() -> None:
     # optional knobs: turned off with none, and turned on (a number) where a preset has them off
     assert resolve_policy("ours:reclaim_small_borrowed_after_s=none")[1].reclaim_small_borrowed_after_s is None
     assert resolve_policy("fifo:reclaim_small_borrowed_after_s=30")[1].reclaim_small_borrowed_after_s == 30.0
-    for bad in ("ours:nonsense=1", "ours:backfill", "ours:backfill=maybe", "magic", "fifo:reclaim_small_borrowed_after_s=x"):
+    for bad in (
+        "ours:nonsense=1",
+        "ours:backfill",
+        "ours:backfill=maybe",
+        "magic",
+        "fifo:reclaim_small_borrowed_after_s=x",
+    ):
         with pytest.raises(ValueError):
             resolve_policy(bad)
 

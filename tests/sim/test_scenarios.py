@@ -97,9 +97,7 @@ def test_failure_requeues_the_whole_gang_from_its_last_checkpoint() -> None:
 def test_reclaim_preempts_only_borrowed_work() -> None:
     # one block of 4 nodes (32 GPUs). Team A (guarantee 16) runs 4 x 8 GPUs: 2 guaranteed,
     # 2 borrowed. An hour later team B (guarantee 16) asks for its 16 GPUs.
-    a_jobs = [
-        job(f"a{i}", "A", float(i), 10 * HOUR, checkpoint_s=600.0, grace_s=30.0) for i in range(4)
-    ]
+    a_jobs = [job(f"a{i}", "A", float(i), 10 * HOUR, checkpoint_s=600.0, grace_s=30.0) for i in range(4)]
     b_jobs = [job(f"b{i}", "B", HOUR + i, 1 * HOUR, grace_s=30.0) for i in range(2)]
     wl = workload(a_jobs + b_jobs, {"A": (16, 32), "B": (16, 32)}, blocks=1, end=3 * HOUR)
     sim, res = simulate(wl)
@@ -171,7 +169,7 @@ def test_preempted_job_without_checkpoints_restarts_from_scratch() -> None:
     # a preemptible-class job that cannot checkpoint is preempted by a prod-batch job
     wl = _one_node_preemptible_then_prod_batch()
     sim, res = simulate(wl)
-    (_, pr), = preemptions(sim)
+    ((_, pr),) = preemptions(sim)
     assert pr.victim == "p" and pr.reason is PreemptReason.PRIORITY
     rec = sim.recs["p"]
     # stopped at 1 h + 30 s grace; q runs 10 min; p restarts from zero and needs its full 2 h

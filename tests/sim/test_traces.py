@@ -101,7 +101,9 @@ def test_bad_files_say_what_is_wrong(tmp_path: Path) -> None:
         load_trace(bad, SMALL, TraceOptions())
 
 
-@pytest.mark.parametrize("fmt,name", [("generic", "generic.csv"), ("philly", "philly.csv"), ("alibaba", "alibaba_pods.csv")])
+@pytest.mark.parametrize(
+    "fmt,name", [("generic", "generic.csv"), ("philly", "philly.csv"), ("alibaba", "alibaba_pods.csv")]
+)
 def test_every_fixture_replays_under_every_policy(fmt: str, name: str) -> None:
     wl = load_trace(FIX / name, SMALL, TraceOptions(format=fmt, arrival_scale=10.0))
     rep = run_policies(wl, failures=None)

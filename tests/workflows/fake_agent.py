@@ -22,7 +22,16 @@ from pathlib import Path
 
 from temporalio import activity
 
-from common.contracts import START_TASK, STOP_TASK, StartTask, StartTaskResult, StopTask, StopTaskResult, TaskState, TaskStatus
+from common.contracts import (
+    START_TASK,
+    STOP_TASK,
+    StartTask,
+    StartTaskResult,
+    StopTask,
+    StopTaskResult,
+    TaskState,
+    TaskStatus,
+)
 
 
 @dataclass

@@ -98,19 +98,32 @@ class Stand:
                 await conn.execute(
                     "INSERT INTO jobs (job_id, team, priority_class, gpu_type, replicas, gpus_per_replica, spec,"
                     " max_runtime_s, submitted_by) VALUES ($1, $2, $3, $8, $4, $5, $6, $7, 'test')",
-                    job_id, team, priority_class, replicas, gpus_per_replica, spec, max_runtime_s, gpu_type,
+                    job_id,
+                    team,
+                    priority_class,
+                    replicas,
+                    gpus_per_replica,
+                    spec,
+                    max_runtime_s,
+                    gpu_type,
                 )
                 await audit.write_job_event(conn, job_id, 1, "submitted", None, "QUEUED", "test", "submitted")
         if start:
             await signals.start_job_workflow(self.client, self.settings, job_id)
         return job_id
 
-    async def allocate(self, job_id: str, *ranks: tuple[str, tuple[int, ...]], attempt: int | None = None) -> m.Allocation:
+    async def allocate(
+        self, job_id: str, *ranks: tuple[str, tuple[int, ...]], attempt: int | None = None
+    ) -> m.Allocation:
         if attempt is None:
             attempt = await self.pool.fetchval("SELECT attempt FROM jobs WHERE job_id = $1", job_id)
         placements = [GangPlacement(rank=i, node_id=n, gpu_indices=g, borrowed=False) for i, (n, g) in enumerate(ranks)]
         await allocations.commit_gang(
-            self.pool, scope=self.settings.leader_scope, epoch=self.epoch, job_id=job_id, attempt=attempt,
+            self.pool,
+            scope=self.settings.leader_scope,
+            epoch=self.epoch,
+            job_id=job_id,
+            attempt=attempt,
             placements=placements,
         )
         alloc = await signals.allocation_for(self.pool, self.settings, job_id, attempt)
@@ -121,18 +134,23 @@ class Stand:
     async def preempt(self, job_id: str, *, by_job: str | None = None) -> None:
         attempt = await self.pool.fetchval("SELECT attempt FROM jobs WHERE job_id = $1", job_id)
         o = await job_states.mark_preempting(
-            self.pool, scope=self.settings.leader_scope, epoch=self.epoch, job_id=job_id, attempt=attempt,
-            reason="priority", by_job=by_job,
+            self.pool,
+            scope=self.settings.leader_scope,
+            epoch=self.epoch,
+            job_id=job_id,
+            attempt=attempt,
+            reason="priority",
+            by_job=by_job,
         )
         assert o.applied, o
-        await signals.signal_preempt(
-            self.client, m.PreemptRequest(job_id, attempt, self.epoch, "priority", by_job)
-        )
+        await signals.signal_preempt(self.client, m.PreemptRequest(job_id, attempt, self.epoch, "priority", by_job))
 
     async def job(self, job_id: str) -> asyncpg.Record:
         return await self.pool.fetchrow("SELECT * FROM jobs WHERE job_id = $1", job_id)
 
-    async def wait_state(self, job_id: str, *states: str, timeout: float = 20.0, attempt: int | None = None) -> asyncpg.Record:
+    async def wait_state(
+        self, job_id: str, *states: str, timeout: float = 20.0, attempt: int | None = None
+    ) -> asyncpg.Record:
         async def probe():
             row = await self.job(job_id)
             if row["state"] in states and (attempt is None or row["attempt"] == attempt):
@@ -165,7 +183,10 @@ class Stand:
 async def seed(pool: asyncpg.Pool, settings: Settings, *, nodes_per_block: int = 4) -> tuple[list[str], int]:
     async with pool.acquire() as conn:
         nodes = await ensure_cluster(
-            conn, gpu_type="h100", blocks=1, nodes_per_block=nodes_per_block,
+            conn,
+            gpu_type="h100",
+            blocks=1,
+            nodes_per_block=nodes_per_block,
             task_queue_prefix=settings.agent_task_queue_prefix,
         )
         for team in ("alpha", "beta"):
@@ -180,5 +201,5 @@ async def seed(pool: asyncpg.Pool, settings: Settings, *, nodes_per_block: int =
 def read_json(path: str | Path) -> dict:
     p = str(path)
     if p.startswith("file://"):
-        p = p[len("file://"):]
+        p = p[len("file://") :]
     return json.loads(Path(p).read_text())

@@ -7,7 +7,9 @@ from store.change_feed import ChangeFeed
 
 
 async def _change(conn, subject: str) -> int:
-    return await conn.fetchval("INSERT INTO changes (kind, subject, op) VALUES ('job', $1, 'INSERT') RETURNING seq", subject)
+    return await conn.fetchval(
+        "INSERT INTO changes (kind, subject, op) VALUES ('job', $1, 'INSERT') RETURNING seq", subject
+    )
 
 
 async def test_a_change_committed_late_is_read_and_a_rolled_back_one_is_dropped(pool):

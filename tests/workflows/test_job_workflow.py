@@ -34,8 +34,11 @@ SLEEP = [PY, "-c", "import time; time.sleep(60)"]
 
 
 async def test_gang_rank_failure_stops_all_ranks_releases_gpus_and_requeues_in_front(stand):
-    cmd = [PY, "-c", "import os, sys, time; r = int(os.environ['RANK']); time.sleep(0.8);"
-           " sys.exit(3) if r == 2 else time.sleep(60)"]
+    cmd = [
+        PY,
+        "-c",
+        "import os, sys, time; r = int(os.environ['RANK']); time.sleep(0.8); sys.exit(3) if r == 2 else time.sleep(60)",
+    ]
     job = await stand.submit("j-gang", command=cmd, replicas=4, gpus_per_replica=8)
     await stand.allocate(job, *[(n, tuple(range(8))) for n in stand.nodes[:4]])
     row = await stand.wait_state(job, "QUEUED", attempt=2)
@@ -50,8 +53,12 @@ async def test_gang_rank_failure_stops_all_ranks_releases_gpus_and_requeues_in_f
     failed = [e for e in await stand.events(job) if e["event"] == "attempt_failed"]
     assert len(failed) == 1 and failed[0]["detail"]["job_fault"] is True and "rank 2" in failed[0]["reason"]
     assert await stand.transitions(job) == [
-        (1, None, "QUEUED"), (1, "QUEUED", "STARTING"), (1, "STARTING", "RUNNING"), (2, "RUNNING", "QUEUED"),
+        (1, None, "QUEUED"),
+        (1, "QUEUED", "STARTING"),
+        (1, "STARTING", "RUNNING"),
+        (2, "RUNNING", "QUEUED"),
     ]
+
     # the workflow continued as new for attempt 2 and waits for its allocation
     async def waiting_for_attempt_2():
         status = await stand.client.get_workflow_handle(job).query("status")
@@ -95,8 +102,14 @@ async def test_preempted_job_checkpoints_requeues_and_resumes_to_the_same_result
     out = read_json(stand.settings.state_dir.resolve() / "checkpoints" / job / "result-0.json")
     assert out["value"] == expected(steps) and out["resumed_from"] == ck and out["attempt"] == "2"
     assert await stand.transitions(job) == [
-        (1, None, "QUEUED"), (1, "QUEUED", "STARTING"), (1, "STARTING", "RUNNING"), (1, "RUNNING", "PREEMPTING"),
-        (2, "PREEMPTING", "QUEUED"), (2, "QUEUED", "STARTING"), (2, "STARTING", "RUNNING"), (2, "RUNNING", "SUCCEEDED"),
+        (1, None, "QUEUED"),
+        (1, "QUEUED", "STARTING"),
+        (1, "STARTING", "RUNNING"),
+        (1, "RUNNING", "PREEMPTING"),
+        (2, "PREEMPTING", "QUEUED"),
+        (2, "QUEUED", "STARTING"),
+        (2, "STARTING", "RUNNING"),
+        (2, "RUNNING", "SUCCEEDED"),
     ]
     actions = [a["action"] for a in await stand.audit(job)]
     assert actions == ["allocate", "preempt", "release", "allocate", "release"]
@@ -121,7 +134,10 @@ async def test_cancel_while_starting_releases_the_gang(stand):
     assert res.state == "CANCELLED"
     assert await stand.live_gpus(job) == 0
     assert await stand.transitions(job) == [
-        (1, None, "QUEUED"), (1, "QUEUED", "STARTING"), (1, "STARTING", "CANCELLING"), (1, "CANCELLING", "CANCELLED"),
+        (1, None, "QUEUED"),
+        (1, "QUEUED", "STARTING"),
+        (1, "STARTING", "CANCELLING"),
+        (1, "CANCELLING", "CANCELLED"),
     ]
     assert [a["action"] for a in await stand.audit(job)] == ["allocate", "cancel", "release"]
 
@@ -140,8 +156,11 @@ async def test_cancel_while_running_stops_the_ranks(stand):
     assert stand.agent.signals_seen[f"{job}.a1.r0"] == ["SIGTERM"]
     assert await stand.live_gpus(job) == 0
     assert await stand.transitions(job) == [
-        (1, None, "QUEUED"), (1, "QUEUED", "STARTING"), (1, "STARTING", "RUNNING"),
-        (1, "RUNNING", "CANCELLING"), (1, "CANCELLING", "CANCELLED"),
+        (1, None, "QUEUED"),
+        (1, "QUEUED", "STARTING"),
+        (1, "STARTING", "RUNNING"),
+        (1, "RUNNING", "CANCELLING"),
+        (1, "CANCELLING", "CANCELLED"),
     ]
 
 
@@ -244,11 +263,15 @@ async def test_gang_not_started_in_time_is_released_and_requeued(stand):
 
 
 async def test_failed_serving_replica_restarts_alone(stand):
-    cmd = [PY, "-c", "import os, sys, time, pathlib;"
-           " m = pathlib.Path(os.environ['GPUFLEET_CHECKPOINT_DIR']) / ('crashed-' + os.environ['RANK']);"
-           " m.parent.mkdir(parents=True, exist_ok=True);"
-           " first = not m.exists(); m.touch();"
-           " sys.exit(1) if (os.environ['RANK'] == '1' and first) else time.sleep(60)"]
+    cmd = [
+        PY,
+        "-c",
+        "import os, sys, time, pathlib;"
+        " m = pathlib.Path(os.environ['GPUFLEET_CHECKPOINT_DIR']) / ('crashed-' + os.environ['RANK']);"
+        " m.parent.mkdir(parents=True, exist_ok=True);"
+        " first = not m.exists(); m.touch();"
+        " sys.exit(1) if (os.environ['RANK'] == '1' and first) else time.sleep(60)",
+    ]
     job = await stand.submit("j-serve", command=cmd, replicas=2, priority_class="prod-serving", grace_s=1.0)
     await stand.allocate(job, (stand.nodes[0], (0,)), (stand.nodes[1], (0,)))
     await stand.wait_state(job, "RUNNING")
@@ -260,7 +283,9 @@ async def test_failed_serving_replica_restarts_alone(stand):
     assert row["state"] == "RUNNING" and row["attempt"] == 1
     leases = await stand.pool.fetch("SELECT lease_id, state FROM leases WHERE job_id = $1 ORDER BY lease_id", job)
     assert [(lz["lease_id"], lz["state"]) for lz in leases] == [
-        (f"{job}.a1.r0", "live"), (f"{job}.a1.r1", "released"), (f"{job}.a1.r1.g1", "live"),
+        (f"{job}.a1.r0", "live"),
+        (f"{job}.a1.r1", "released"),
+        (f"{job}.a1.r1.g1", "live"),
     ]
     assert await stand.live_gpus(job) == 2
     assert "restart_replica" in [a["action"] for a in await stand.audit(job)]
@@ -282,8 +307,9 @@ async def test_long_running_attempt_continues_as_new_and_keeps_running(stand, mo
     first_run = (await h.describe()).run_id
     from datetime import datetime, timezone
 
-    noise = TaskStatus(stand.nodes[0], alloc.ranks[0].lease_id, job, 1, alloc.epoch, 0, TaskState.STARTED,
-                       datetime.now(timezone.utc))
+    noise = TaskStatus(
+        stand.nodes[0], alloc.ranks[0].lease_id, job, 1, alloc.epoch, 0, TaskState.STARTED, datetime.now(timezone.utc)
+    )
     for _ in range(20):
         await h.signal("task_status", TaskStatusBatch([noise]))
 

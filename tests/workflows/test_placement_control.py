@@ -84,7 +84,10 @@ async def test_placement_places_and_the_job_succeeds(cluster):
     res = await stand.result(job)
     assert res.state == "SUCCEEDED"
     assert await stand.transitions(job) == [
-        (1, None, "QUEUED"), (1, "QUEUED", "STARTING"), (1, "STARTING", "RUNNING"), (1, "RUNNING", "SUCCEEDED"),
+        (1, None, "QUEUED"),
+        (1, "QUEUED", "STARTING"),
+        (1, "STARTING", "RUNNING"),
+        (1, "RUNNING", "SUCCEEDED"),
     ]
     allocate = [a for a in await stand.audit(job) if a["action"] == "allocate"][0]
     assert allocate["actor"] == "placement:c1" and allocate["detail"]["epoch"] == c1.epoch
@@ -143,12 +146,20 @@ async def test_research_job_is_preempted_by_prod_batch_and_resumes_to_the_same_r
     await leading(c1)
     steps = 60
     research = await stand.submit(
-        "p-research", command=[PY, TRAIN, str(steps), "0.05", "5"], replicas=4, gpus_per_replica=8,
-        priority_class="research", team="beta", grace_s=5.0,
+        "p-research",
+        command=[PY, TRAIN, str(steps), "0.05", "5"],
+        replicas=4,
+        gpus_per_replica=8,
+        priority_class="research",
+        team="beta",
+        grace_s=5.0,
     )
     await stand.wait_state(research, "RUNNING")
-    lease_dir = stand.agent.root / (await stand.pool.fetchval(
-        "SELECT node_id FROM leases WHERE job_id = $1 AND rank = 0", research)) / f"{research}.a1.r0"
+    lease_dir = (
+        stand.agent.root
+        / (await stand.pool.fetchval("SELECT node_id FROM leases WHERE job_id = $1 AND rank = 0", research))
+        / f"{research}.a1.r0"
+    )
 
     async def progressed():
         try:
@@ -162,8 +173,14 @@ async def test_research_job_is_preempted_by_prod_batch_and_resumes_to_the_same_r
         return (await stand.client.get_workflow_handle(research).query("status"))["checkpoint"]
 
     await eventually(gang_checkpoint, timeout=15, what="a checkpoint every rank reported")
-    prod = await stand.submit("p-prod", command=[PY, "-c", "import time; time.sleep(0.5)"], replicas=1,
-                              gpus_per_replica=8, priority_class="prod-batch", team="alpha")
+    prod = await stand.submit(
+        "p-prod",
+        command=[PY, "-c", "import time; time.sleep(0.5)"],
+        replicas=1,
+        gpus_per_replica=8,
+        priority_class="prod-batch",
+        team="alpha",
+    )
     assert (await stand.result(prod, timeout=40)).state == "SUCCEEDED"
     res = await stand.result(research, timeout=60)
     assert res.state == "SUCCEEDED" and res.attempt == 2
@@ -181,7 +198,9 @@ async def test_leader_failover_higher_epoch_fences_the_old_leader(cluster):
     c1 = await start("c1")
     e1 = await leading(c1)
     c2 = await start("c2")
-    long = await stand.submit("f-long", command=[PY, "-c", "import time; time.sleep(3)"], replicas=2, gpus_per_replica=8)
+    long = await stand.submit(
+        "f-long", command=[PY, "-c", "import time; time.sleep(3)"], replicas=2, gpus_per_replica=8
+    )
     await stand.wait_state(long, "RUNNING", timeout=15)
     t0 = asyncio.get_running_loop().time()
     await c1.kill()  # no resignation: c2 must wait for the lease to expire
@@ -192,7 +211,11 @@ async def test_leader_failover_higher_epoch_fences_the_old_leader(cluster):
     await stand.submit("f-stale", start=False)
     with pytest.raises(errors.StaleEpoch):
         await allocations.commit_gang(
-            stand.pool, scope=stand.settings.leader_scope, epoch=e1, job_id="f-stale", attempt=1,
+            stand.pool,
+            scope=stand.settings.leader_scope,
+            epoch=e1,
+            job_id="f-stale",
+            attempt=1,
             placements=[allocations.GangPlacement(0, stand.nodes[3], (7,), False)],
         )
     # the new leader keeps placing, and the running job finishes
@@ -246,7 +269,11 @@ async def test_a_gang_committed_without_a_signal_is_signalled_by_the_leader(clus
         await set_quota(conn, TeamQuota("alpha", "a100", 8, 0), actor="test", reason="fixture")
     job = await stand.submit("p-adopt", command=[PY, "-c", "pass"], gpu_type="a100")
     await allocations.commit_gang(
-        stand.pool, scope=stand.settings.leader_scope, epoch=epoch, job_id=job, attempt=1,
+        stand.pool,
+        scope=stand.settings.leader_scope,
+        epoch=epoch,
+        job_id=job,
+        attempt=1,
         placements=[allocations.GangPlacement(0, stand.nodes[0], (5,), False)],
     )
     assert (await stand.result(job, timeout=30)).state == "SUCCEEDED"
@@ -259,7 +286,9 @@ async def test_a_placement_workflow_left_by_an_older_version_is_terminated(clust
 
     stand, start = cluster
     await stand.client.start_workflow(
-        "PlacementWorkflow", id=RETIRED_PLACEMENT_WORKFLOW_ID, task_queue=stand.settings.control_task_queue + "-placement"
+        "PlacementWorkflow",
+        id=RETIRED_PLACEMENT_WORKFLOW_ID,
+        task_queue=stand.settings.control_task_queue + "-placement",
     )
     c1 = await start("c1")
     await leading(c1)

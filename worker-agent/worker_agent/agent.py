@@ -85,7 +85,9 @@ class AgentProcess:
         runtime = make_runtime(s)
         for node_id in self.node_ids:
             backend = make_backend(s, node_id, self.backend_kind)  # NvmlUnavailable: a clear error
-            node = NodeAgent(s, node_id, backend=backend, runtime=runtime, boot_id=self.boot_id, agent_addr=self.http_log_addr)
+            node = NodeAgent(
+                s, node_id, backend=backend, runtime=runtime, boot_id=self.boot_id, agent_addr=self.http_log_addr
+            )
             await node.start()
             self.nodes[node_id] = node
         for node_id, node in self.nodes.items():

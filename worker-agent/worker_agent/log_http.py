@@ -86,7 +86,7 @@ class LogHttpServer:
         if method != "GET":
             return await _plain(writer, 405, "GET only")
         auth = headers.get("authorization", "")
-        token = auth[len("Bearer "):] if auth.startswith("Bearer ") else None
+        token = auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
         if not check_credential(self.settings.agent_log_token, token):
             return await _plain(writer, 401, "bad or missing log token")
         q = parse_qs(parts.query)
@@ -144,7 +144,8 @@ async def _plain(writer: asyncio.StreamWriter, status: int, text: str) -> None:
     body = (text + "\n").encode()
     writer.write(
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain; charset=utf-8\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
     )
     await writer.drain()
 

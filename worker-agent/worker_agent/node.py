@@ -43,7 +43,16 @@ from pathlib import Path
 
 from temporalio import activity
 
-from common.contracts import START_TASK, STOP_TASK, StartTask, StartTaskResult, StopTask, StopTaskResult, TaskState, TaskStatus
+from common.contracts import (
+    START_TASK,
+    STOP_TASK,
+    StartTask,
+    StartTaskResult,
+    StopTask,
+    StopTaskResult,
+    TaskState,
+    TaskStatus,
+)
 from proto import agent_pb2 as pb
 from proto.convert import HEALTH_TO_PB, task_status_to_pb
 from worker_agent import statefiles as sf
@@ -382,7 +391,9 @@ class NodeAgent:
             self._check(st)
             if st.live and time.monotonic() > deadline and not forced:
                 # The supervisor did not end it in time (dead or stuck): do it ourselves.
-                log.error("%s: lease %s still running after grace + margin: SIGKILL by the agent", self.node_id, st.lease_id)
+                log.error(
+                    "%s: lease %s still running after grace + margin: SIGKILL by the agent", self.node_id, st.lease_id
+                )
                 if st.pgid:
                     try:
                         os.killpg(st.pgid, signal.SIGKILL)

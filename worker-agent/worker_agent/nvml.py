@@ -62,7 +62,9 @@ class GpuSample:
     faults: list[str] = field(default_factory=list)
 
 
-def classify(s: GpuSample, fatal_xids: Iterable[int], *, failed: list[str] | None = None, degraded: list[str] | None = None) -> GpuSample:
+def classify(
+    s: GpuSample, fatal_xids: Iterable[int], *, failed: list[str] | None = None, degraded: list[str] | None = None
+) -> GpuSample:
     """Set ``s.health`` and ``s.faults`` from what was read."""
     fatal = set(fatal_xids)
     bad = list(failed or [])
@@ -256,12 +258,16 @@ class NvmlBackend:
             t = getattr(t, "temperature", t)  # nvmlDeviceGetTemperatureV returns a struct
             s.temperature_c = None if t is None else float(t)
             s.ecc_dbe = self._field(
-                lambda: int(nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)),
+                lambda: int(
+                    nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
+                ),
                 errors,
                 "ecc_dbe",
             )
             s.ecc_sbe = self._field(
-                lambda: int(nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC)),
+                lambda: int(
+                    nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC)
+                ),
                 errors,
                 "ecc_sbe",
             )
@@ -344,7 +350,9 @@ class SimulatedBackend:
 
     name = "simulated"
 
-    def __init__(self, n_gpus: int = 8, *, fatal_xids: Iterable[int] = (), fault_file: Path | None = None, node_id: str = "sim") -> None:
+    def __init__(
+        self, n_gpus: int = 8, *, fatal_xids: Iterable[int] = (), fault_file: Path | None = None, node_id: str = "sim"
+    ) -> None:
         self.n = n_gpus
         self.node_id = node_id
         self.fatal_xids = list(fatal_xids)
@@ -502,7 +510,9 @@ def _main() -> int:
         return 2
     try:
         time.sleep(0.5)  # let the event thread register
-        print(json.dumps({"backend": backend.name, "gpus": [dataclasses.asdict(s) for s in backend.sample()]}, indent=2))
+        print(
+            json.dumps({"backend": backend.name, "gpus": [dataclasses.asdict(s) for s in backend.sample()]}, indent=2)
+        )
     finally:
         backend.close()
     return 0

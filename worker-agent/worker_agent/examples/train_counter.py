@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         step, state = resumed
         value = int(state["value"])
         print(f"resumed from step {step} ({job.resume_from})", flush=True)
-    print(f"rank {job.rank}/{job.world_size} job {job.job_id} attempt {job.attempt} starting at step {step}", flush=True)
+    print(
+        f"rank {job.rank}/{job.world_size} job {job.job_id} attempt {job.attempt} starting at step {step}", flush=True
+    )
     while step < a.steps:
         value = advance(value, step)
         step += 1
