@@ -16,7 +16,6 @@ import json
 import logging
 import socket
 import sys
-from typing import Optional
 
 import typer
 
@@ -48,18 +47,18 @@ def _node_ids(settings, simulate: int, nodes: str) -> list[str]:
 def run(
     simulate: int = typer.Option(0, "--simulate", help="host N simulated nodes in this process (simulated NVML)"),
     nodes: str = typer.Option("", "--nodes", help="comma-separated node ids to host"),
-    backend: Optional[str] = typer.Option(
+    backend: str | None = typer.Option(
         None, "--backend", help="real | simulated (default: GPUFLEET_AGENT_NVML_BACKEND)"
     ),
-    control: Optional[str] = typer.Option(None, "--control", help="comma-separated control gRPC addresses"),
-    temporal_address: Optional[str] = typer.Option(
+    control: str | None = typer.Option(None, "--control", help="comma-separated control gRPC addresses"),
+    temporal_address: str | None = typer.Option(
         None, "--temporal-address", help="Temporal frontend (default: settings)"
     ),
     no_temporal: bool = typer.Option(False, "--no-temporal", help="heartbeats and reports only, no Temporal workers"),
-    listen: Optional[str] = typer.Option(
-        None, "--listen", help="log service host:port (default: GPUFLEET_AGENT_LISTEN)"
+    listen: str | None = typer.Option(
+        None, "--listen", help="where rank logs are served, host:port (default: GPUFLEET_AGENT_HTTP_LISTEN)"
     ),
-    boot_id: Optional[str] = typer.Option(None, "--boot-id", hidden=True, help="pretend this boot id (reboot tests)"),
+    boot_id: str | None = typer.Option(None, "--boot-id", hidden=True, help="pretend this boot id (reboot tests)"),
     log_level: str = typer.Option("INFO", "--log-level"),
 ) -> None:
     """Run the agent until SIGTERM/SIGINT; running ranks are left running (a restart re-adopts them)."""
@@ -106,7 +105,6 @@ def run(
                     "agent": "up",
                     "nodes": node_ids,
                     "backend": kind,
-                    "log_addr": agent.log_addr,
                     "http_log_addr": agent.http_log_addr,
                 }
             ),
@@ -123,18 +121,18 @@ def run(
         print(f"gpufleet agent: {e}", file=sys.stderr)
         code = 2
     finally:
-        hard_exit(code)  # DESIGN.md pitfall: temporalio may crash at interpreter exit
+        hard_exit(code)  # docs/design.md, Known pitfalls: temporalio may crash at interpreter exit
 
 
 @agent_app.command("inject-fault")
 def inject_fault(
     node: str = typer.Option(..., "--node", help="simulated node id"),
-    gpu: Optional[int] = typer.Option(None, "--gpu", help="GPU index (default: every GPU)"),
-    xid: Optional[int] = typer.Option(None, "--xid", help="an Xid error, e.g. 79 (fallen off the bus)"),
-    ecc: Optional[str] = typer.Option(None, "--ecc", help="sbe (corrected) or dbe (uncorrected, fatal)"),
+    gpu: int | None = typer.Option(None, "--gpu", help="GPU index (default: every GPU)"),
+    xid: int | None = typer.Option(None, "--xid", help="an Xid error, e.g. 79 (fallen off the bus)"),
+    ecc: str | None = typer.Option(None, "--ecc", help="sbe (corrected) or dbe (uncorrected, fatal)"),
     hang: bool = typer.Option(False, "--hang", help="GPU hangs: utilization 0, the ranks' steps freeze"),
-    slow: Optional[float] = typer.Option(None, "--slow", help="slow GPU: throughput factor, e.g. 0.5"),
-    link: Optional[int] = typer.Option(None, "--link", help="NVLink number that goes down"),
+    slow: float | None = typer.Option(None, "--slow", help="slow GPU: throughput factor, e.g. 0.5"),
+    link: int | None = typer.Option(None, "--link", help="NVLink number that goes down"),
     clear: bool = typer.Option(False, "--clear", help="clear the GPU's faults"),
 ) -> None:
     """Inject a fault into a simulated node; it shows in the node's next heartbeat."""

@@ -65,7 +65,7 @@ class Settings(BaseSettings):
     agent_credentials: dict[str, str] = Field(default_factory=dict, description="node_id -> credential")
     agent_shared_secret: str = Field("dev-agent-secret", description="derives per-node credentials in dev")
 
-    # --- leadership (DESIGN.md, Leadership) --------------------------------
+    # --- leadership (docs/design.md, Leadership) --------------------------------
     leader_scope: str = Field("placement", description="leader row scope")
     leader_renew_s: float = Field(5.0, description="leader lease renewal interval")
     leader_ttl_s: float = Field(15.0, description="leader lease lifetime after its last renewal")
@@ -91,7 +91,7 @@ class Settings(BaseSettings):
     )
     fair_share_half_life_h: float = Field(84.0, description="half-life of decayed GPU-hour usage (7-day window)")
 
-    # --- jobs (DESIGN.md, Job lifecycle) ------------------------------------
+    # --- jobs (docs/design.md, Job lifecycle) ------------------------------------
     gang_start_timeout_s: float = Field(600.0, description="a gang not fully started in this time is released")
     default_grace_s: float = Field(30.0, description="checkpoint grace period when a job names none")
     max_runtime_caps_s: dict[str, float] = Field(
@@ -131,7 +131,7 @@ class Settings(BaseSettings):
         0.1, description="least time between two placement cycles (a burst of changes runs one cycle)"
     )
 
-    # --- health (DESIGN.md, Health) -----------------------------------------
+    # --- health (docs/design.md, Health) -----------------------------------------
     heartbeat_interval_s: float = Field(5.0, description="agent heartbeat interval")
     suspect_after_s: float = Field(30.0, description="no heartbeat this long: node suspect")
     down_after_s: float = Field(90.0, description="no heartbeat this long: node down")
@@ -157,7 +157,7 @@ class Settings(BaseSettings):
     burn_in_retry_s: float = Field(300.0, description="after a failed burn-in, wait this long before the next")
     burn_in_seconds: float = Field(60.0, description="how long the burn-in stress test runs (matmul + NCCL all-reduce)")
 
-    # --- agent (worker-agent; DESIGN.md, Processes and Health) ---------------
+    # --- agent (worker-agent; docs/design.md, Processes and Health) ---------------
     agent_node_id: str | None = Field(
         None, description="node id of `gpufleet agent run` without --nodes/--simulate; unset = hostname"
     )
@@ -173,10 +173,6 @@ class Settings(BaseSettings):
     )
     agent_shared_task_queue: str = Field(
         "gpufleet-nodes-shared", description="the one node task queue when agent_task_queue_mode is shared"
-    )
-    agent_listen: str = Field(
-        "127.0.0.1:0",
-        description="where an agent process serves rank logs over gRPC (NodeAgent.ReadLog; host:port, port 0 = any)",
     )
     agent_http_listen: str = Field(
         "127.0.0.1:0",

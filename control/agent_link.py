@@ -1,26 +1,21 @@
-"""Control-side pieces of the agent link: the heartbeat table, auth failures, the log client.
+"""Control-side pieces of the agent link: the heartbeat table and auth failures.
 
 * ``HeartbeatTable`` — the leader's in-memory view of every node's latest heartbeat
-  (DESIGN.md, Health: never in Postgres). ``NodeHeartbeat`` keeps the wire message
+  (docs/design.md, Health: never in Postgres). ``NodeHeartbeat`` keeps the wire message
   and decodes it lazily (``.report()`` -> ``common.contracts.HeartbeatReport``), so
   ingesting thousands of heartbeats a second stays cheap.
 * ``AuthFailure`` — what the server hands to its ``on_auth_failure`` callback for the
-  audit row (DESIGN.md, Security).
-* ``read_rank_log`` — the client the API uses to proxy a rank's log from its agent.
+  audit row (docs/design.md, Security).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-
-import grpc
 
 from common.contracts import HeartbeatReport
 from proto import agent_pb2 as pb
-from proto import agent_pb2_grpc as pbg
-from proto.auth import bearer
 from proto.convert import heartbeat_report_from_pb
 
 
@@ -37,7 +32,7 @@ class AuthFailure:
 class NodeHeartbeat:
     """The latest heartbeat of one node, as received."""
 
-    __slots__ = ("node_id", "boot_id", "seq", "received_at", "received_wall", "message", "peer", "_report")
+    __slots__ = ("_report", "boot_id", "message", "node_id", "peer", "received_at", "received_wall", "seq")
 
     def __init__(self, node_id: str, message: pb.Heartbeat, peer: str, now: float, wall: float) -> None:
         self.node_id = node_id
@@ -113,35 +108,3 @@ class HeartbeatTable:
     def forget(self, node_id: str) -> None:
         self._nodes.pop(node_id, None)
         self._retired.pop(node_id, None)
-
-
-async def read_rank_log(
-    agent_addr: str,
-    token: str,
-    node_id: str,
-    lease_id: str,
-    *,
-    stream: str = "stdout",
-    offset: int = 0,
-    max_bytes: int = 0,
-    follow: bool = False,
-    follow_timeout_s: float = 0.0,
-    timeout_s: float | None = 30.0,
-) -> AsyncIterator[pb.LogChunk]:
-    """Chunks of a rank's log from the agent at ``agent_addr`` (``nodes.agent_addr`` / heartbeat).
-
-    ``token`` is ``settings.agent_log_token``. Raises ``grpc.aio.AioRpcError``
-    (UNAUTHENTICATED, NOT_FOUND, UNAVAILABLE) for the caller to map to HTTP.
-    """
-    async with grpc.aio.insecure_channel(agent_addr) as channel:
-        stub = pbg.NodeAgentStub(channel)
-        call = stub.ReadLog(
-            pb.ReadLogRequest(
-                node_id=node_id, lease_id=lease_id, stream=stream, offset=offset, max_bytes=max_bytes,
-                follow=follow, follow_timeout_s=follow_timeout_s,
-            ),
-            metadata=bearer(token),
-            timeout=None if follow else timeout_s,
-        )  # fmt: skip
-        async for chunk in call:
-            yield chunk

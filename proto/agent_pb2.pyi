@@ -206,31 +206,3 @@ class Redirect(_message.Message):
     leader_addr: str
     reason: str
     def __init__(self, leader_addr: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
-
-class ReadLogRequest(_message.Message):
-    __slots__ = ("node_id", "lease_id", "stream", "offset", "max_bytes", "follow", "follow_timeout_s")
-    NODE_ID_FIELD_NUMBER: _ClassVar[int]
-    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    STREAM_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
-    FOLLOW_FIELD_NUMBER: _ClassVar[int]
-    FOLLOW_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    node_id: str
-    lease_id: str
-    stream: str
-    offset: int
-    max_bytes: int
-    follow: bool
-    follow_timeout_s: float
-    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., stream: _Optional[str] = ..., offset: _Optional[int] = ..., max_bytes: _Optional[int] = ..., follow: _Optional[bool] = ..., follow_timeout_s: _Optional[float] = ...) -> None: ...
-
-class LogChunk(_message.Message):
-    __slots__ = ("data", "offset", "eof")
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    EOF_FIELD_NUMBER: _ClassVar[int]
-    data: bytes
-    offset: int
-    eof: bool
-    def __init__(self, data: _Optional[bytes] = ..., offset: _Optional[int] = ..., eof: _Optional[bool] = ...) -> None: ...

@@ -53,10 +53,3 @@ def check_credential(expected: str | None, presented: str | None) -> bool:
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
     return ((AUTHORIZATION_KEY, f"Bearer {token}"),)
-
-
-def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-    value = metadata_value(metadata, AUTHORIZATION_KEY)
-    if not value or not value.startswith("Bearer "):
-        return None
-    return value[len("Bearer ") :]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 from common.contracts import GpuReport, HeartbeatReport, RunningLeaseReport, TaskState, TaskStatus
 from proto import agent_pb2 as pb
 
-_STATE_TO_PB = {s: pb.TaskState.Value(s.value) for s in TaskState}
+_STATE_TO_PB: dict[TaskState, Any] = {s: pb.TaskState.Value(s.value) for s in TaskState}
 _PB_TO_STATE = {v: k for k, v in _STATE_TO_PB.items()}
 
 

@@ -1,4 +1,4 @@
-"""The gpufleet node agent (DESIGN.md, Processes and Health).
+"""The gpufleet node agent (docs/design.md, Processes and Health).
 
 Kept import-light on purpose: each rank's supervisor (``python -m
 worker_agent.supervisor``) and training scripts (``worker_agent.jobhelper``)
@@ -11,7 +11,7 @@ Modules:
   nvml        GPU health backends: real (nvidia-ml-py) and simulated with fault injection
   node        NodeAgent: one node's StartTask/StopTask activities, epochs, re-adoption
   link        the agent side of the gRPC stream to the control leader
-  logs        the NodeAgent gRPC service that serves rank logs (to the API)
+  log_http    rank logs over HTTP, the contract the API proxies
   agent       run_agent(): Temporal workers + links + log server for one or many nodes
   jobhelper   for training scripts: checkpoint on SIGTERM, async checkpoints, steps, resume
 """

@@ -1,4 +1,4 @@
-"""An agent process: one or many nodes, their Temporal workers, control links and the log server.
+"""An agent process: one or many nodes, their Temporal workers, control links and the log server (HTTP).
 
     from worker_agent.agent import run_agent, AgentProcess
 
@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from common.temporal import connect, make_worker
 from worker_agent.link import ControlLink
 from worker_agent.log_http import LogHttpServer
-from worker_agent.logs import start_log_server
 from worker_agent.node import FleetActivities, NodeAgent, build_agent_activities
 from worker_agent.nvml import make_backend
 from worker_agent.runtime import make_runtime
@@ -66,12 +65,10 @@ class AgentProcess:
         self.listen = listen
         self.nodes: dict[str, NodeAgent] = {}
         self.links: dict[str, ControlLink] = {}
-        self.log_addr = ""  # gRPC NodeAgent.ReadLog
         self.http_log_addr = ""  # the API's HTTP log contract; advertised in heartbeats as agent_addr
         self._http_log_server: LogHttpServer | None = None
         self.temporal_connected = False
         self.temporal_error = ""
-        self._log_server = None
         self._tasks: list[asyncio.Task] = []
         self._workers: list = []
 
@@ -79,9 +76,8 @@ class AgentProcess:
         s = self.settings
         if self.backend_kind == "real" and len(self.node_ids) > 1:
             raise ValueError("the real NVML backend hosts exactly one node per process")
-        self._log_server, self.log_addr = await start_log_server(s, self.nodes, self.listen)
         self._http_log_server = LogHttpServer(s, self.nodes)
-        self.http_log_addr = await self._http_log_server.start(s.agent_http_listen)
+        self.http_log_addr = await self._http_log_server.start(self.listen or s.agent_http_listen)
         runtime = make_runtime(s)
         for node_id in self.node_ids:
             backend = make_backend(s, node_id, self.backend_kind)  # NvmlUnavailable: a clear error
@@ -99,7 +95,7 @@ class AgentProcess:
         log.info(
             "agent up: %d node(s) %s, NVML backend %s, runtime %s, queue mode %s, logs at %s",
             len(self.nodes), ",".join(self.node_ids[:4]) + ("..." if len(self.node_ids) > 4 else ""),
-            self.backend_kind, runtime.name, s.agent_task_queue_mode, self.log_addr,
+            self.backend_kind, runtime.name, s.agent_task_queue_mode, self.http_log_addr,
         )  # fmt: skip
 
     def _make_workers(self, client) -> list:
@@ -157,9 +153,6 @@ class AgentProcess:
         self._tasks.clear()
         for node in self.nodes.values():
             await node.close()
-        if self._log_server is not None:
-            await self._log_server.stop(0.5)
-            self._log_server = None
         if self._http_log_server is not None:
             await self._http_log_server.stop()
             self._http_log_server = None

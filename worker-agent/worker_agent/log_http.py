@@ -6,8 +6,7 @@
        output as the rank writes it, and ends when the rank has exited (or after an hour).
     401 bad or missing token, 404 no such lease on this agent, 405/400 anything else.
 
-Served by each agent process next to the gRPC ``NodeAgent.ReadLog`` (worker_agent/logs.py),
-on ``settings.agent_http_listen``; its address is what heartbeats advertise as
+Served by each agent process on ``settings.agent_http_listen``; its address is what heartbeats advertise as
 ``agent_addr`` and what the leader writes to ``nodes.agent_addr``. A small HTTP/1.1
 server on asyncio streams: the agent takes no web framework as a dependency.
 """
@@ -17,16 +16,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from proto.auth import check_credential
-from worker_agent.logs import CHUNK, MAX_FOLLOW_S, advertised
 
 log = logging.getLogger(__name__)
 
+CHUNK = 64 * 1024
+MAX_FOLLOW_S = 3600.0
 MAX_HEADER_BYTES = 16 * 1024
 HEADER_TIMEOUT_S = 10.0
+
+
+def advertised(host: str, port: int) -> str:
+    """The address to advertise for a listening socket (a wildcard host becomes this host's name)."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.getfqdn()
+    return f"{host}:{port}"
 
 
 class LogHttpServer:
@@ -59,7 +67,7 @@ class LogHttpServer:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT_S)
             await self._serve(head.decode("latin-1"), writer)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass  # a client that went away or sent garbage
         except Exception:
             log.exception("log request failed")
