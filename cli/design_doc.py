@@ -55,11 +55,19 @@ def node_states_table() -> str:
 
 
 def migrations_table() -> str:
+    """Each migration with the first sentence of its leading comment (migrations never change,
+    so their references to the retired shared DESIGN.md are left out here)."""
     from common.db import migration_files
 
     lines = ["| migration | what it does |", "|---|---|"]
     for name, sql in migration_files():
-        first = next((ln[2:].strip() for ln in sql.splitlines() if ln.startswith("--")), "")
+        head = []
+        for ln in sql.splitlines():
+            if not ln.startswith("--"):
+                break
+            head.append(ln[2:].strip())
+        text = re.sub(r"\s*\(DESIGN\.md[^)]*\)", "", " ".join(head))
+        first = re.split(r"(?<=\.)\s", text, maxsplit=1)[0]
         lines.append(f"| `{name}` | {first} |")
     return "\n".join(lines)
 
@@ -73,7 +81,7 @@ TABLES: dict[str, Callable[[], str]] = {
 
 
 def _pattern(name: str) -> re.Pattern[str]:
-    return re.compile(rf"(<!-- generated:{name} -->\n)(.*?)(\n<!-- /generated:{name} -->)", re.S)
+    return re.compile(rf"(<!-- generated:{name} -->\n)(.*?)(<!-- /generated:{name} -->)", re.S)
 
 
 def render(text: str) -> str:
@@ -82,8 +90,10 @@ def render(text: str) -> str:
         pattern = _pattern(name)
         if not pattern.search(text):
             raise ValueError(f"docs/design.md has no <!-- generated:{name} --> block")
-        body = make()
-        text = pattern.sub(lambda m: m.group(1) + body + m.group(3), text)
+        body = make() + "\n"
+        match = pattern.search(text)
+        assert match is not None
+        text = text[: match.start(2)] + body + text[match.end(2) :]
     return text
 
 
@@ -92,6 +102,6 @@ def stale(text: str) -> list[str]:
     out = []
     for name, make in TABLES.items():
         m = _pattern(name).search(text)
-        if m is None or m.group(2) != make():
+        if m is None or m.group(2) != make() + "\n":
             out.append(name)
     return out
