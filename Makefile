@@ -25,14 +25,19 @@ install-test: $(VENV)/.installed-test
 up: install
 	$(PY) -m cli.main up
 
+# the walls between the rooms, one formatter, the linter, the type checker, the design doc's tables
 lint: install-test
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(PY) -m cli.main docs --check
 
 test: install-test lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 proto: install-test
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. proto/agent.proto
+	PYTHON=$(PY) proto/build.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -8,7 +8,6 @@ store's (``store.jobs``, ``store.job_states``).
 from __future__ import annotations
 
 from pathlib import Path
-from store.tx import Pool
 from typing import Any
 
 from temporalio import activity
@@ -16,6 +15,7 @@ from temporalio import activity
 from common.settings import Settings
 from placement.lifecycle import ACTIVE
 from store import job_spec, job_states, jobs
+from store.tx import Pool
 from workflows import messages as m
 
 

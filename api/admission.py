@@ -14,12 +14,10 @@ from collections.abc import Iterable
 
 import asyncpg
 
-from store import jobs
-from store import nodes
-from store import teams
 from api.errors import ApiError
 from api.schemas import PRIORITY_CLASSES, JobSubmit
 from common.settings import Principal, Settings
+from store import jobs, nodes, teams
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)([smhdw]))+$")

@@ -1,4 +1,4 @@
-"""Bearer tokens -> principals (DESIGN.md, Security): deny by default.
+"""Bearer tokens -> principals (docs/design.md, Security): deny by default.
 
 A principal is a member of one team or an admin. A team sees and acts on its own
 jobs only; admins on all; admin-only routes refuse team tokens whatever the method.

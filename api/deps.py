@@ -11,13 +11,12 @@ import asyncpg
 from fastapi import Path, Request
 from pydantic import AfterValidator
 
-from store import jobs
-from store import tx
 from api.auth import can_see_team
 from api.errors import ApiError
 from api.gateway import TemporalGateway
 from api.schemas import storable
 from common.settings import Principal, Settings
+from store import jobs, tx
 
 JobId = Annotated[str, Path(min_length=1, max_length=200), AfterValidator(storable)]
 NodeId = Annotated[str, Path(min_length=1, max_length=200), AfterValidator(storable)]

@@ -161,8 +161,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 __all__ = [
-    "ApiError",
     "ERROR_RESPONSES",
+    "ApiError",
     "ErrorBody",
     "error_body",
     "error_response",

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 from datetime import timedelta
+from typing import Any, cast
 
 from temporalio.client import (
     Client,
@@ -54,7 +54,6 @@ class TemporalGateway:
     def __init__(self, settings: Settings, client: Client | None = None) -> None:
         self.settings = settings
         self._client = client
-        self._owned = client is None
         self._retry_at = 0.0
         self._lock: asyncio.Lock | None = None
 
@@ -114,17 +113,19 @@ class TemporalGateway:
                 ),
                 self.settings.api_temporal_timeout_s + 1,
             )
-        except (RPCError, RPCTimeoutOrCancelledError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, RPCError, RPCTimeoutOrCancelledError, OSError) as e:
             raise ControlUnavailable(str(e) or type(e).__name__) from e
 
     async def extend_job(self, job_id: str, request: ExtendRequest) -> ExtendResult:
         client = await self.client()
-        handle = client.get_workflow_handle(job_id)
+        handle = client.get_workflow_handle_for(JobWorkflow.run, job_id)
         try:
-            return await asyncio.wait_for(
+            result = await asyncio.wait_for(
                 handle.execute_update(JobWorkflow.extend, request, rpc_timeout=self.timeout),
                 self.settings.api_temporal_timeout_s + 1,
             )
+            # the SDK types an async update's result as its coroutine; the value is the ExtendResult
+            return cast(ExtendResult, result)
         except WorkflowUpdateFailedError as e:
             cause = e.cause
             raise UpdateRejected(str(getattr(cause, "message", None) or cause or e)) from e
@@ -134,10 +135,5 @@ class TemporalGateway:
             if e.status == RPCStatusCode.FAILED_PRECONDITION:
                 raise WorkflowClosed(job_id) from e
             raise ControlUnavailable(str(e)) from e
-        except (
-            WorkflowUpdateRPCTimeoutOrCancelledError,
-            RPCTimeoutOrCancelledError,
-            asyncio.TimeoutError,
-            OSError,
-        ) as e:
+        except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError, RPCTimeoutOrCancelledError, OSError) as e:
             raise ControlUnavailable(str(e) or type(e).__name__) from e

@@ -29,10 +29,10 @@ from fastapi import Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 
-from store import idempotency as idempotency_keys
-from store import tx
 from api.errors import ApiError
 from common.settings import Principal, Settings
+from store import idempotency as idempotency_keys
+from store import tx
 
 MAX_KEY_LENGTH = 255
 REPLAYED_HEADER = "Idempotent-Replayed"

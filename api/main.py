@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import asyncpg
 from fastapi import FastAPI
@@ -81,7 +82,7 @@ def route_table(app: FastAPI) -> list[tuple[str, str]]:
     try:
         from fastapi.routing import iter_route_contexts
     except ImportError:  # older FastAPI: app.routes is already flat
-        contexts = list(app.routes)
+        contexts: list[Any] = list(app.routes)
     else:
         contexts = list(iter_route_contexts(app.routes))
     table: list[tuple[str, str]] = []

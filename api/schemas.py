@@ -10,8 +10,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from placement import NodeHealth, PriorityClass
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, StringConstraints, model_validator
+
+from placement import NodeHealth, PriorityClass
 
 # the platform's vocabularies, from the engine (placement/): one spelling everywhere
 PRIORITY_CLASSES = tuple(c.value for c in PriorityClass)
@@ -29,27 +30,17 @@ def storable(s: str) -> str:
     return s
 
 
-def is_storable(s: str) -> bool:
-    try:
-        storable(s)
-    except ValueError:
-        return False
-    return True
-
-
-def Text(max_length: int, min_length: int = 0) -> Any:  # noqa: N802 - a type factory
-    return Annotated[str, StringConstraints(min_length=min_length, max_length=max_length), AfterValidator(storable)]
-
-
-Str1000 = Text(1000)
-Str1000_1 = Text(1000, 1)
-Str200 = Text(200)
-Str32_1 = Text(32, 1)
-Str4096 = Text(4096)
-Str512_1 = Text(512, 1)
-Str63_1 = Text(63, 1)
-Str64_1 = Text(64, 1)
-Str8192 = Text(8192)
+# bounded strings that Postgres can store (no NUL, no lone surrogates); name: Str<max>[_<min>]
+_STORABLE = AfterValidator(storable)
+Str200 = Annotated[str, StringConstraints(max_length=200), _STORABLE]
+Str1000 = Annotated[str, StringConstraints(max_length=1000), _STORABLE]
+Str1000_1 = Annotated[str, StringConstraints(min_length=1, max_length=1000), _STORABLE]
+Str32_1 = Annotated[str, StringConstraints(min_length=1, max_length=32), _STORABLE]
+Str4096 = Annotated[str, StringConstraints(max_length=4096), _STORABLE]
+Str512_1 = Annotated[str, StringConstraints(min_length=1, max_length=512), _STORABLE]
+Str63_1 = Annotated[str, StringConstraints(min_length=1, max_length=63), _STORABLE]
+Str64_1 = Annotated[str, StringConstraints(min_length=1, max_length=64), _STORABLE]
+Str8192 = Annotated[str, StringConstraints(max_length=8192), _STORABLE]
 EnvKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
 DurationValue = Annotated[
     str | Annotated[int, Field(ge=1, le=10**9)],

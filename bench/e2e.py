@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,7 @@ def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
     values = sorted(values)
-    k = max(0, min(len(values) - 1, int(round(q / 100.0 * len(values) + 0.5)) - 1))
+    k = max(0, min(len(values) - 1, round(q / 100.0 * len(values) + 0.5) - 1))
     return values[k]
 
 
@@ -117,7 +117,7 @@ class SimFleet:
         self.forwarder.submit(
             TaskStatus(
                 node_id=req.node_id, lease_id=req.lease_id, job_id=req.job_id, attempt=req.attempt, epoch=req.epoch,
-                rank=req.rank, state=TaskState(state), at=datetime.now(timezone.utc), exit_code=exit_code,
+                rank=req.rank, state=TaskState(state), at=datetime.now(UTC), exit_code=exit_code,
             )
         )  # fmt: skip
 
@@ -183,10 +183,10 @@ async def _sample_timeline(client: Any, job_ids: list[str]) -> list[list[str]]:
 
 
 async def _lean_baseline(client: Any, pool: Any, jobs: int, rate: float) -> dict[str, Any]:
-    """DESIGN.md's lean job workflow at the same rate on the same server (same-run baseline):
+    """The lean job workflow at the same rate on the same server (same-run baseline):
     start -> its 3 local activities, the signal and the node activity are done."""
-    from common.temporal import make_worker
     from bench.lean_workflow import ACT_LEAN_NODE, ACT_LEAN_WRITE, LEAN_WORKFLOW, LeanJobWorkflow
+    from common.temporal import make_worker
 
     @activity.defn(name=ACT_LEAN_WRITE)
     async def lean_write(job_id: str) -> str:
@@ -239,14 +239,14 @@ async def _bench(
 ) -> dict[str, Any]:
     import httpx
 
-    from store.seed import ensure_cluster
-    from store.teams import TeamQuota, set_quota
     from api.main import create_app
     from common.db import create_pool, migrate
     from common.embedded import EmbeddedPostgres, EmbeddedTemporal
     from common.settings import Principal, Settings
     from common.temporal import connect, make_worker
     from control.status_forwarder import TaskStatusForwarder
+    from store.seed import ensure_cluster
+    from store.teams import TeamQuota, set_quota
 
     t_setup = time.monotonic()
     pg = EmbeddedPostgres(root / "pgdata")
@@ -256,6 +256,7 @@ async def _bench(
     )
     control: subprocess.Popen | None = None
     worker = None
+    worker_run: asyncio.Task | None = None
     pool = None
     forwarder = None
     try:
@@ -317,7 +318,7 @@ async def _bench(
         worker = make_worker(client, settings.agent_shared_task_queue, activities=fleet.activities(),
                              max_concurrent_activities=500,
                              activity_task_poller_behavior=PollerBehaviorAutoscaling(initial=10))  # fmt: skip
-        worker_task = asyncio.create_task(worker.run())
+        worker_run = asyncio.create_task(worker.run())  # shut down (and awaited) at the end
         deadline = time.monotonic() + 60
         while await pool.fetchval("SELECT count(*) FROM leader WHERE expires_at > now()") == 0:
             if control.poll() is not None:
@@ -457,6 +458,8 @@ async def _bench(
                 await asyncio.wait_for(worker.shutdown(), 10)
             except Exception:
                 pass
+        if worker_run is not None:
+            await asyncio.gather(worker_run, return_exceptions=True)
         if control is not None and control.poll() is None:
             control.send_signal(signal.SIGTERM)
             try:

@@ -1,7 +1,7 @@
 """`gpufleet bench heartbeat --json`: the leader's heartbeat ingestion under a simulated fleet.
 
 3,000 simulated nodes (by default) each keep one authenticated gRPC stream to a
-``control.heartbeat_server.HeartbeatServer`` in this process and send DESIGN.md
+``control.heartbeat_server.HeartbeatServer`` in this process and send realistic
 heartbeats (8 GPUs, running leases) generated in separate generator processes.
 The server confirms each node's leases in every ack (as the leader does). The
 rate starts at the design load — every node every 5 s = 600/s — and then steps up

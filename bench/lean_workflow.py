@@ -1,4 +1,4 @@
-"""The same-run baseline of ``gpufleet bench e2e``: DESIGN.md's "lean job workflow"
+"""The same-run baseline of ``gpufleet bench e2e``: a "lean job workflow"
 (3 local activities, 1 signal, 1 node activity) on the same Temporal server, so the
 benchmark can say how much of its latency is the platform's and how much the box's."""
 

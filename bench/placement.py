@@ -179,10 +179,10 @@ class World:
 
 
 def _poisson(rnd: random.Random, lam: float) -> int:
-    l, k, p = math.exp(-lam), 0, 1.0
+    limit, k, p = math.exp(-lam), 0, 1.0
     while True:
         p *= rnd.random()
-        if p <= l:
+        if p <= limit:
             return k
         k += 1
 
@@ -406,7 +406,7 @@ def run(gpus: int = 24_000, cycles: int = 1000, queue: int = 50_000, baseline_cy
     setup_s = time.perf_counter() - t0
     occ0 = st.allocated_gpus() / st.total_gpus()
     gc.collect()
-    gc.freeze()  # the long-lived state: keep the cyclic GC off it (DESIGN.md, Known pitfalls)
+    gc.freeze()  # the long-lived state: keep the cyclic GC off it (docs/design.md, Known pitfalls)
     stats = _run_cycles(w, cycles, policy, plan)
     rss_engine = _rss_mb()
     result: dict[str, Any] = {

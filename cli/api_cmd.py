@@ -38,5 +38,5 @@ def serve(
 
         traceback.print_exc()
         code = 1
-    # DESIGN.md pitfall: a process that used temporalio can crash at interpreter exit
+    # docs/design.md, Known pitfalls: a process that used temporalio can crash at interpreter exit
     hard_exit(code)

@@ -111,7 +111,7 @@ def db_migrate() -> None:
     async def go() -> list[str]:
         try:
             conn = await asyncpg.connect(settings.database_url, timeout=10)
-        except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError, asyncpg.PostgresError) as e:
             raise PlatformError(f"cannot reach the database at {redact(settings.database_url)}: {e}") from e
         try:
             return await migrate(conn)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -27,7 +26,7 @@ import typer
 def sim(
     workload: str = typer.Option("seed", "--workload", help="'seed' or a trace CSV file"),
     fmt: str = typer.Option("generic", "--format", help="trace format: generic | philly | alibaba"),
-    days: Optional[float] = typer.Option(
+    days: float | None = typer.Option(
         None, "--days", help="simulated days measured (seed: default 1; trace: default the whole trace)"
     ),
     seed: int = typer.Option(1, "--seed", help="seed for the workload, faults and trace draws"),
@@ -37,10 +36,10 @@ def sim(
         help="comma-separated: ours, fifo, kueue-like, slurm-like; try a change with name:field=value"
         " (fields of placement.Policy), e.g. ours:preemption_protect_s=600",
     ),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="write the report JSON here"),
-    plots: Optional[Path] = typer.Option(None, "--plots", help="write allocation.png and wait_cdf.png here"),
-    table: Optional[Path] = typer.Option(None, "--table", help="write the side-by-side markdown table here"),
-    warmup_h: Optional[float] = typer.Option(
+    json_out: Path | None = typer.Option(None, "--json", help="write the report JSON here"),
+    plots: Path | None = typer.Option(None, "--plots", help="write allocation.png and wait_cdf.png here"),
+    table: Path | None = typer.Option(None, "--table", help="write the side-by-side markdown table here"),
+    warmup_h: float | None = typer.Option(
         None, "--warmup-h", help="simulated hours before the measured window (seed default 6, trace 0)"
     ),
     failure_rate: float = typer.Option(2e-5, "--failure-rate", help="GPU/node faults per GPU-hour (0: none)"),
@@ -51,16 +50,16 @@ def sim(
         help="seed: seconds a medium job asking for one block waits for it before it takes the fewest"
         " blocks it can (Slurm's max_switch_wait); -1: one block is a hard limit",
     ),
-    nodes: Optional[int] = typer.Option(None, "--nodes", help="cluster nodes (default 3,000)"),
+    nodes: int | None = typer.Option(None, "--nodes", help="cluster nodes (default 3,000)"),
     block_nodes: int = typer.Option(32, "--block-nodes", help="nodes per network block"),
     gpus_per_node: int = typer.Option(8, "--gpus-per-node"),
-    topology: Optional[Path] = typer.Option(
+    topology: Path | None = typer.Option(
         None, "--topology", help="cluster from a host-to-switch CSV (ip, DSW, PSW, ASW): one block per ToR"
     ),
     arrival_scale: float = typer.Option(1.0, "--arrival-scale", help="trace: x submissions per hour"),
     size_scale: float = typer.Option(1.0, "--size-scale", help="trace: x GPUs per job"),
     duration_scale: float = typer.Option(1.0, "--duration-scale", help="trace: x run time per job"),
-    trace_start: Optional[float] = typer.Option(
+    trace_start: float | None = typer.Option(
         None, "--trace-start", help="trace: window start in trace seconds (default: first submission)"
     ),
     teams: int = typer.Option(8, "--teams", help="trace: number of teams (equal guarantees summing to the cluster)"),

@@ -50,12 +50,12 @@ async def prepare_database(dsn: str, settings: Settings) -> list[str]:
     """Migrate and seed the demo cluster; return the seeded node ids."""
     import asyncpg
 
-    from store.seed import seed_demo
     from common.db import create_pool, migrate
+    from store.seed import seed_demo
 
     try:
         pool = await create_pool(dsn, min_size=1, max_size=1, timeout=10)
-    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as e:
+    except (TimeoutError, OSError, asyncpg.PostgresError) as e:
         raise PlatformError(f"cannot reach the database at {redact(dsn)}: {e}") from e
     try:
         async with pool.acquire() as conn:

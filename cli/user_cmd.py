@@ -96,7 +96,7 @@ class ApiClient:
         key = (key or f"cli-{uuid.uuid4()}") if write else None  # one key per invocation, reused on retry
         params = {k: v for k, v in (params or {}).items() if v is not None}
         last: Exception | None = None
-        for attempt, delay in enumerate((0.0, *RETRY_DELAYS)):
+        for _attempt, delay in enumerate((0.0, *RETRY_DELAYS)):
             if delay:
                 time.sleep(delay)
             try:

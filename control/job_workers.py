@@ -22,10 +22,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-from store.tx import Pool
 from temporalio.client import Client
 from temporalio.worker import PollerBehaviorAutoscaling, Worker
 
@@ -33,6 +32,7 @@ from activities.job_activities import JobActivities
 from common.aio import cancel_and_wait
 from common.settings import Settings
 from common.temporal import make_worker
+from store.tx import Pool
 from workflows.burn_in import BurnInWorkflow
 from workflows.job import JobWorkflow
 
@@ -148,9 +148,9 @@ class JobWorkerChildren:
             p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         for p in live:
-            while p.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if p.poll() is None:
+            try:
+                await asyncio.to_thread(p.wait, max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
         if self._settings_path is not None:
@@ -179,7 +179,7 @@ async def serve_job_worker(settings: Settings, stop: asyncio.Event) -> None:
                 break
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
     finally:
         if not run.done():

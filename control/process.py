@@ -30,7 +30,6 @@ import asyncio
 import logging
 import os
 import socket
-import time
 import uuid
 from typing import Any
 
@@ -80,7 +79,6 @@ class ControlProcess:
         self.grpc = grpc
         self.grpc_port = grpc_port
         self.grpc_addr = ""
-        self.takeover_at: float | None = None
         self.leader: LeaderState | None = None
         self.signals: JobSignals | None = None
         self.cycles: PlacementCycles | None = None
@@ -209,7 +207,6 @@ class ControlProcess:
         except Exception:
             self.leader.drop()
             raise
-        self.takeover_at = time.time()
         self.cycles.forget_publications()
         await self.health.take_over(epoch)  # its quiet period starts now
         self._cycle_task = asyncio.create_task(self.cycles.run(epoch), name="placement-cycles")

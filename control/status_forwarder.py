@@ -52,10 +52,6 @@ class TaskStatusForwarder:
         self._pending[status.job_id].append(status)
         self._wake.set()
 
-    def submit_many(self, statuses: list[TaskStatus]) -> None:
-        for s in statuses:
-            self.submit(s)
-
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="task-status-forwarder")

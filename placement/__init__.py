@@ -1,4 +1,4 @@
-"""gpufleet's pure scheduling core: no I/O, no clock, no randomness (DESIGN.md, Placement).
+"""gpufleet's pure scheduling core: no I/O, no clock, no randomness (docs/design.md, Placement).
 
 Driving it (the live leader and the simulator do the same)::
 
@@ -112,8 +112,8 @@ __all__ = [
     "PlacementError",
     "Plan",
     "Policy",
-    "Preemption",
     "PreemptReason",
+    "Preemption",
     "PriorityClass",
     "Quota",
     "Relabel",

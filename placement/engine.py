@@ -30,7 +30,6 @@ from placement import quota as quota_mod
 from placement.model import (
     DEFAULT_POLICY,
     SERVING_RANK,
-    PreemptReason,
     JobSpec,
     NodeHealth,
     Pack,
@@ -40,6 +39,7 @@ from placement.model import (
     Plan,
     Policy,
     Preemption,
+    PreemptReason,
     Relabel,
     ReplicaSlot,
     Reservation,
@@ -49,7 +49,6 @@ from placement.ordering import JobQueue, iter_order
 from placement.reservations import (
     Exclusions,
     evictable_for,
-    expected_start,
     make_head_of_line,
     owner_borrows,
     plan_head_of_line,
@@ -130,7 +129,7 @@ class _Cycle:
                     break
             # a team below its guarantee must get its reclaim planned in the first cycle that sees
             # the need: the head of each of its lanes is looked at even beyond the lookahead
-            for (rank, team, gpu_type, _), lane in sorted(self.queue.lanes().items()):
+            for (_rank, team, gpu_type, _), lane in sorted(self.queue.lanes().items()):
                 if state.used(team, gpu_type) >= state.quota(team, gpu_type).guaranteed:
                     continue
                 for _, jid in lane:  # the lane's seen jobs are a prefix: skip them
@@ -141,11 +140,11 @@ class _Cycle:
                         break
             # owners of reservations (capacity held for them) are looked at even beyond the lookahead
             for res in sorted(state.reservations(), key=lambda r: (r.priority_rank, r.created_at, r.job_id)):
-                job = self.queue.get(res.job_id)
-                if job is not None and res.job_id not in seen and state.reservation(res.job_id) is not None:
-                    seen.add(job.job_id)
+                queued = self.queue.get(res.job_id)
+                if queued is not None and res.job_id not in seen and state.reservation(res.job_id) is not None:
+                    seen.add(queued.job_id)
                     self.considered += 1
-                    self._consider(job)
+                    self._consider(queued)
         return Plan(
             now=now,
             placements=tuple(self.placements),
@@ -170,29 +169,22 @@ class _Cycle:
                     state.remove_reservation(res.job_id)  # its victims are long gone: stop holding
                 continue
             if res.kind is ReservationKind.HEAD_OF_LINE:
-                tight = bool(res.nodes)
-                if tight:  # node-level: re-chosen in its blocks (a node that came free replaces a busy one)
-                    nodes, es = refresh_head_of_line(state, res, now)
-                else:
-                    nodes, es = res.nodes, expected_start(state, res, now)
+                # node-level: re-chosen in its blocks (a node that came free replaces a busy one)
+                nodes, es = refresh_head_of_line(state, res, now)
                 if es == _INF:
                     state.remove_reservation(res.job_id)  # its blocks can no longer hold it: re-planned
                     continue
                 if es > now and es > res.expected_start + 1.0:
                     # it slipped (a node failed, a higher class took a reserved node): other blocks may be earlier
-                    owner = self.queue.get(res.job_id)
+                    owner_job = self.queue.get(res.job_id)
                     ti = state.type_index(res.gpu_type)
-                    got = plan_head_of_line(state, ti, owner, res.nodes_needed, now, tight) if owner and ti else None
+                    got = plan_head_of_line(state, ti, owner_job, res.nodes_needed, now) if owner_job and ti else None
                     if got is not None and got[1] + self.policy.reservation_replan_s < es:
-                        if tight:
-                            nodes2, raw = select_nodes(state, got[0], res.nodes_needed, res.job_id)
-                            if raw != _INF:
-                                state.add_reservation(
-                                    replace(res, blocks=got[0], nodes=nodes2, expected_start=max(raw, now))
-                                )
-                                continue
-                        else:
-                            state.add_reservation(replace(res, blocks=got[0], expected_start=got[1]))
+                        nodes2, raw = select_nodes(state, got[0], res.nodes_needed, res.job_id)
+                        if raw != _INF:
+                            state.add_reservation(
+                                replace(res, blocks=got[0], nodes=nodes2, expected_start=max(raw, now))
+                            )
                             continue
                 if es != res.expected_start or nodes != res.nodes:
                     state.add_reservation(replace(res, nodes=nodes, expected_start=es))
@@ -392,7 +384,7 @@ class _Cycle:
         restrict: frozenset[str] | None,
         own_spares: bool,
     ) -> tuple[PendingReason | None, Placement | None]:
-        state, policy, now = self.state, self.policy, self.now
+        state, policy = self.state, self.policy
         self.evictable_placement = False
         if shape.whole:
             if ti.free_nodes < shape.nodes:
@@ -545,7 +537,7 @@ class _Cycle:
     # ------------------------------------------------------------------ preemption
 
     def _preempt(self, job: JobSpec, ti: _TypeIndex, shape: Shape, mode: Mode) -> bool:
-        state, policy, now = self.state, self.policy, self.now
+        state = self.state
         # the first reclaim per cycle of a team below its guarantee is not held back by the
         # per-cycle caps (so it is planned in the first cycle that sees the need)
         tkey = (job.team, job.gpu_type)
@@ -696,19 +688,16 @@ class _Cycle:
         mkey = (job.gpu_type, shape.nodes, t.pack, t.max_blocks)
         if mkey in self.reserve_memo:
             return False
-        tight = policy.tight_reservations
-        got = plan_head_of_line(state, ti, job, shape.nodes, now, tight)
+        got = plan_head_of_line(state, ti, job, shape.nodes, now)
         if got is None:
             self.reserve_memo.add(mkey)  # no blocks can ever hold it (unhealthy, reserved): same for its shape
             return False
-        blocks, start = got
-        nodes: tuple[str, ...] = ()
-        if tight:  # exactly the nodes it needs, those that free soonest in those blocks
-            nodes, raw = select_nodes(state, blocks, shape.nodes, job.job_id)
-            if raw == _INF:
-                self.reserve_memo.add(mkey)
-                return False
-            start = max(raw, now)
+        # exactly the nodes it needs, those that free soonest in those blocks
+        nodes, raw = select_nodes(state, got[0], shape.nodes, job.job_id)
+        if raw == _INF:
+            self.reserve_memo.add(mkey)
+            return False
+        blocks, start = got[0], max(raw, now)
         state.add_reservation(
             make_head_of_line(job, blocks, shape.nodes, shape.charge, start, now, nodes, policy.evictable_backfill)
         )
@@ -770,10 +759,10 @@ def _replace_replicas(
         if not nodes:
             return None
         all_gpus = tuple(range(ti.node_gpus))
-        for i, nid in enumerate(nodes):
-            held.append((nid, all_gpus))
+        for i, node_id in enumerate(nodes):
+            held.append((node_id, all_gpus))
             for j, r in enumerate(missing[i * per : (i + 1) * per]):
-                slots.append(ReplicaSlot(r, nid, all_gpus[j * gpr : (j + 1) * gpr]))
+                slots.append(ReplicaSlot(r, node_id, all_gpus[j * gpr : (j + 1) * gpr]))
     elif topo.pack is Pack.NODE:
         # one node for every replica: the one it still runs on, or (all lost) a node for them all
         need = gpr * len(missing)

@@ -76,7 +76,7 @@ def check_state(state: ClusterState, strict_quota: bool = True, respect_topology
             errs.extend(_shape_errors(state, jid, rj.spec, sorted(rj.held), held, respect_topology, rj.started_at))
     # indexes
     for t, ti in state._types.items():
-        buckets = [[] for _ in range(ti.node_gpus + 1)]
+        buckets: list[list[str]] = [[] for _ in range(ti.node_gpus + 1)]
         free_gpus = free_nodes = un_g = un_n = 0
         blocks_free: dict[str, int] = {}
         for bid, blk in ti.blocks.items():
@@ -138,30 +138,30 @@ def check_state(state: ClusterState, strict_quota: bool = True, respect_topology
             a[2] += 1
         else:
             a[1] += rj.charge
-    for key, a in state._acct.items():
-        if [a.used, a.gused, a.borrowed_n] != acc.get(key, [0, 0, 0]):
-            errs.append(f"{key}: accounting {a.used, a.gused, a.borrowed_n} != {acc.get(key)}")
-        if strict_quota and a.gused > state.quota(*key).guaranteed:
-            errs.append(f"{key}: guaranteed usage {a.gused} > guarantee {state.quota(*key).guaranteed}")
+    for key, acct in state._acct.items():
+        if [acct.used, acct.gused, acct.borrowed_n] != acc.get(key, [0, 0, 0]):
+            errs.append(f"{key}: accounting {acct.used, acct.gused, acct.borrowed_n} != {acc.get(key)}")
+        if strict_quota and acct.gused > state.quota(*key).guaranteed:
+            errs.append(f"{key}: guaranteed usage {acct.gused} > guarantee {state.quota(*key).guaranteed}")
     # reservations
     for nid, owners in state._node_res.items():
         for owner in owners:
             if owner not in state._reservations:
                 errs.append(f"{nid}: reserved by unknown {owner}")
-    held: dict[str, set[str]] = {}
-    for r in state._reservations.values():
-        for n in state.reservation_nodes(r):
-            held.setdefault(n, set()).add(r.job_id)
-    for n, owners in held.items():
-        if set(state._node_res.get(n, ())) != owners:
-            errs.append(f"{n}: reservation owners {state._node_res.get(n)} != {sorted(owners)}")
+    res_held: dict[str, set[str]] = {}
+    for res in state._reservations.values():
+        for n in state.reservation_nodes(res):
+            res_held.setdefault(n, set()).add(res.job_id)
+    for n, owner_set in res_held.items():
+        if set(state._node_res.get(n, ())) != owner_set:
+            errs.append(f"{n}: reservation owners {state._node_res.get(n)} != {sorted(owner_set)}")
     free_by_owners: dict[str, dict[tuple[str, ...], int]] = {}
     for blk in state._blocks.values():
         for nid in blk.free_nodes:
-            owners = state._node_res.get(nid)
-            if owners:
+            node_owners = state._node_res.get(nid)
+            if node_owners:
                 d = free_by_owners.setdefault(blk.id, {})
-                d[owners] = d.get(owners, 0) + 1
+                d[node_owners] = d.get(node_owners, 0) + 1
     if free_by_owners != state._block_res_free:
         errs.append(f"free reserved nodes by owners wrong: {state._block_res_free} != {free_by_owners}")
     return errs
@@ -264,10 +264,10 @@ def check_plan(
         for pr in plan.preemptions:
             preempt_for.setdefault(pr.beneficiary, []).append(pr)
         for p in plan.placements:
-            for key in p.gpu_keys():
-                if key in seen:
-                    errs.append(f"GPU {key} in two placements: {seen[key]} and {p.job_id}")
-                seen[key] = p.job_id
+            for gkey in p.gpu_keys():
+                if gkey in seen:
+                    errs.append(f"GPU {gkey} in two placements: {seen[gkey]} and {p.job_id}")
+                seen[gkey] = p.job_id
             for ng in p.nodes:
                 node = nodes.get(ng.node_id)
                 if node is None:

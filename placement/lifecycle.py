@@ -22,10 +22,10 @@ workflow decides retries before sending it): terminal.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class JobState(str, Enum):
+class JobState(StrEnum):
     QUEUED = "QUEUED"
     STARTING = "STARTING"
     RUNNING = "RUNNING"
@@ -40,7 +40,7 @@ class JobState(str, Enum):
         return self.value
 
 
-class JobEvent(str, Enum):
+class JobEvent(StrEnum):
     ALLOCATE = "allocate"  # placement committed a gang for the job
     ALL_STARTED = "all_started"  # every rank reported started
     START_TIMEOUT = "start_timeout"  # the gang did not fully start in time

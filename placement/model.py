@@ -20,11 +20,11 @@ Stable names other packages rely on (do not rename without changing them too):
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from enum import Enum
+from enum import StrEnum
 from typing import Any, NamedTuple
 
 
-class PriorityClass(str, Enum):
+class PriorityClass(StrEnum):
     PROD_SERVING = "prod-serving"
     PROD_BATCH = "prod-batch"
     RESEARCH = "research"
@@ -49,7 +49,7 @@ CLASSES_BY_RANK: tuple[PriorityClass, ...] = tuple(sorted(_CLASS_RANK, key=_CLAS
 SERVING_RANK = 0
 
 
-class Pack(str, Enum):
+class Pack(StrEnum):
     BLOCK = "block"  # as few network blocks as possible, at most max_blocks
     NODE = "node"  # every replica on one node
     ANY = "any"  # no constraint
@@ -58,7 +58,7 @@ class Pack(str, Enum):
         return self.value
 
 
-class NodeHealth(str, Enum):
+class NodeHealth(StrEnum):
     READY = "ready"
     SUSPECT = "suspect"
     DOWN = "down"
@@ -70,7 +70,7 @@ class NodeHealth(str, Enum):
         return self.value
 
 
-class PendingReason(str, Enum):
+class PendingReason(StrEnum):
     QUOTA = "quota"  # over guarantee + borrow limit (or borrowing not allowed here)
     CAPACITY = "capacity"  # not enough free GPUs of its type
     TOPOLOGY = "topology"  # enough GPUs, but not in a shape it accepts (max_blocks, whole nodes, one node)
@@ -86,7 +86,7 @@ class PendingReason(str, Enum):
         return self.value
 
 
-class PreemptReason(str, Enum):
+class PreemptReason(StrEnum):
     PRIORITY = "priority"  # a job of a higher class needs the GPUs
     RECLAIM = "reclaim"  # borrowed capacity is taken back
 
@@ -94,7 +94,7 @@ class PreemptReason(str, Enum):
         return self.value
 
 
-class ReservationKind(str, Enum):
+class ReservationKind(StrEnum):
     HEAD_OF_LINE = "head_of_line"  # a large gang that cannot fit holds the blocks it will use
     PREEMPTION = "preemption"  # nodes being cleared by preemption, held for the beneficiary
 
@@ -102,8 +102,8 @@ class ReservationKind(str, Enum):
         return self.value
 
 
-class Ordering(str, Enum):
-    FAIR_SHARE = "fair_share"  # DESIGN.md: class, below-guarantee, fair-share position - aging, submit
+class Ordering(StrEnum):
+    FAIR_SHARE = "fair_share"  # docs/design.md: class, below-guarantee, fair-share position - aging, submit
     CLASS_FIFO = "class_fifo"  # class, then submit time
     FIFO = "fifo"  # submit time only, classes ignored
 
@@ -231,7 +231,7 @@ class Quota:
 class Policy:
     """The knobs. Baselines for the simulator are presets (see ``PRESETS``).
 
-    * ``ordering``: ``fair_share`` (DESIGN.md), ``class_fifo`` or ``fifo``.
+    * ``ordering``: ``fair_share`` (docs/design.md), ``class_fifo`` or ``fifo``.
     * ``topology``: False ignores blocks (first-fit by node id, max_blocks ignored).
     * ``reservations``: a head-of-line large gang that cannot fit reserves blocks.
     * ``backfill``: others may use reserved blocks if their max_runtime ends before
@@ -248,15 +248,12 @@ class Policy:
       exempt (a reclaim is planned in the first cycle that sees the need).
     * ``reservation_replan_s``: a head-of-line reservation whose expected start slipped
       by more than this is re-planned on other blocks if they are earlier.
-    * ``serving_borrows_idle``: False (DESIGN.md) means prod-serving beyond its
+    * ``serving_borrows_idle``: False (docs/design.md) means prod-serving beyond its
       guarantee gets capacity only by reclaiming borrowed allocations.
     * ``guarantee_gangs_first``: a whole-node job of >= ``reserve_min_gpus`` placed
       beyond its team's guarantee, that would fit the guarantee but for the team's
       smaller guaranteed jobs, runs guaranteed and those jobs are marked borrowed
       (``Plan.relabels``) — so a borrowed gang is not the cheapest reclaim victim.
-    * ``tight_reservations``: a head-of-line reservation holds exactly the nodes the
-      gang needs (those freeing soonest in the fewest blocks), re-chosen each cycle in
-      its blocks; False holds whole blocks (the engine's first design).
     * ``victim_excess_cost``: victim choice for whole nodes counts every node a victim
       set frees beyond the need like one more victim (a gang is not preempted to make
       room for a few nodes). False: fewest victims per node freed, as before.
@@ -277,7 +274,7 @@ class Policy:
     * ``reclaim_small_borrowed_after_s``: a job within its team's guarantee that has waited
       this long since submit may also reclaim other teams' borrowed jobs of *higher* classes
       (never prod-serving) smaller than ``reserve_min_gpus``. None: only borrowed work of its
-      own class and lower classes (DESIGN.md's victims).
+      own class and lower classes (docs/design.md's victims).
     """
 
     lookahead: int = 2000
@@ -302,7 +299,6 @@ class Policy:
     scan_factor: int = 4
     reservation_replan_s: float = 600.0
     guarantee_gangs_first: bool = True
-    tight_reservations: bool = True
     victim_excess_cost: bool = True
     evictable_backfill: bool = True
     borrowed_gangs_reclaim_lower: bool = True
@@ -331,7 +327,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
 }
 
 PRESETS: dict[str, Policy] = {
-    # the policy DESIGN.md describes
+    # the policy docs/design.md describes
     "gpufleet": DEFAULT_POLICY,
     # plain FIFO over every class, first fit, no reservations/backfill/preemption; quotas still apply
     "fifo_first_fit": Policy(

@@ -1,4 +1,4 @@
-"""Queue order (DESIGN.md, Placement), without sorting the whole queue.
+"""Queue order (docs/design.md, Placement), without sorting the whole queue.
 
 ``JobQueue`` keeps one lane per (class, team, GPU type, size bucket), each sorted by
 (submit_time, job_id), plus a front lane per class for jobs re-queued ahead of their
@@ -77,7 +77,7 @@ class JobQueue:
             store: dict = self._front
         else:
             lk = (job.rank, job.team, job.gpu_type, size_floor(job.total_gpus))
-            lane = self._lanes[lk]  # type: ignore[index]
+            lane = self._lanes[lk]
             store = self._lanes
         i = bisect_left(lane, key)
         del lane[i]

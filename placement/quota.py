@@ -36,10 +36,6 @@ def classify(state: ClusterState, job: JobSpec, charge: int, policy: Policy) -> 
     return None
 
 
-def below_guarantee(state: ClusterState, team: str, gpu_type: str) -> bool:
-    return state.used(team, gpu_type) < state.quota(team, gpu_type).guaranteed
-
-
 def over_share(state: ClusterState, team: str, gpu_type: str) -> float:
     """How far a team is over its share of a type right now: used / guarantee."""
     g = state.quota(team, gpu_type).guaranteed

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Iterable
+from typing import cast
 
 from placement.model import SERVING_RANK, JobSpec, NodeHealth, Pack, Policy, Reservation, ReservationKind
 from placement.quota import beyond_guarantee
@@ -66,17 +67,17 @@ class Exclusions:
     """
 
     __slots__ = (
-        "state",
-        "job",
-        "now",
-        "policy",
+        "cache",
+        "claim_team",
         "class_rule",
         "evictably",
-        "claim_team",
-        "cache",
+        "job",
         "key",
+        "now",
         "own",
         "own_pre",
+        "policy",
+        "state",
     )
 
     def __init__(
@@ -98,7 +99,7 @@ class Exclusions:
         # a guaranteed job's team past Policy.claim_borrowed_reservations_after_s: borrowing
         # gangs of other teams do not hold their nodes against it
         self.claim_team = claim_team
-        self.cache: dict[str, bool] = {}
+        self.cache: dict[object, bool] = {}  # keyed like ``__contains__``'s argument
         own = job.job_id if job.job_id in state._reservations else None
         self.own = own
         # nodes cleared by preemption for this job are its own whatever else holds them
@@ -121,9 +122,10 @@ class Exclusions:
     def __contains__(self, owner: object) -> bool:
         if owner == self.own:
             return False
-        got = self.cache.get(owner)  # type: ignore[arg-type]
+        got = self.cache.get(owner)
         if got is None:
-            res = self.state._reservations.get(owner)  # type: ignore[arg-type]
+            # owners are job ids: ``object`` only to fit ``Container[str]`` (cast on the miss path only)
+            res = self.state._reservations.get(cast(str, owner))
             if res is None:
                 return False  # not (yet) an owner: not cached, it may reserve later this cycle
             # the object is shared by every job with an equal key: a reservation its first
@@ -140,7 +142,7 @@ class Exclusions:
                 and owner_borrows(self.state, res)
             ):
                 got = False
-            self.cache[owner] = got  # type: ignore[index]
+            self.cache[owner] = got
         return got
 
     def __bool__(self) -> bool:
@@ -265,48 +267,14 @@ def refresh_head_of_line(state: ClusterState, res: Reservation, now: float) -> t
     return nodes, max(raw, now)
 
 
-def expected_start(state: ClusterState, res: Reservation, now: float) -> float:
-    """When ``res.nodes_needed`` nodes of its blocks will be free (cached per block versions)."""
-    if res.kind is not ReservationKind.HEAD_OF_LINE:
-        return res.expected_start
-    if res.nodes:
-        return refresh_head_of_line(state, res, now)[1]
-    versions = tuple(state._blocks[b].version for b in res.blocks if b in state._blocks)
-    cached = state.res_cache.get(res.job_id)
-    if cached is not None and cached[0] == versions:
-        raw = cached[1]
-    else:
-        times: list[float] = []
-        for b in res.blocks:
-            if b in state._blocks:
-                times.extend(_block_times(state, b, res.job_id))
-        times.sort()
-        k = res.nodes_needed
-        raw = times[k - 1] if len(times) >= k else _INF
-        state.res_cache[res.job_id] = (versions, raw)
-    return max(raw, now)
-
-
 def plan_head_of_line(
-    state: ClusterState, ti: _TypeIndex, job: JobSpec, nodes_needed: int, now: float, tight: bool = False
+    state: ClusterState, ti: _TypeIndex, job: JobSpec, nodes_needed: int, now: float
 ) -> tuple[tuple[str, ...], float] | None:
-    """Blocks where ``nodes_needed`` nodes are free earliest, and when.
-
-    ``tight`` False (legacy): only blocks nobody else holds, whole blocks reserved.
-    ``tight`` True: blocks may be shared with other reservations (their nodes never count),
-    ``pack=block`` without ``max_blocks`` is held to the minimum number of blocks, and the
-    fewest blocks reaching the earliest time are returned (the caller reserves nodes in them).
-    """
-    per_block: list[tuple[str, list[float]]] = []
-    for bid in sorted(ti.blocks):
-        owners = state._block_res.get(bid)
-        if owners and any(o != job.job_id for o in owners):
-            if not tight:
-                continue
-            times = _block_times(state, bid, job.job_id)
-        else:
-            times = _block_times(state, bid, job.job_id)
-        per_block.append((bid, times))
+    """Blocks where ``nodes_needed`` nodes are free earliest, and when. Blocks may be shared
+    with other reservations (their nodes never count), ``pack=block`` without ``max_blocks``
+    is held to the minimum number of blocks, and the fewest blocks reaching the earliest time
+    are returned (the caller reserves the nodes in them that free soonest)."""
+    per_block = [(bid, _block_times(state, bid, job.job_id)) for bid in sorted(ti.blocks)]
     if not per_block:
         return None
     pack = job.topology.pack
@@ -315,7 +283,7 @@ def plan_head_of_line(
         m = job.topology.max_blocks
     elif pack is Pack.NODE:
         m = 1
-    elif pack is Pack.BLOCK and tight:
+    elif pack is Pack.BLOCK:
         size = max(len(state._blocks[b].nodes) for b, _ in per_block)
         m = -(-k // size)  # as few blocks as possible
     else:

@@ -27,7 +27,7 @@ import heapq
 import math
 from bisect import bisect_left, insort
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from placement.model import (
     SERVING_RANK,
@@ -75,7 +75,7 @@ def _sorted_remove(lst: list[Any], item: Any) -> None:
 
 
 class _Node:
-    __slots__ = ("id", "block", "gpu_type", "gpus", "full", "health", "free_mask", "nfree", "jobs", "spare_of")
+    __slots__ = ("block", "free_mask", "full", "gpu_type", "gpus", "health", "id", "jobs", "nfree", "spare_of")
 
     def __init__(self, node_id: str, block: str, gpu_type: str, gpus: int, health: NodeHealth) -> None:
         self.id = node_id
@@ -91,7 +91,7 @@ class _Node:
 
 
 class _Block:
-    __slots__ = ("id", "gpu_type", "nodes", "free_nodes", "version")
+    __slots__ = ("free_nodes", "gpu_type", "id", "nodes", "version")
 
     def __init__(self, block_id: str, gpu_type: str) -> None:
         self.id = block_id
@@ -103,19 +103,19 @@ class _Block:
 
 class _TypeIndex:
     __slots__ = (
-        "gpu_type",
-        "node_gpus",
         "blocks",
+        "blocks_free",
         "buckets",
+        "cat_gpus",
         "free_gpus",
         "free_nodes",
-        "blocks_free",
+        "gpu_type",
+        "node_gpus",
         "total_gpus",
         "total_nodes",
         "unready_idle_gpus",
         "unready_idle_nodes",
         "victims",
-        "cat_gpus",
     )
 
     def __init__(self, gpu_type: str, node_gpus: int) -> None:
@@ -139,18 +139,18 @@ class RunningJob:
     """A running (or starting, or stopping) job as the engine sees it. Read-only for drivers."""
 
     __slots__ = (
-        "spec",
-        "started_at",
-        "last_checkpoint_at",
+        "blocks",
         "borrowed",
         "charge",
-        "whole",
         "held",
-        "slots",
-        "blocks",
+        "last_checkpoint_at",
         "preempting_for",
-        "vkey",
+        "slots",
+        "spec",
+        "started_at",
         "vcat",
+        "vkey",
+        "whole",
         "young",
     )
 
@@ -201,7 +201,7 @@ class RunningJob:
 
 
 class _Acct:
-    __slots__ = ("used", "gused", "borrowed_n", "jobs", "usage", "as_of")
+    __slots__ = ("as_of", "borrowed_n", "gused", "jobs", "usage", "used")
 
     def __init__(self) -> None:
         self.used = 0  # GPUs charged to running jobs
@@ -241,7 +241,9 @@ class ClusterState:
         self._awaiting: dict[str, set[str]] = {}
         self._quota_dirty: set[tuple[str, str]] = set()
         self._journal: list[tuple[Callable[..., Any], tuple[Any, ...]]] | None = None
-        self.res_cache: dict[str, tuple[tuple[int, ...], float]] = {}
+        # per head-of-line reservation: ((block versions, res_version), (nodes, expected start)),
+        # see reservations.refresh_head_of_line
+        self.res_cache: dict[str, tuple[tuple[tuple[int, ...], int], tuple[tuple[str, ...], float]]] = {}
         self.res_version = 0  # bumped on every reservation change (cache invalidation only)
         self.res_free_version = 0  # bumped only when a reservation goes (capacity may come back)
         self._young: list[tuple[float, int, RunningJob]] = []  # (started_at, seq, job) not yet listed
@@ -682,7 +684,9 @@ class ClusterState:
             if rj.young and rj.started_at == started and self._running.get(rj.job_id) is rj:
                 rj.young = False
                 rj.vkey = (-rj.lost_since, rj.job_id)
-                insort(self._types[rj.gpu_type].victims.setdefault(rj.vcat, []), rj.vkey)
+                # a young job was counted by ``_victim_add``, which set its ``vcat``
+                cat = cast("tuple[int, bool]", rj.vcat)
+                insort(self._types[rj.gpu_type].victims.setdefault(cat, []), rj.vkey)
 
     def release(self, job_id: str, now: float, keep_spares: bool = False) -> RunningJob:
         """A job's gang is gone (ended, stopped, failed): free its GPUs.
@@ -899,15 +903,7 @@ class ClusterState:
         return self._reservations.get(job_id)
 
     def reservation_nodes(self, res: Reservation) -> list[str]:
-        """The nodes a reservation holds: its ``nodes``, or (a head-of-line reservation
-        without nodes) every node of its blocks."""
-        if res.kind is ReservationKind.HEAD_OF_LINE and not res.nodes:
-            out: list[str] = []
-            for b in res.blocks:
-                blk = self._blocks.get(b)
-                if blk is not None:
-                    out.extend(blk.nodes)
-            return out
+        """The nodes a reservation holds (every reservation names its nodes)."""
         return [n for n in res.nodes if n in self._nodes]
 
     def add_reservation(self, res: Reservation) -> None:
@@ -992,9 +988,6 @@ class ClusterState:
         ti = self._types.get(gpu_type)
         return ti.node_gpus if ti else None
 
-    def has_node(self, node_id: str) -> bool:
-        return node_id in self._nodes
-
     def node_ids(self) -> tuple[str, ...]:
         return tuple(sorted(self._nodes))
 
@@ -1027,12 +1020,6 @@ class ClusterState:
 
     def block_nodes(self, block_id: str) -> tuple[str, ...]:
         return tuple(self._blocks[block_id].nodes)
-
-    def block_type(self, block_id: str) -> str:
-        return self._blocks[block_id].gpu_type
-
-    def block_free_nodes(self, block_id: str) -> int:
-        return len(self._blocks[block_id].free_nodes)
 
     def free_gpus(self, gpu_type: str) -> int:
         """Free GPUs on ready nodes that are not hot spares."""

@@ -1,6 +1,6 @@
 """Where a job fits: job shape, block and node selection, hot spares.
 
-Rules (DESIGN.md, Jobs and Placement):
+Rules (docs/design.md, Jobs and Placement):
 
 * a replica (<= node-size GPUs) runs on one node;
 * a job of >= node-size GPUs in total takes whole nodes (replicas packed per node);
@@ -70,7 +70,7 @@ def _shape(job: JobSpec, node_gpus: int) -> Shape | str:
 class Search:
     """One job's view of the free capacity: which reservations it may not use, which nodes only."""
 
-    __slots__ = ("state", "ti", "excl", "restrict", "node_res", "any_excl", "own_pre")
+    __slots__ = ("any_excl", "excl", "node_res", "own_pre", "restrict", "state", "ti")
 
     def __init__(
         self,
@@ -235,7 +235,7 @@ def find_small_node(search: Search, need: int, policy: Policy) -> str | None:
     if not buckets[G]:
         return None
     # a whole free node: from the block with the fewest free nodes (partly used blocks first)
-    for count, bid in sorted((c, b) for b, c in ti.blocks_free.items()):
+    for _count, bid in sorted((c, b) for b, c in ti.blocks_free.items()):
         nodes = search.block_nodes(bid, 1)
         if nodes:
             return nodes[0]

@@ -4,7 +4,7 @@ Eligible victims (``eligible``) for a preemptor of class rank ``r``:
 
 * never prod-serving; never a job already being preempted;
 * never within ``preemption_protect_s`` of its start, unless it is borrowed (borrowed
-  capacity is always reclaimable: DESIGN.md invariant 4 and the reclaim bound of
+  capacity is always reclaimable: docs/design.md invariant 4 and the reclaim bound of
   grace + 2 cycles; the protection is against priority churn of guaranteed work);
 * normal mode (the preemptor is within its team's guarantee): jobs of a lower class
   (rank > r), or borrowed jobs of the same class of *another* team (a team never
@@ -184,23 +184,23 @@ def find_small(
     if limit < 2:
         return None
     # several victims on one node (small jobs sharing it)
-    seen: set[str] = set()
+    seen_nodes: set[str] = set()
     cand: tuple | None = None
     for rj in _iter_candidates(state, ti, mode):
         if not eligible(rj, mode, now, policy):
             continue
         for nid in rj.held:
-            if nid in seen:
+            if nid in seen_nodes:
                 continue
-            seen.add(nid)
+            seen_nodes.add(nid)
             if not _node_usable(state, search, nid):
                 continue
             node = state._nodes[nid]
             occ = []
             for jid, m in node.jobs.items():
-                o = state._running[jid]
-                if eligible(o, mode, now, policy):
-                    occ.append((-m.bit_count(), _lost(o, now), jid, m.bit_count()))
+                occupant = state._running[jid]
+                if eligible(occupant, mode, now, policy):
+                    occ.append((-m.bit_count(), _lost(occupant, now), jid, m.bit_count()))
             occ.sort()
             free = node.nfree if use_free else 0
             picked = []
@@ -212,10 +212,10 @@ def find_small(
             if free < need or len(picked) > limit:
                 continue
             lost = sum(_lost(state._running[j], now) for j in picked)
-            key = (len(picked), lost, nid, tuple(picked))
-            if cand is None or key < cand:
-                cand = key
-        if len(seen) > 2048:
+            ckey = (len(picked), lost, nid, tuple(picked))
+            if cand is None or ckey < cand:
+                cand = ckey
+        if len(seen_nodes) > 2048:
             break
     if cand is None:
         return None
@@ -304,7 +304,7 @@ def find_whole(
     else:
         targets = []
         got_n = 0
-        for total, free, bid in sorted(pot, key=lambda p: (-p[0], -p[1], p[2])):
+        for total, _free, bid in sorted(pot, key=lambda p: (-p[0], -p[1], p[2])):
             if got_n >= k:
                 break
             if len(targets) >= m:

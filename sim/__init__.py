@@ -1,5 +1,5 @@
 """gpufleet's cluster simulator: the ``placement`` engine the live leader runs, driven by a
-discrete-event loop over a generated or replayed workload (DESIGN.md, Placement: "the same
+discrete-event loop over a generated or replayed workload (docs/design.md, Placement: "the same
 engine drives the simulator, so the policy measured offline is the policy that runs").
 
 Modules:

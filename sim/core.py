@@ -44,6 +44,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from placement import (
     ClusterState,
@@ -53,6 +54,7 @@ from placement import (
     Pack,
     Plan,
     Policy,
+    PriorityClass,
     ReservationKind,
     Topology,
     apply,
@@ -97,7 +99,7 @@ def job_spec(job: SimJob) -> JobSpec:
     return JobSpec(
         job_id=job.job_id,
         team=job.team,
-        priority=job.priority,
+        priority=PriorityClass(job.priority),  # what JobSpec.__post_init__ would convert it to
         gpu_type=job.gpu_type,
         replicas=job.replicas,
         gpus_per_replica=job.gpus_per_replica,
@@ -466,7 +468,8 @@ class Simulation:
         now = self.now
         rec.last_ckpt = now
         self.state.set_checkpoint(rec.job.job_id, now)
-        nxt = now + rec.job.checkpoint_s
+        # CKPT events are only pushed for jobs that checkpoint (checkpoint_s not None)
+        nxt = now + cast(float, rec.job.checkpoint_s)
         remaining = (rec.job.work_s - rec.saved) * rec.pace - (now - rec.work_start)
         if nxt - now < remaining:
             self._push(nxt, CKPT, rec, rec.token)

@@ -13,7 +13,7 @@
   wait for it than one that starts it late;
 * per team: max wait, and starvation: the team uses less than its guarantee, has queued
   work that fits in what is left of it, and another team borrows capacity that work may
-  take back (DESIGN.md victims: borrowed work of the same or a lower class); more than
+  take back (docs/design.md victims: borrowed work of the same or a lower class); more than
   ``STARVED_AFTER_S`` of that in a row is starvation. The looser figure (any team
   borrows anything, whatever its class) is reported too;
 * GPU-hours lost to preemption (GPUs x time since the last checkpoint, or since start
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 
 from placement import ClusterState, NodeHealth, Policy
 from sim.records import JobRecord
@@ -48,7 +49,7 @@ STARVED_AFTER_S = 600.0
 LARGE_GANG_GPUS = 1024
 
 
-def pct(sorted_xs: list[float], p: float) -> float | None:
+def pct(sorted_xs: Sequence[float], p: float) -> float | None:
     if not sorted_xs:
         return None
     n = len(sorted_xs)
@@ -122,7 +123,7 @@ class Metrics:
         self.backfills = 0
         self.starving_since: dict[tuple[str, str], float] = {}
         self.below_since: dict[tuple[str, str], float] = {}
-        self.recs: dict | None = None
+        self.recs: dict[str, JobRecord] | None = None
         self.res_since: dict[str, float] = {}
         self.res_made = self.res_started = self.res_dropped = 0
         self.res_held_s: list[float] = []
@@ -331,7 +332,7 @@ class Metrics:
             return
         st = self.state
         if plan is not None and now >= self.next_reason_sample and self.recs is not None:
-            self._sample_starving_reasons(now, plan)
+            self._sample_starving_reasons(now, plan, self.recs)
         # reclaimable borrowed GPUs per (type, class rank): the engine's victim lists (borrowed,
         # not prod-serving, not already stopping), whatever their age
         reclaimable: dict[str, tuple[int, ...]] = {gt: st.borrowed_gpus_by_class(gt) for gt in st.gpu_types()}
@@ -367,7 +368,7 @@ class Metrics:
                 elif since is not None:
                     closer(key, since, now)
 
-    def _sample_starving_reasons(self, now: float, plan) -> None:
+    def _sample_starving_reasons(self, now: float, plan, recs: dict[str, JobRecord]) -> None:
         """Once a minute while a team starves: why its work that fits its guarantee waits."""
         starving = {k[0]: k for k, since in self.starving_since.items() if now - since > STARVED_AFTER_S}
         if not starving:
@@ -375,7 +376,7 @@ class Metrics:
         self.next_reason_sample = now + 60.0
         st = self.state
         for pe in plan.pending:
-            rec = self.recs.get(pe.job_id)
+            rec = recs.get(pe.job_id)
             if rec is None:
                 continue
             key = starving.get(rec.job.team)
@@ -403,7 +404,7 @@ class Metrics:
 
     def _breakdown(self) -> dict:
         """Mean share of healthy GPUs idle, by where they sit (snapshots every sample_s)."""
-        out = {}
+        out: dict[str, dict[str, float | None] | None] = {}
         for label, keep in (("overall", lambda o: True), ("while_demand_exceeds_capacity", lambda o: o)):
             rows = [x for x in self.snaps if keep(x[3])]
             if not rows or not self.healthy:

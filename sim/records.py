@@ -10,23 +10,23 @@ class JobRecord:
     """A job as the simulator sees it across attempts."""
 
     __slots__ = (
-        "job",
-        "spec",
-        "charge",
-        "phase",
-        "saved",
         "attempt_start",
-        "work_start",
-        "last_ckpt",
-        "token",
-        "first_start",
-        "preemptions",
+        "charge",
+        "end_kind",
         "failures",
-        "sigterm_at",
+        "first_start",
+        "job",
+        "last_ckpt",
+        "pace",
+        "phase",
+        "preemptions",
         "reclaim_at",
         "reclaim_grace",
-        "end_kind",
-        "pace",
+        "saved",
+        "sigterm_at",
+        "spec",
+        "token",
+        "work_start",
     )
 
     def __init__(self, job: SimJob, spec: JobSpec, charge: int) -> None:

@@ -193,7 +193,7 @@ def write_plots(report: dict, out_dir: str | Path) -> list[Path]:
     paths.append(p1)
 
     fig, axes = plt.subplots(1, len(CLASSES), figsize=(16, 4.2), sharey=True)
-    for ax, c in zip(axes, CLASSES):
+    for ax, c in zip(axes, CLASSES, strict=True):
         for name, p in pols.items():
             xs = sorted(p.get("_wait_samples", {}).get(c, []))
             if not xs:

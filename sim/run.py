@@ -5,7 +5,7 @@ Policy names on the command line map to ``placement.PRESETS``:
 =============  ==============================  ===========================================
 name           preset                          what it is
 =============  ==============================  ===========================================
-ours           ``gpufleet``                    the policy DESIGN.md describes
+ours           ``gpufleet``                    the policy docs/design.md describes
 fifo           ``fifo_first_fit``              FIFO over all classes + first fit
 kueue-like     ``no_topology_no_reservation``  no topology, no reservation, no backfill
                                                (a Kubernetes queue in best-effort FIFO)
@@ -19,6 +19,7 @@ import json
 import random
 from collections.abc import Callable
 from dataclasses import asdict, fields, replace
+from typing import Any
 
 from placement import PRESETS, Policy
 from sim.core import SimOptions, Simulation
@@ -53,7 +54,7 @@ def resolve_policy(spec: str) -> tuple[str, Policy]:
     else:
         raise ValueError(f"unknown policy {name!r}: one of {', '.join(list(POLICIES) + list(PRESETS))}")
     policy = PRESETS[preset]
-    changes = {}
+    changes: dict[str, Any] = {}  # field name -> value of that field's type (checked by replace)
     known = {f.name: f for f in fields(Policy)}
     for ov in overrides:
         key, sep, value = ov.partition("=")

@@ -1,4 +1,4 @@
-"""The seed workload: the cluster DESIGN.md is built for, and a day of its submissions.
+"""The seed workload: the cluster gpufleet is built for (docs/design.md), and a day of its submissions.
 
 Deterministic from a seed (every draw comes from ``random.Random`` instances derived
 from it, one per stream, so changing one stream leaves the others as they were).
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sim.workload import ClusterSpec, SimJob, TeamSpec, Workload
@@ -87,7 +88,7 @@ def _teams(cfg: SeedConfig, total: int) -> tuple[TeamSpec, ...]:
     out = []
     acc = 0
     for i, (name, g, role) in enumerate(TEAMS):
-        gg = total - acc if i == len(TEAMS) - 1 else int(round(g * total / base))
+        gg = total - acc if i == len(TEAMS) - 1 else round(g * total / base)
         acc += gg
         borrow = min(total, max(gg // 2, 64)) if role == "serving" else total - gg
         out.append(TeamSpec(name, ((cfg.gpu_type, gg, borrow),)))
@@ -105,7 +106,7 @@ def _arrivals(rng: random.Random, per_day: float, start: float, end: float, ampl
     if per_day <= 0:
         return []
     lam_max = per_day / DAY * (1 + amplitude)
-    out = []
+    out: list[float] = []
     t = start
     while True:
         t += rng.expovariate(lam_max)
@@ -119,9 +120,9 @@ def _lognormal(rng: random.Random, median: float, sigma: float, lo: float, hi: f
     return min(hi, max(lo, median * math.exp(rng.gauss(0.0, sigma))))
 
 
-def _choice(rng: random.Random, items: list, weights: list[float]):
+def _choice(rng: random.Random, items: list, weights: Sequence[float]):
     x = rng.random() * sum(weights)
-    for it, w in zip(items, weights):
+    for it, w in zip(items, weights, strict=True):
         x -= w
         if x < 0:
             return it

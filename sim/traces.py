@@ -32,8 +32,9 @@ import math
 import random
 import zlib
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Literal, overload
 
 from sim.seed import user_max_runtime
 from sim.workload import CLASSES, BlockSpec, ClusterSpec, SimJob, TeamSpec, Workload
@@ -95,6 +96,10 @@ class TraceRow:
     fractional: bool = False
 
 
+@overload
+def _num(row: dict, col: str, line: int, required: Literal[True] = True) -> float: ...
+@overload
+def _num(row: dict, col: str, line: int, required: bool) -> float | None: ...
 def _num(row: dict, col: str, line: int, required: bool = True) -> float | None:
     v = (row.get(col) or "").strip()
     if v == "":
@@ -115,7 +120,7 @@ def _time(v: str, line: int, col: str) -> float:
         pass
     for fmt in ("%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S.%f"):
         try:
-            return datetime.strptime(v, fmt).replace(tzinfo=timezone.utc).timestamp()
+            return datetime.strptime(v, fmt).replace(tzinfo=UTC).timestamp()
         except ValueError:
             continue
     raise TraceError(f"line {line}: column {col!r}: not seconds or a timestamp: {v!r}")
@@ -153,6 +158,7 @@ def read_rows(path: str | Path, opts: TraceOptions) -> tuple[list[TraceRow], dic
             _require(header, ("submission_time", "duration", "num_gpu"), fmt)
         else:
             _require(header, ("creation_time", "deletion_time", "num_gpu", "gpu_milli", "qos"), fmt)
+        r: TraceRow | None
         for i, row in enumerate(reader, start=2):
             stats["rows"] += 1
             if fmt == "generic":
@@ -241,7 +247,7 @@ def _shape(gpus: int, node_gpus: int) -> tuple[int, int]:
 def _scaled_gpus(gpus: int, scale: float, node_gpus: int) -> int:
     if scale == 1.0:
         return gpus
-    g = max(1, int(round(gpus * scale)))
+    g = max(1, round(gpus * scale))
     if g > node_gpus:
         g = math.ceil(g / node_gpus) * node_gpus
     return g

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from store.audit import write_audit, write_job_event
-from store.errors import AllocationConflict, QuotaExceeded, JobStateConflict, UnknownSubject
+from store.errors import AllocationConflict, JobStateConflict, QuotaExceeded, UnknownSubject
 from store.leadership import check_epoch
 from store.tx import Db, transaction
 

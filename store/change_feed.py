@@ -27,7 +27,7 @@ class ChangeFeed:
         self.late = 0  # gaps that did appear (diagnostics)
 
     @staticmethod
-    async def start(conn: asyncpg.Connection, window: int = 1000) -> "ChangeFeed":
+    async def start(conn: asyncpg.Connection, window: int = 1000) -> ChangeFeed:
         """A feed positioned at the newest change visible to ``conn``'s transaction (the
         rebuild's snapshot), with the seqs missing near the top kept as gaps."""
         top = await conn.fetchval("SELECT coalesce(max(seq), 0) FROM changes")

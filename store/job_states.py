@@ -17,7 +17,7 @@ from typing import Any
 
 import asyncpg
 
-from placement.lifecycle import JobState, TERMINAL
+from placement.lifecycle import TERMINAL, JobState
 from store.allocations import lease_id_for, release_job
 from store.audit import write_audit, write_job_event
 from store.errors import UnknownSubject
@@ -84,7 +84,7 @@ async def mark_cancelling(db: Db, job_id: str, attempt: int, *, actor: str, reas
         return Outcome(True, JobState.CANCELLING, attempt)
 
 
-_FINISH_EVENT = {
+_FINISH_EVENT: dict[str, str] = {
     JobState.SUCCEEDED: "succeeded",
     JobState.FAILED: "failed",
     JobState.CANCELLED: "cancelled",

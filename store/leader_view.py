@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
+from placement.lifecycle import TERMINAL
 from store.change_feed import ChangeFeed
 from store.tx import Db
 
@@ -44,7 +45,7 @@ async def snapshot(pool: asyncpg.Pool, *, half_life_s: float) -> Snapshot:
             nodes = await conn.fetch(f"SELECT {NODE_COLUMNS} FROM nodes ORDER BY node_id")
             quotas = await conn.fetch("SELECT team, gpu_type, guaranteed, borrow_limit FROM quotas")
             jobs = await conn.fetch(
-                f"SELECT {JOB_COLUMNS} FROM jobs WHERE state NOT IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT')"
+                f"SELECT {JOB_COLUMNS} FROM jobs WHERE NOT (state = ANY($1::text[]))", sorted(s.value for s in TERMINAL)
             )
             leases = await conn.fetch(
                 f"{_LIVE_LEASES} WHERE l.state = 'live' GROUP BY l.lease_id ORDER BY l.job_id, l.rank"

@@ -15,7 +15,7 @@ from store.tx import Db, transaction
 
 @dataclass(frozen=True)
 class Publication:
-    """What a cycle publishes for one queued job (DESIGN.md: 'why pending')."""
+    """What a cycle publishes for one queued job (docs/design.md: 'why pending')."""
 
     job_id: str
     queue_position: int | None

@@ -8,13 +8,12 @@ connection already inside the caller's transaction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import asyncpg
 
-Pool = asyncpg.Pool  # what processes hold (``common.db.pool_from_settings`` makes one)
-Db = asyncpg.Pool | asyncpg.Connection
+Pool: TypeAlias = asyncpg.Pool  # what processes hold (``common.db.pool_from_settings`` makes one)
+Db: TypeAlias = asyncpg.Pool | asyncpg.Connection
 
 
 class transaction:
@@ -56,7 +55,3 @@ async def set_lock_timeout(conn: asyncpg.Connection, seconds: float) -> None:
     """Only for the current transaction; 0 = wait forever (the default)."""
     ms = max(0, int(seconds * 1000))
     await conn.execute(f"SET LOCAL lock_timeout = '{ms}ms'")
-
-
-def records(rows: Sequence[asyncpg.Record]) -> list[dict[str, Any]]:
-    return [dict(r) for r in rows]

@@ -1,4 +1,4 @@
-"""JobWorkflow: one job's life (DESIGN.md, Job lifecycle). Workflow id = job id.
+"""JobWorkflow: one job's life (docs/design.md, Job lifecycle). Workflow id = job id.
 
 Orchestration only: every Postgres write is a (local) control activity, every rank
 start/stop a short activity on the node's task queue. One run handles one attempt:
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -42,17 +43,16 @@ from placement.lifecycle import TERMINAL, JobState, allowed_change
 from workflows import activity_interfaces as acts
 from workflows import messages as m
 
-MAX_IN_FLIGHT = 400  # activities in flight per workflow stay under 500 (DESIGN.md)
+MAX_IN_FLIGHT = 400  # activities in flight per workflow stay under 500 (docs/design.md)
 HISTORY_LIMIT = 3000  # continue-as-new well before ~4,096 events
 CHECKPOINTS_KEPT = 32  # per rank: enough to find the newest checkpoint every rank has
 
 A = TypeVar("A")
 R = TypeVar("R")
 
-LOCAL = dict(
-    start_to_close_timeout=timedelta(seconds=15),
-    retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=5)),
-)
+# the control activities are local activities: short Postgres writes, retried
+LOCAL_TIMEOUT = timedelta(seconds=15)
+LOCAL_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=5))
 
 
 class IllegalTransition(RuntimeError):
@@ -114,7 +114,7 @@ class JobWorkflow:
     def __init__(self) -> None:
         self._job_id = ""
         self._snap: m.JobSnapshot | None = None
-        self._state = JobState.QUEUED
+        self._state: str = JobState.QUEUED
         self._attempt = 0
         self._allocs: dict[int, m.Allocation] = {}
         self._alloc: m.Allocation | None = None
@@ -200,7 +200,8 @@ class JobWorkflow:
                 running_since=self._running_since,
                 request_id=(workflow.current_update_info() or _NO_UPDATE).id,
             ),
-            **LOCAL,
+            start_to_close_timeout=LOCAL_TIMEOUT,
+            retry_policy=LOCAL_RETRY,
         )
         self._extensions_used = result.extensions_used
         if result.granted and result.new_deadline is not None:
@@ -293,7 +294,7 @@ class JobWorkflow:
                 ),
                 timeout=None if no_timer else timedelta(seconds=snap.gang_start_timeout_s),
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             timed_out = True
         if self._cancel is not None:
             return await self._cancel_active()
@@ -335,17 +336,9 @@ class JobWorkflow:
                 return await self._time_out()
             try:
                 await workflow.wait_condition(
-                    lambda: (
-                        self._cancel is not None
-                        or self._attempt in self._preempts
-                        or self._any_failed()
-                        or self._all_exited()
-                        or self._deadline != deadline
-                        or self._history_long()
-                    ),
-                    timeout=timedelta(seconds=remaining),
+                    functools.partial(self._supervision_wakes, deadline), timeout=timedelta(seconds=remaining)
                 )
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
             if self._cancel is not None:
                 return await self._cancel_active()
@@ -558,7 +551,7 @@ class JobWorkflow:
             await workflow.wait_condition(
                 lambda: all(r.exited for r in targets), timeout=timedelta(seconds=grace + snap.stop_margin_s)
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             workflow.logger.warning(
                 "job %s: %d rank(s) sent no exit report after their stop",
                 self._job_id,
@@ -681,6 +674,17 @@ class JobWorkflow:
             return f"gang not started within the start timeout (ranks {missing[:10]} missing)", False
         return "ranks exited without all succeeding", True
 
+    def _supervision_wakes(self, deadline: datetime) -> bool:
+        """What a running attempt wakes up for (besides its deadline passing)."""
+        return (
+            self._cancel is not None
+            or self._attempt in self._preempts
+            or self._any_failed()
+            or self._all_exited()
+            or self._deadline != deadline
+            or self._history_long()
+        )
+
     def _history_long(self) -> bool:
         info = workflow.info()
         return info.is_continue_as_new_suggested() or info.get_current_history_length() > HISTORY_LIMIT
@@ -741,7 +745,9 @@ class JobWorkflow:
         return m.JobResult(self._job_id, res.state, res.attempt, reason=reason)
 
     async def _local(self, fn: Callable[[A], Awaitable[R]], arg: A) -> R:
-        return await workflow.execute_local_activity(fn, arg, **LOCAL)
+        return await workflow.execute_local_activity(
+            fn, arg, start_to_close_timeout=LOCAL_TIMEOUT, retry_policy=LOCAL_RETRY
+        )
 
     def _require_snap(self) -> m.JobSnapshot:
         assert self._snap is not None

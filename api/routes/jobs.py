@@ -13,11 +13,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import AfterValidator
 
-from store.audit import write_audit, write_job_event
 from api import idempotency
-from store import jobs
-from store import nodes
-from store import teams
 from api.admission import admit, format_duration, parse_duration
 from api.auth import current_principal
 from api.deps import (
@@ -47,6 +43,8 @@ from api.schemas import (
 )
 from common.settings import Principal
 from placement.lifecycle import TERMINAL, JobState
+from store import jobs, nodes, teams
+from store.audit import write_audit, write_job_event
 from workflows.messages import CancelRequest, ExtendRequest
 
 log = logging.getLogger("gpufleet.api")

@@ -9,12 +9,12 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from pydantic import AfterValidator
 
 from api import idempotency
-from store import nodes
 from api.auth import current_principal, require_admin
 from api.deps import NodeId, decode_cursor, encode_cursor, page_size, pool_of
 from api.errors import ERROR_RESPONSES, ApiError
 from api.schemas import DrainAccepted, DrainBody, NodeList, NodeState, NodeView, ReturnAccepted, ReturnBody, storable
 from common.settings import Principal
+from store import nodes
 
 router = APIRouter(prefix="/v1", tags=["nodes"], dependencies=[Depends(current_principal)], responses=ERROR_RESPONSES)
 
@@ -55,7 +55,7 @@ async def list_nodes(
     n = page_size(request, limit)
     raw = decode_cursor("nodes", cursor)
     after = str(raw[0]) if raw else None
-    if after is not None and not isinstance(raw[0], str):
+    if raw and not isinstance(raw[0], str):
         raise ApiError(400, "invalid_cursor", "the cursor is not one this list returned")
     pool = pool_of(request)
     rows = await nodes.list_nodes(pool, state=state, block=block, gpu_type=gpu_type, after=after, limit=n + 1)

@@ -8,11 +8,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from store import tx
 from api.auth import current_principal
 from api.errors import ERROR_RESPONSES, ErrorBody, error_body
 from api.schemas import Health, Me
 from common.settings import Principal
+from store import tx
 
 public = APIRouter(tags=["system"])
 router = APIRouter(prefix="/v1", tags=["system"], dependencies=[Depends(current_principal)], responses=ERROR_RESPONSES)

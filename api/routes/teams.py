@@ -10,14 +10,12 @@ import asyncpg
 from fastapi import APIRouter, Depends, Header, Query, Request
 
 from api import idempotency
-from store import nodes
-from store import teams
-from store import tx
 from api.auth import current_principal, require_admin, require_team_access
 from api.deps import TeamName, decode_cursor, encode_cursor, page_size, pool_of
 from api.errors import ERROR_RESPONSES, ApiError
 from api.schemas import QuotaSet, TeamQueue, TeamQuota
 from common.settings import Principal
+from store import nodes, teams, tx
 
 router = APIRouter(prefix="/v1", tags=["teams"], dependencies=[Depends(current_principal)], responses=ERROR_RESPONSES)
 

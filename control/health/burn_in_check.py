@@ -1,4 +1,4 @@
-"""The burn-in test a node runs before it returns to service (DESIGN.md, Health).
+"""The burn-in test a node runs before it returns to service (docs/design.md, Health).
 
 Run by the node agent as a rank on every GPU of the node (``CUDA_VISIBLE_DEVICES``):
 
@@ -23,7 +23,7 @@ def _simulated(seconds: float) -> int:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-    print("burn-in (simulated): held the GPUs for %.1fs" % seconds, flush=True)
+    print(f"burn-in (simulated): held the GPUs for {seconds:.1f}s", flush=True)
     return 0
 
 

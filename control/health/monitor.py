@@ -25,7 +25,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from store.tx import Pool
 from typing import Any
 
 from temporalio.client import Client
@@ -42,13 +41,15 @@ from control.health.node_states import (
     HealthParams,
     NodeObservation,
     NodeState,
+    RankView,
     decide,
 )
-from control.health.recovery import Recoveries
 from control.health.reconcile import Reconciler, rank_views
+from control.health.recovery import Recoveries
 from control.leader.state import LeaderState
 from store import nodes
 from store.errors import StaleEpoch
+from store.tx import Pool
 
 log = logging.getLogger("gpufleet.control.health")
 
@@ -178,7 +179,7 @@ class HealthMonitor:
         while self.epoch == epoch:
             try:
                 await asyncio.wait_for(self._kick.wait(), timeout=self.settings.health_sweep_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._kick.clear()
             try:
@@ -240,7 +241,7 @@ class HealthMonitor:
     def observe(self, node_id: str, now: float) -> NodeObservation:
         entry = self._entry(node_id)
         gpus: tuple[GpuView, ...] = ()
-        running = ()
+        running: tuple[RankView, ...] = ()
         if entry is not None:
             rep = entry.report()
             gpus = tuple(

@@ -1,4 +1,4 @@
-"""The node state machine and the health decisions of the leader (DESIGN.md, Health). Pure:
+"""The node state machine and the health decisions of the leader (docs/design.md, Health). Pure:
 no I/O, no clock (``now`` is passed in), no randomness.
 
     from control.node_states import NodeObservation, decide, transition
@@ -224,7 +224,7 @@ def hung_ranks(obs: NodeObservation, params: HealthParams) -> list[RankView]:
     for r in obs.running:
         if r.step is None or r.step_age_s < params.hang_after_s or not r.gpu_indices:
             continue
-        if all(util.get(i) is not None and util[i] <= params.idle_util_pct for i in r.gpu_indices):
+        if all((u := util.get(i)) is not None and u <= params.idle_util_pct for i in r.gpu_indices):
             out.append(r)
     return out
 
@@ -274,7 +274,7 @@ def derive_event(
             )
         return Event.HEARTBEAT, "", ()
     if now - obs.took_over_at < params.takeover_quiet_s:
-        return None  # DESIGN.md, Leadership: a new leader has not heard the heartbeats yet
+        return None  # docs/design.md, Leadership: a new leader has not heard the heartbeats yet
     if age >= params.down_after_s:
         return Event.LOST, f"no heartbeat for {age:.1f}s", ()
     return Event.SILENT, f"no heartbeat for {age:.1f}s", ()
@@ -333,6 +333,7 @@ def reconcile(running: Sequence[RankView], live: Mapping[str, LeaseView]) -> Rec
 
 
 __all__ = [
+    "TABLE",
     "Action",
     "Decision",
     "Event",
@@ -343,7 +344,6 @@ __all__ = [
     "NodeState",
     "RankView",
     "Reconciliation",
-    "TABLE",
     "decide",
     "derive_event",
     "fatal_faults",

@@ -21,9 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from store.tx import Pool
 from typing import Any
-
 
 from common.contracts import TaskState, TaskStatus
 from common.settings import Settings
@@ -33,6 +31,7 @@ from control.health.node_states import LeaseView, NodeObservation, RankView, rec
 from control.leader.state import LeaderState
 from placement.lifecycle import JobState
 from store import allocations, nodes
+from store.tx import Pool
 
 log = logging.getLogger("gpufleet.control.health")
 

@@ -19,7 +19,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from store.tx import Pool
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -30,6 +29,7 @@ from control.leader.signals import signal_preempt
 from placement.lifecycle import TERMINAL, JobState
 from store import job_states, jobs
 from store.allocations import LeaseRow
+from store.tx import Pool
 from workflows import messages as m
 from workflows.job import JobWorkflow
 

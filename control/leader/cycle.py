@@ -27,8 +27,10 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
+
+from temporalio.client import Client
 
 import placement as engine
 from control.leader.signals import JobSignals, start_job_workflow
@@ -38,7 +40,6 @@ from placement.lifecycle import JobState
 from store import allocations, job_states, jobs, publications
 from store.allocations import GangPlacement
 from store.errors import AllocationConflict, StaleEpoch, StoreError, UnknownSubject
-from temporalio.client import Client
 from workflows import messages as m
 
 log = logging.getLogger("gpufleet.control.leader")
@@ -99,7 +100,7 @@ class PlacementCycles:
         self._next_sweep = 0.0
         self._next_prune = time.monotonic() + PRUNE_EVERY_S
         # what was last written, so each cycle writes only what changed
-        self.published: dict[str, tuple] = {}
+        self.published: dict[str, tuple[int | None, str | None, str | None, datetime | None]] = {}
         self.published_res: tuple | None = None
         self.published_spares: dict[str, str] | None = None  # node -> job (None: not yet)
 
@@ -131,7 +132,7 @@ class PlacementCycles:
             if stats is None or not stats.more:
                 try:
                     await asyncio.wait_for(self._wake.wait(), s.placement_cycle_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             pause = started + s.placement_wake_min_s - time.monotonic()
             if pause > 0:
@@ -222,7 +223,8 @@ class PlacementCycles:
         for a in allocated:
             state.jobs[a.job_id].state = JobState.STARTING
         stats.resignalled = self.signals.resend_due(mono)
-        for msg in [*allocated, *preempts]:
+        sent: list[m.Allocation | m.PreemptRequest] = [*allocated, *preempts]
+        for msg in sent:
             self.signals.send(msg, mono)
         stats.published = await self._publish(epoch, plan, now)
         if mono >= self._next_sweep:
@@ -303,14 +305,14 @@ class PlacementCycles:
             res = reservations.get(jid)
             start = None
             if res is not None and math.isfinite(res.expected_start):
-                start = datetime.fromtimestamp(res.expected_start, timezone.utc)
+                start = datetime.fromtimestamp(res.expected_start, UTC)
             if p is not None:
                 reason, detail = p.reason.value, p.detail or None
             else:  # not evaluated: its lane may have been skipped for want of quota room
                 reason, detail = _unevaluated_reason(plan, spec)
                 if reason == engine.PendingReason.LOOKAHEAD.value:
                     reason, detail = None, None  # within the published top: no reason yet
-            value = (i + 1, reason, detail, start)
+            value: tuple[int | None, str | None, str | None, datetime | None] = (i + 1, reason, detail, start)
             if self.published.get(jid) != value:
                 self.published[jid] = value
                 rows.append(publications.Publication(jid, *value))
@@ -345,7 +347,7 @@ class PlacementCycles:
                 epoch=epoch,
                 rows=[
                     publications.ReservationRow(
-                        jid, datetime.fromtimestamp(es, timezone.utc) if es is not None else None, nodes, blocks
+                        jid, datetime.fromtimestamp(es, UTC) if es is not None else None, nodes, blocks
                     )
                     for jid, es, nodes, blocks in res_rows
                 ],

@@ -19,7 +19,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-
 from common.settings import Settings
 from store import leadership as rows
 from store.tx import Pool
@@ -46,7 +45,6 @@ class Leadership:
         self.on_lose = on_lose
         self.epoch: int | None = None
         self.leader_grpc_addr = ""  # the leader's, as a follower last read it
-        self.takeovers = 0
         self._last_renew = 0.0
         self._stopping = asyncio.Event()
 
@@ -71,7 +69,7 @@ class Leadership:
             interval = s.leader_renew_s if self.epoch is not None else min(s.leader_renew_s, s.leader_ttl_s / 3)
             try:
                 await asyncio.wait_for(self._stopping.wait(), interval)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def _try_acquire(self) -> None:
@@ -90,7 +88,6 @@ class Leadership:
             await rows.resign_leadership(self.pool, scope=self.scope, holder=self.holder, epoch=epoch)
             raise
         self.epoch = epoch
-        self.takeovers += 1
 
     async def _renew(self) -> None:
         assert self.epoch is not None

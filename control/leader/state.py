@@ -18,9 +18,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
-from store.tx import Pool
 from typing import Any
-
 
 import placement as engine
 from common.settings import Settings
@@ -30,6 +28,7 @@ from placement.lifecycle import ACTIVE, TERMINAL, JobState
 from store import allocations, job_spec, leader_view
 from store.allocations import LeaseRow
 from store.change_feed import ChangeFeed
+from store.tx import Pool
 
 log = logging.getLogger("gpufleet.control.leader")
 

@@ -1,4 +1,4 @@
-"""The agent side of the gRPC stream to the control leader (DESIGN.md, Health and Leadership).
+"""The agent side of the gRPC stream to the control leader (docs/design.md, Health and Leadership).
 
 ``ControlLink(settings, node).run()`` keeps one ``ControlLink.Connect`` stream open
 to the leader, authenticated with the node's credential (``proto.auth``):

@@ -1,4 +1,4 @@
-"""NodeAgent: one GPU node's ranks, epochs and reports (DESIGN.md, Job lifecycle and Health).
+"""NodeAgent: one GPU node's ranks, epochs and reports (docs/design.md, Job lifecycle and Health).
 
 Activities (Temporal, on ``settings.node_task_queue(node_id)``), bound methods of a
 ``NodeAgent``::
@@ -324,13 +324,15 @@ class NodeAgent:
     async def _await_rank(self, st: Lease) -> None:
         """Until the supervisor has recorded the rank's pid, or an exit, or the start deadline."""
         d = st.dir
+        deadline = st.start_deadline
+        assert deadline is not None, "a rank being started has a start deadline"
         while True:
             sup = sf.read_json(d / sf.SUPERVISOR)
             if sup and sup.get("rank_pid"):
                 self._adopt_fields(st, sup)
                 st.start_deadline = None
                 return
-            if (d / sf.EXIT).exists() or sf.boot_clock() > st.start_deadline:
+            if (d / sf.EXIT).exists() or sf.boot_clock() > deadline:
                 return
             await asyncio.sleep(0.01)
 
@@ -731,7 +733,7 @@ class NodeAgent:
         if int(old.get("epoch", -(2**62))) > epoch:
             return
         rec = {"epoch": epoch}
-        if stopped_first or (old.get("stopped_first") and int(old.get("epoch")) == epoch):
+        if stopped_first or (old.get("stopped_first") and int(old.get("epoch", -1)) == epoch):
             rec["stopped_first"] = True
         if rec != old:
             sf.write_json_atomic(d / sf.EPOCH, rec, fsync=True)

@@ -1,4 +1,4 @@
-"""GPU health backends (DESIGN.md, Health): real NVML and a simulated one with fault injection.
+"""GPU health backends (docs/design.md, Health): real NVML and a simulated one with fault injection.
 
 The backend is chosen by ``settings.agent_nvml_backend`` ("real" | "simulated"),
 never silently: asking for the real backend where NVML is missing raises
@@ -23,6 +23,7 @@ lines to the node's ``faults.jsonl`` (``write_fault``, used by
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -135,8 +136,7 @@ class NvmlBackend:
                 self.handles.append(None)
                 self.handle_errors[i] = f"nvml:handle:{e}"
         self.uuids = [
-            (self._field(lambda h=h: _s(nv.nvmlDeviceGetUUID(h)), []) or "") if h is not None else ""
-            for h in self.handles
+            (self._field(functools.partial(_uuid, nv, h), []) or "") if h is not None else "" for h in self.handles
         ]
         self._xids: list[deque[int]] = [deque(maxlen=XID_HISTORY) for _ in self.handles]
         self._links_up: list[list[int]] = [self._active_links(h) if h is not None else [] for h in self.handles]
@@ -253,7 +253,7 @@ class NvmlBackend:
             mem = self._field(lambda: nv.nvmlDeviceGetMemoryInfo(h), errors, "memory")
             if mem is not None:
                 s.mem_used, s.mem_total = int(mem.used), int(mem.total)
-            temp_fn = getattr(nv, "nvmlDeviceGetTemperature", None) or getattr(nv, "nvmlDeviceGetTemperatureV")
+            temp_fn = getattr(nv, "nvmlDeviceGetTemperature", None) or nv.nvmlDeviceGetTemperatureV
             t = self._field(lambda: temp_fn(h, nv.NVML_TEMPERATURE_GPU), errors, "temperature")
             t = getattr(t, "temperature", t)  # nvmlDeviceGetTemperatureV returns a struct
             s.temperature_c = None if t is None else float(t)
@@ -293,7 +293,7 @@ class NvmlBackend:
                         if reasons & bit:
                             degraded.append(f"throttle:{name}")
             for link in self._links_up[i]:
-                state = self._field(lambda link=link: nv.nvmlDeviceGetNvLinkState(h, link), errors, f"nvlink{link}")
+                state = self._field(functools.partial(nv.nvmlDeviceGetNvLinkState, h, link), errors, f"nvlink{link}")
                 if state is not None and state != getattr(nv, "NVML_FEATURE_ENABLED", 1):
                     failed.append(f"nvlink:{link}:down")
         except nv.NVMLError as e:  # GPU is lost
@@ -330,6 +330,10 @@ class NvmlBackend:
 
 def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _uuid(nv: Any, handle: Any) -> str:
+    return _s(nv.nvmlDeviceGetUUID(handle))
 
 
 # ---------------------------------------------------------------------- simulated

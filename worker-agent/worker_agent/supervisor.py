@@ -1,6 +1,6 @@
 """The per-rank supervisor: ``python -m worker_agent.supervisor <lease_dir> [--adopt]``.
 
-One small process per rank (DESIGN.md, Health). It detaches from the agent (double
+One small process per rank (docs/design.md, Health). It detaches from the agent (double
 fork + its own session), so the agent can die or restart without touching it:
 
 * starts the rank as its own process group (``spec.json``: argv, env, cwd, logs);
@@ -104,6 +104,7 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
         "adopted": adopt,
     }
     started_clock = sf.boot_clock()
+    proc: _Adopted | subprocess.Popen[bytes]
     if adopt:
         prev = sf.read_json(lease_dir / sf.SUPERVISOR) or {}
         proc = _Adopted(int(prev["rank_pid"]), prev.get("rank_start"))
