@@ -28,7 +28,7 @@ hypothesis_settings.load_profile(os.environ.get("GPUFLEET_HYPOTHESIS_PROFILE", "
 os.environ.setdefault("GPUFLEET_STRICT_JOB_TRANSITIONS", "true")
 
 from common.db import create_pool, migrate  # noqa: E402
-from tests.support import dsn_with_db
+from tests.support import dsn_with_db  # noqa: E402
 
 TEMPLATE_DB = "gpufleet_template"
 
@@ -110,7 +110,7 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_unconfigure(config):
     """End the test process deliberately once pytest has reported everything.
 
-    DESIGN.md pitfall: temporalio's native core sometimes aborts (exit 134) or
+    docs/design.md, Known pitfalls: temporalio's native core sometimes aborts (exit 134) or
     segfaults during interpreter finalization (temporalio/sdk-python#300). The
     results are already printed and every fixture torn down, so skip finalization
     and exit with pytest's own status.

@@ -1,8 +1,24 @@
-"""Shared test helpers: DSN handling and polling with a deadline (never sleep-and-hope)."""
+"""Shared test helpers: DSN handling and waiting with a deadline (never sleep-and-hope).
+
+Every wait in the tests goes through one of these three:
+
+* ``await eventually(probe, timeout=, interval=, what=)``: poll until ``probe()`` is truthy
+  and return that value; fail once ``timeout`` has passed. "X happens (soon)".
+* ``await holds(probe, for_s=, interval=, what=)``: poll for ``for_s`` seconds and fail at the
+  first falsy ``probe()``. "X does not happen": the honest form of sleeping, then asserting
+  that nothing happened (it still takes ``for_s``, but fails the moment X happens).
+* ``eventually_sync(probe, timeout=, interval=, what=)``: ``eventually`` for plain functions
+  and threads, where there is no event loop to await on.
+
+The async two take a probe that returns a value or an awaitable (a coroutine function, or a
+lambda returning a coroutine), so plain checks need no wrapper. An exception raised by a probe
+is not swallowed: it fails the wait at once (a probe may assert that waiting still makes sense).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -16,23 +32,68 @@ def dsn_with_db(dsn: str, database: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, "/" + database, parts.query, parts.fragment))
 
 
+async def _value(probe: Callable[[], T | Awaitable[T]]) -> T:
+    value = probe()
+    return await value if inspect.isawaitable(value) else value
+
+
 async def eventually(
-    probe: Callable[[], Awaitable[T]],
+    probe: Callable[[], T | Awaitable[T]],
     *,
     timeout: float = 10.0,
     interval: float = 0.05,
     what: str = "condition",
 ) -> T:
-    """Poll ``probe`` until it returns a truthy value or the deadline passes."""
+    """Poll ``probe`` until it returns a truthy value (returned) or the deadline passes."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while True:
-        last = await probe()
+        last = await _value(probe)
         if last:
             return last
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
         await asyncio.sleep(interval)
+
+
+async def holds(
+    probe: Callable[[], Any],
+    *,
+    for_s: float,
+    interval: float = 0.05,
+    what: str = "condition",
+) -> None:
+    """Poll ``probe`` for ``for_s`` seconds (first and last check included); fail as soon as
+    it returns a falsy value."""
+    start = time.monotonic()
+    deadline = start + for_s
+    while True:
+        value = await _value(probe)
+        if not value:
+            took = time.monotonic() - start
+            raise AssertionError(f"{what} stopped holding after {took:.2f}s of {for_s}s; value: {value!r}")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        await asyncio.sleep(min(interval, left))
+
+
+def eventually_sync(
+    probe: Callable[[], T],
+    *,
+    timeout: float = 10.0,
+    interval: float = 0.05,
+    what: str = "condition",
+) -> T:
+    """``eventually`` for synchronous code: blocks the calling thread between polls."""
+    deadline = time.monotonic() + timeout
+    while True:
+        last = probe()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+        time.sleep(interval)
 
 
 async def force_job_state(db, sql: str, *args) -> None:

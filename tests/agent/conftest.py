@@ -6,19 +6,18 @@ kill 3 s (15 min in production), fence grace 1 s.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import socket
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from common.contracts import StartTask, TaskStatus
 from common.settings import Settings
+from tests.support import eventually
 from worker_agent import statefiles as sf
 
 PY = sys.executable
@@ -69,18 +68,8 @@ def pid_alive(pid: int | None) -> bool:
 
 
 async def wait_for(probe, *, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
-    """Poll ``probe`` (sync or async) until truthy, with a deadline."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while True:
-        last = probe()
-        if asyncio.iscoroutine(last):
-            last = await last
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-        await asyncio.sleep(interval)
+    """``tests.support.eventually`` (sync or async probe) with this suite's finer poll interval."""
+    return await eventually(probe, timeout=timeout, interval=interval, what=what)
 
 
 def kill_group_quietly(pid: int | None) -> None:

@@ -16,8 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -27,9 +25,18 @@ from temporalio.client import Client
 from common.contracts import TaskState
 from common.temporal import DATA_CONVERTER, make_worker
 from tests.agent.conftest import (
-    PY, Control, free_port, kill_group_quietly, make_settings, pid_alive, script, start_task, wait_for,
+    PY,
+    Control,
+    free_port,
+    kill_group_quietly,
+    make_settings,
+    pid_alive,
+    script,
+    start_task,
+    wait_for,
 )  # fmt: skip
 from tests.agent.rank_workflow import RankJob, RankOutcome, RankWorkflow
+from tests.support import eventually, holds
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTAGE_S = float(os.environ.get("GPUFLEET_TEST_TEMPORAL_OUTAGE_S", "6"))
@@ -96,7 +103,7 @@ async def _run_worker_forever(client: Client, task_queue: str) -> None:
         except asyncio.CancelledError:
             raise
         except Exception:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # a restart backoff, not a wait: the loop runs until cancelled
 
 
 async def _query(handle):
@@ -136,8 +143,7 @@ async def test_agent_killed_and_restarted_readopts_its_rank(temporal_env, tmp_pa
                        what="lease in heartbeats")  # fmt: skip
 
         a.kill9()  # the agent dies; its rank does not
-        await asyncio.sleep(0.5)
-        assert pid_alive(pid)
+        await holds(lambda: pid_alive(pid), for_s=0.5, what="the rank alive with its agent dead")
         await b.start()
 
         # the restarted agent reports the rank in its heartbeats, same pid
@@ -198,11 +204,9 @@ async def test_rank_survives_a_temporal_outage_and_is_still_running_after(tmp_pa
         pid = st["pid"]
 
         server.stop()  # Temporal is down (scaled: OUTAGE_S stands for 3 minutes)
-        t_end = time.monotonic() + OUTAGE_S
         seq0 = c.server.table.get("node-o").seq
-        while time.monotonic() < t_end:
-            assert pid_alive(pid), "the rank must keep running while Temporal is down"
-            await asyncio.sleep(0.25)
+        await holds(lambda: pid_alive(pid), for_s=OUTAGE_S, interval=0.25,
+                    what="the rank running while Temporal is down")  # fmt: skip
         # the agent stayed in touch with control the whole time, and the lease stayed confirmed
         e = c.server.table.get("node-o")
         assert e.seq > seq0 and e.age() < 1.0 and e.lease_ids == ["lease-o"]
@@ -228,14 +232,19 @@ async def test_rank_survives_a_temporal_outage_and_is_still_running_after(tmp_pa
 
 
 async def _connect_retrying(address: str) -> Client:
-    deadline = time.monotonic() + 30
-    while True:
+    errors: list[Exception] = []
+
+    async def connect() -> Client | None:
         try:
             return await Client.connect(address, data_converter=DATA_CONVERTER)
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
+        except Exception as e:
+            errors.append(e)
+            return None
+
+    try:
+        return await eventually(connect, timeout=30, interval=0.2, what=f"Temporal at {address}")
+    except AssertionError as e:
+        raise e from (errors[-1] if errors else None)
 
 
 def test_cli_inject_fault_and_ps(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 
 from common.contracts import StopTask, TaskState
 from tests.agent.conftest import PY, TRAIN_COUNTER, kill_group_quietly, pid_alive, script, start_task, wait_for
+from tests.support import holds
 from worker_agent import statefiles as sf
 from worker_agent.examples.train_counter import expected
 from worker_agent.node import NodeAgent
@@ -113,8 +114,7 @@ async def test_stale_epoch_stop_is_ignored_and_the_rank_keeps_running(node, tmp_
     stale = await node.stop_task(StopTask("lease-epoch", 6, "node-t", grace_seconds=0.5, reason="old leader"))
     assert not stale.accepted and "stale epoch" in stale.reason
     assert not (node.leases["lease-epoch"].dir / sf.STOP).exists()
-    await asyncio.sleep(0.3)
-    assert pid_alive(res.pid) and node.leases["lease-epoch"].live
+    await holds(lambda: pid_alive(res.pid) and node.leases["lease-epoch"].live, for_s=0.3, what="the rank running")
     # a StartTask of an older epoch is refused too, and a newer StopTask works
     old = await node.start_task(start_task("node-t", "lease-epoch", cmd, epoch=6))
     assert not old.accepted and "stale epoch" in old.reason
@@ -135,8 +135,8 @@ async def test_duplicate_start_task_starts_one_process(node, tmp_path):
     assert len(pids) == 1
     assert sum(r.already_running for r in results + [again]) == 5
     await wait_for(lambda: launches.exists() and launches.read_text().strip(), what="launch record")
-    await asyncio.sleep(0.3)
-    assert launches.read_text().split() == [str(pids.pop())]
+    pid = pids.pop()
+    await holds(lambda: launches.read_text().split() == [str(pid)], for_s=0.3, what="a single launch")
     await node.stop_task(StopTask("lease-dup", 2, "node-t", grace_seconds=0.5, reason="done"))
     # and after it ended, a redelivered StartTask re-reports instead of starting again
     late = await node.start_task(task)
@@ -198,11 +198,13 @@ async def test_unconfirmed_lease_is_killed_by_its_supervisor_even_with_the_agent
 async def test_confirmations_keep_a_rank_alive_past_the_unconfirmed_window(node, tmp_path):
     cmd = script(tmp_path, "sleeper.py", SLEEPER)
     res = await node.start_task(start_task("node-t", "lease-conf", cmd))
-    t_end = time.monotonic() + 4.5  # > unconfirmed_kill_s = 3 s
-    while time.monotonic() < t_end:
-        node.confirm(["lease-conf"])
-        await asyncio.sleep(0.5)
-    assert pid_alive(res.pid) and node.leases["lease-conf"].live
+
+    def confirmed_and_alive() -> bool:
+        node.confirm(["lease-conf"])  # the leader's confirmation, every 0.5 s
+        return pid_alive(res.pid) and node.leases["lease-conf"].live
+
+    # 4.5 s > unconfirmed_kill_s = 3 s
+    await holds(confirmed_and_alive, for_s=4.5, interval=0.5, what="a confirmed rank alive")
     await wait_for(lambda: not pid_alive(res.pid), timeout=8, what="fenced once confirmations stop")
     await wait_for(lambda: terminal(node, "lease-conf"), what="FENCED report")
     assert node.leases["lease-conf"].state == TaskState.FENCED

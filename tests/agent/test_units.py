@@ -209,7 +209,7 @@ def test_real_backend_without_nvml_raises_a_clear_error(tmp_path):
         pytest.skip("this machine has NVML")
     except pynvml.NVMLError:
         pass
-    with pytest.raises(NvmlUnavailable, match="NVML is not usable on this host.*simulated"):
+    with pytest.raises(NvmlUnavailable, match=r"NVML is not usable on this host.*simulated"):
         make_backend(make_settings(tmp_path), "n", "real")
     with pytest.raises(ValueError):
         make_backend(make_settings(tmp_path), "n", "fake")

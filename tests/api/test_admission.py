@@ -6,11 +6,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from store.seed import seed_demo
 from api.admission import check_capacity, parse_duration
 from api.errors import ApiError
 from api.main import create_app
 from api.schemas import JobSubmit
+from store.seed import seed_demo
 from tests.api.conftest import ADMIN, ALPHA, BETA, auth, job_body, new_key, submit
 from tests.foundation.builders import queued_job
 

@@ -10,10 +10,8 @@ from typing import Any
 
 import pytest
 
-from store import allocations
-
-from store import leadership
 from api.main import route_table
+from store import allocations, leadership
 from tests.api.agent_server import AgentLogServer
 from tests.api.conftest import ADMIN, ALPHA, BETA, auth, job_body, new_key, submit
 from tests.foundation.builders import gang

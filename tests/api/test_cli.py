@@ -11,22 +11,21 @@ import asyncio
 import json
 import socket
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 import typer
 import uvicorn
 from typer.testing import CliRunner
 
-from store import allocations
-
-from store import leadership
 from api.main import create_app
 from cli.user_cmd import register
+from store import allocations, leadership
 from tests.api.agent_server import AgentLogServer
 from tests.api.conftest import ADMIN, ALPHA
 from tests.foundation.builders import gang
+from tests.support import eventually_sync
 
 JOB_YAML = """\
 team: alpha
@@ -48,16 +47,18 @@ class UvicornThread:
     def __init__(self, app) -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
-        self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
-    def __enter__(self) -> "UvicornThread":
+    def __enter__(self) -> UvicornThread:
         self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
+
+        def started() -> bool:
+            assert self.thread.is_alive(), "uvicorn did not start"
+            return self.server.started
+
+        eventually_sync(started, timeout=20, what="uvicorn started")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -223,12 +224,12 @@ class _Flaky(BaseHTTPRequestHandler):
     """Answers 503 to the first request, then 202: a retry must reuse the key."""
 
     protocol_version = "HTTP/1.1"
-    seen: list[str] = []
+    seen: ClassVar[list[str]] = []
 
     def log_message(self, *a) -> None:
         pass
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         _Flaky.seen.append(self.headers.get("Idempotency-Key"))
         if len(_Flaky.seen) == 1:
@@ -293,17 +294,16 @@ def test_gpufleet_api_serve_runs_uvicorn_and_stops_cleanly(db_dsn, tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+    def healthz() -> httpx.Response | None:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+        except httpx.TransportError:
+            assert proc.poll() is None, proc.stdout.read()
+            return None
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < deadline, (
-                    proc.stdout.read() if proc.poll() else "timeout"
-                )
-                time.sleep(0.2)
+        r = eventually_sync(healthz, timeout=30, interval=0.2, what="the API answering /healthz")
         assert r.status_code == 200
         assert httpx.get(f"http://127.0.0.1:{port}/v1/me", headers={"Authorization": "Bearer t"}).json()["admin"]
     finally:

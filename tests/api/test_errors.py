@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from store import jobs
 from api.main import create_app
+from store import jobs
 from tests.api.conftest import ALPHA, auth, job_body, new_key, submit
 
 

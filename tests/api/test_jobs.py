@@ -6,11 +6,8 @@ import asyncio
 
 import pytest
 
-from store import allocations
-
+from store import allocations, leadership
 from store.audit import write_job_event
-
-from store import leadership
 from tests.api.conftest import ADMIN, ALPHA, BETA, auth, new_key, submit
 from tests.foundation.builders import gang
 from tests.support import eventually, force_job_state

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from store import allocations
-
-from store import leadership
+from store import allocations, leadership
 from tests.api.agent_server import AgentLogServer
 from tests.api.conftest import ALPHA, BETA, auth, submit
 from tests.foundation.builders import gang

@@ -15,8 +15,8 @@ import asyncio
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given
-from hypothesis.errors import Unsatisfiable
 from hypothesis import settings as hsettings
+from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 from schemathesis.python import asgi as schemathesis_asgi

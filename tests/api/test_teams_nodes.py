@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from store import allocations
-
-from store import leadership
+from store import allocations, leadership
 from tests.api.conftest import ADMIN, ALPHA, BETA, auth, new_key, submit
 from tests.foundation.builders import gang
 

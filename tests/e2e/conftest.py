@@ -18,13 +18,11 @@ import asyncpg
 import httpx
 import pytest
 from temporalio.client import Client
-from temporalio.service import RPCError
 
-from store.seed import ensure_cluster
-
-from store.teams import TeamQuota, set_quota
 from common.settings import Principal, Settings
 from common.temporal import connect
+from store.seed import ensure_cluster
+from store.teams import TeamQuota, set_quota
 from tests.support import eventually
 
 PY = sys.executable

@@ -17,10 +17,8 @@ import time
 import httpx
 import pytest
 
-from store import allocations
-
-from store import errors
 from common.temporal import connect
+from store import allocations, errors
 from tests.e2e.conftest import PY, Stack, e2e_settings, free_port, kill_ranks, seed_cluster
 from tests.support import eventually
 
@@ -127,7 +125,7 @@ async def test_leader_killed_mid_run_the_other_takes_over_and_fences_the_old_epo
         after = await stack.submit(command=[PY, "-c", "pass"])
         for j in [*long_jobs, after, stale]:
             await stack.wait_state(j, "SUCCEEDED", timeout=60)
-        alloc = [a for a in await stack.audit(after) if a["action"] == "allocate"][0]
+        alloc = next(a for a in await stack.audit(after) if a["action"] == "allocate")
         assert alloc["detail"]["epoch"] == second["epoch"] and alloc["actor"] == "placement:c2"
         await assert_no_gpu_had_two_live_leases(pool)
         assert await pool.fetchval("SELECT count(*) FROM allocations") == 0

@@ -137,7 +137,7 @@ async def test_gang_rank_failure_releases_all_32_gpus_and_reruns_ahead_of_later_
     # every rank of attempt 1 stopped: none is left running on the agents
     for lz in await stack.pool.fetch("SELECT * FROM leases WHERE job_id = $1 AND attempt = 1", gang):
         exit_rec = stack.lease_dir(lz["node_id"], lz["lease_id"]) / "exit.json"
-        await eventually(lambda: _exists(exit_rec), timeout=10, what=f"{lz['lease_id']} exited")
+        await eventually(lambda exit_rec=exit_rec: _exists(exit_rec), timeout=10, what=f"{lz['lease_id']} exited")
     await stack.wait_state(gang, "SUCCEEDED", timeout=40)
     await stack.wait_state(later, "SUCCEEDED", timeout=40)
     # attempt 2 of the failed gang ran before the later job of the same class
@@ -184,7 +184,7 @@ async def test_cancel_while_queued_starting_and_running(stack):
     # the started ranks of the cancelled gang were stopped
     for lz in await stack.pool.fetch("SELECT * FROM leases WHERE job_id = $1 AND node_id <> $2", starting, silent):
         exit_rec = stack.lease_dir(lz["node_id"], lz["lease_id"]) / "exit.json"
-        await eventually(lambda: _exists(exit_rec), timeout=10, what=f"{lz['lease_id']} stopped")
+        await eventually(lambda exit_rec=exit_rec: _exists(exit_rec), timeout=10, what=f"{lz['lease_id']} stopped")
 
 
 async def test_max_runtime_expiry_and_extensions(stack):

@@ -6,10 +6,9 @@ import json
 
 import asyncpg
 
-from store.seed import ensure_cluster
-
-from store.teams import TeamQuota, set_quota
 from store.allocations import GangPlacement
+from store.seed import ensure_cluster
+from store.teams import TeamQuota, set_quota
 
 
 async def small_cluster(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.foundation.test_up import ROOT, free_port, read_until, start, stop
-from tests.support import OutputReader
+from tests.support import OutputReader, eventually_sync
 
 pytestmark = pytest.mark.e2e
 
@@ -70,21 +70,24 @@ class Cli:
         return json.loads(r.stdout)["state"]
 
     def wait_state(self, job_id: str, *want: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        seen = None
-        while time.monotonic() < deadline:
-            seen = self.state(job_id)
-            if seen in want:
-                return seen
-            time.sleep(0.5)
-        raise AssertionError(f"{job_id} not {want} within {timeout}s (last {seen})")
+        seen: list[str] = []
+
+        def reached() -> str | None:
+            seen.append(self.state(job_id))
+            return seen[-1] if seen[-1] in want else None
+
+        try:
+            return eventually_sync(reached, timeout=timeout, interval=0.5, what=f"{job_id} in {want}")
+        except AssertionError as e:
+            raise AssertionError(f"{e} (last state {seen[-1] if seen else None})") from None
 
     def follow_until(self, job_id: str, marker: str, timeout: float) -> str:
         """Run `logs -f` until ``marker`` is printed; terminate the follower; return its output.
         A follower that exits early (the rank's node not yet known to the API) is restarted."""
         deadline = time.monotonic() + timeout
         out: list[str] = []
-        while time.monotonic() < deadline:
+
+        def follow() -> str | None:
             proc = subprocess.Popen(
                 self.argv("logs", job_id, "-f"), cwd=ROOT, env=_env(),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -92,8 +95,7 @@ class Cli:
             try:
                 found, got = OutputReader(proc.stdout).until(marker, deadline)
                 out.extend(got)
-                if found:
-                    return "".join(out)
+                return "".join(out) if found else None
             finally:
                 if proc.poll() is None:
                     proc.terminate()
@@ -102,8 +104,11 @@ class Cli:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-            time.sleep(0.5)
-        raise AssertionError(f"no {marker!r} in the logs of {job_id} within {timeout}s:\n{''.join(out)}")
+
+        try:
+            return eventually_sync(follow, timeout=timeout, interval=0.5, what=f"{marker!r} in the logs of {job_id}")
+        except AssertionError as e:
+            raise AssertionError(f"{e}:\n{''.join(out)}") from None
 
 
 def test_cli_on_the_running_stack(state_root, tmp_path):

@@ -1,20 +1,18 @@
-"""The job state table (placement/lifecycle.py) guards every state change twice: the
-store's job event write checks it (strict in the tests), and Postgres refuses a change
-with no edge (db/migrations/0007, whose rows must equal the table's pairs)."""
+"""The job state table (placement/lifecycle.py) guards every state change three times: the
+job workflow checks each change it asks for, the store's job event write checks it (strict
+in the tests), and Postgres refuses a change with no edge (db/migrations/0007, whose rows
+must equal the table's pairs)."""
 
 from __future__ import annotations
 
 import asyncpg
 import pytest
 
-from store import audit
-
-from store import errors
-
-from store import job_states
 from common.settings import get_settings
 from placement.lifecycle import STATE_CHANGES
+from store import audit, errors, job_states
 from tests.foundation.builders import queued_job, team
+from workflows.job import IllegalTransition, JobWorkflow
 
 
 async def test_the_postgres_mirror_is_the_table(pool):
@@ -49,3 +47,26 @@ async def test_a_cancel_pending_when_a_starting_job_stops_is_an_edge(pool):
         await conn.execute("UPDATE jobs SET state = 'STARTING' WHERE job_id = $1", job)
     out = await job_states.finish_job(pool, job, 1, "CANCELLED", actor="alice", reason="changed my mind")
     assert out.applied and out.state == "CANCELLED"
+
+
+@pytest.mark.parametrize(
+    ("current", "to", "edge"),
+    [
+        ("QUEUED", "STARTING", True),
+        ("STARTING", "RUNNING", True),
+        ("RUNNING", "PREEMPTING", True),
+        ("PREEMPTING", "QUEUED", True),
+        ("RUNNING", "RUNNING", True),  # no change
+        ("QUEUED", "RUNNING", False),
+        ("SUCCEEDED", "QUEUED", False),
+        ("CANCELLING", "QUEUED", False),
+    ],
+)
+def test_the_job_workflow_asks_only_for_edges_of_the_table(current, to, edge):
+    wf = JobWorkflow()
+    wf._state = current
+    if edge:
+        wf._expect(to)
+    else:
+        with pytest.raises(IllegalTransition, match=f"{current} -> {to}"):
+            wf._expect(to)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from control.leader.state import policy_from_settings
 from common.settings import Settings
+from control.leader.state import policy_from_settings
 
 
 def test_policy_from_settings_carries_the_placement_durations() -> None:

@@ -1,4 +1,4 @@
-"""The allocation invariants, against the real embedded Postgres (DESIGN.md, Invariants)."""
+"""The allocation invariants, against the real embedded Postgres (docs/design.md, Invariants)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,7 @@ import asyncio
 
 import pytest
 
-from store import allocations
-
-from store import leadership
+from store import allocations, leadership
 from store.errors import AllocationConflict, QuotaExceeded, StaleEpoch
 from tests.foundation.builders import gang, queued_job, small_cluster, team
 

@@ -1,4 +1,4 @@
-"""The embedded stack of tests/e2e with health durations scaled to seconds (DESIGN.md, Health)."""
+"""The embedded stack of tests/e2e with health durations scaled to seconds (docs/design.md, Health)."""
 
 from __future__ import annotations
 

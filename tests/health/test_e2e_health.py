@@ -6,7 +6,6 @@ release 2 s). The failed gang is the real shape of a multi-node gang, 4 replicas
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import signal
@@ -17,7 +16,7 @@ import pytest
 
 from common.contracts import StartTask, TaskState, TaskStatus
 from tests.e2e.conftest import PY, TRAIN_COUNTER
-from tests.support import eventually
+from tests.support import eventually, holds
 from worker_agent.nvml import write_fault
 
 pytestmark = pytest.mark.e2e
@@ -136,7 +135,7 @@ async def test_xid_79_cordons_at_once_gang_restarts_elsewhere_burn_in_returns_th
     await wait_node(stack, bad, "cordoned", timeout=5)
     cordon_s = time.monotonic() - t0
     assert cordon_s < 1.5, f"cordoned {cordon_s:.2f}s after the Xid: at once"
-    row = await stack.wait_state(job, "RUNNING", attempt=2, timeout=60)
+    await stack.wait_state(job, "RUNNING", attempt=2, timeout=60)
     await requeued_ahead_not_its_fault(stack, job)
     again = await stack.pool.fetch("SELECT node_id FROM leases WHERE job_id = $1 AND attempt = 2", job)
     assert bad not in {lz["node_id"] for lz in again}
@@ -148,8 +147,7 @@ async def test_xid_79_cordons_at_once_gang_restarts_elsewhere_burn_in_returns_th
     print(f"\nfailure -> restart (Xid 79, 4x8 gang): {sample.seconds:.2f}s (cordoned after {cordon_s:.2f}s)")
     assert sample.cause == "fatal_fault"
     # still faulty: it stays cordoned (no burn-in while the GPU reports the Xid)
-    await asyncio.sleep(1.0)
-    assert await node_state(stack, bad) == "cordoned"
+    await holds(lambda: _eq(node_state(stack, bad), "cordoned"), for_s=1.0, what=f"{bad} cordoned")
     # an operator resets the GPU: it burns in, passes and returns
     write_fault(stack.settings.state_dir, bad, gpu=3, clear=True)
     await wait_node(stack, bad, "burn_in", "ready", timeout=15)
@@ -186,7 +184,7 @@ async def test_stalled_steps_with_idle_gpus_is_a_hang_and_is_recovered(stack):
         lz["node_id"],
     )
     assert audit["detail"]["event"] == "hang" and lz["lease_id"] in audit["reason"]
-    row = await stack.wait_state(job, "RUNNING", attempt=2, timeout=40)
+    await stack.wait_state(job, "RUNNING", attempt=2, timeout=40)
     await requeued_ahead_not_its_fault(stack, job)
     assert (await stack.pool.fetchval("SELECT node_id FROM leases WHERE job_id = $1 AND attempt = 2", job)) != lz[
         "node_id"
@@ -268,15 +266,23 @@ async def test_reconciliation_orphans_vanished_ranks_and_stale_exits(stack):
         seq=1,
     )
     stack.controls[0]._on_task_status(stale)
-    await asyncio.sleep(1.0)  # give a wrong release every chance to happen
-    assert (await stack.pool.fetchval("SELECT state FROM leases WHERE lease_id = $1", new["lease_id"])) == "live"
-    assert (await stack.job(job))["state"] == "RUNNING"
+
+    async def untouched() -> bool:
+        lease = await stack.pool.fetchval("SELECT state FROM leases WHERE lease_id = $1", new["lease_id"])
+        return lease == "live" and (await stack.job(job))["state"] == "RUNNING"
+
+    # a wrong release gets every chance to happen (1 s), and fails the test the moment it does
+    await holds(untouched, for_s=1.0, what="the new lease live and its job RUNNING")
     assert same_gpu, "one ready node, one GPU job: attempt 2 reuses the GPU of attempt 1"
     await stack.cancel(job)
 
 
 async def _v(x):
     return x
+
+
+async def _eq(value, want) -> bool:
+    return (await value) == want
 
 
 async def test_drain_with_evict_preempts_now_and_an_admin_return_burns_in(stack):

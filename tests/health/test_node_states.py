@@ -6,7 +6,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import settings as hsettings, strategies as st
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from control.agent_link import HeartbeatTable

@@ -163,7 +163,7 @@ def rebuild(snap: dict, seed: int, usage: list[tuple[str, str, float]], now: flo
     stt = ClusterState()
     nodes = list(snap["nodes"])
     rnd.shuffle(nodes)
-    for nid, bid, t, g, h in nodes:
+    for nid, bid, t, g, _h in nodes:
         stt.add_node(nid, bid, t, g, NodeHealth.READY)
     quotas = list(snap["quotas"])
     rnd.shuffle(quotas)
@@ -175,7 +175,7 @@ def rebuild(snap: dict, seed: int, usage: list[tuple[str, str, float]], now: flo
         stt.allocate(spec, p, now, started_at=started)
         if ckpt is not None and ckpt != spec.last_checkpoint_at:
             stt.set_checkpoint(spec.job_id, ckpt)
-    for spec, p, _, _, _, missing in running:
+    for _spec, _p, _, _, _, missing in running:
         if missing:
             raise AssertionError("rebuild of degraded jobs is not supported here")
     for nid, _, _, _, h in nodes:

@@ -52,7 +52,7 @@ def test_every_non_terminal_state_can_reach_a_terminal_state() -> None:
 
 
 def test_design_edges() -> None:
-    # DESIGN.md, Job lifecycle
+    # docs/design.md, Job lifecycle
     assert transition(S.QUEUED, E.ALLOCATE) is S.STARTING
     assert transition(S.STARTING, E.ALL_STARTED) is S.RUNNING
     assert transition(S.RUNNING, E.EXIT_OK) is S.SUCCEEDED

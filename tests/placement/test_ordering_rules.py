@@ -1,4 +1,4 @@
-"""Queue order rules (DESIGN.md, Placement), one test per rule."""
+"""Queue order rules (docs/design.md, Placement), one test per rule."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Placement rules (DESIGN.md, Jobs and Placement), one test per rule."""
+"""Placement rules (docs/design.md, Jobs and Placement), one test per rule."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from placement import (
     requeue_spec,
 )
 
-from .helpers import big_quota, blocks_of, cluster, add_blocks, cycle, fill, nodes_of, occupy, queue_of, spec
+from .helpers import add_blocks, big_quota, blocks_of, cluster, cycle, fill, nodes_of, occupy, queue_of, spec
 
 
 def test_whole_nodes_for_jobs_of_8_or_more_gpus() -> None:

@@ -1,4 +1,4 @@
-"""Preemption rules (DESIGN.md, Placement: victims), one test per rule."""
+"""Preemption rules (docs/design.md, Placement: victims), one test per rule."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_same_class_victims_only_if_borrowed() -> None:
 
 def test_small_higher_class_borrowed_jobs_return_to_a_team_that_waited_within_its_guarantee() -> None:
     """(victim, the preemptor's guarantee, its wait, the knob) -> reclaimed?
-    DESIGN.md's rule alone never takes a higher class. With ``reclaim_small_borrowed_after_s``
+    docs/design.md's rule alone never takes a higher class. With ``reclaim_small_borrowed_after_s``
     a job within its team's guarantee that has waited takes back another team's borrowed job
     of a higher class if it is smaller than ``reserve_min_gpus``; never a gang, guaranteed
     work, prod-serving, its own team's work, and never for a borrowing preemptor."""

@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from placement import (
+    PRESETS,
     JobQueue,
     NodeHealth,
     PendingReason,
     Policy,
-    PRESETS,
     apply,
     check_plan,
     check_state,
@@ -105,7 +105,7 @@ def test_contended_clusters_preempt_by_the_rules(data) -> None:
     q = JobQueue(queued)
     policy = data.draw(st.sampled_from(POLICIES[:3]))
     now = data.draw(st.sampled_from([3000.0, 4400.0, 6 * HOUR]))
-    p = checked_cycle(stt, q, policy, now, twice=True)
+    checked_cycle(stt, q, policy, now, twice=True)
     # victims stop; their beneficiaries then get placed or keep waiting, still by the rules
     for vid in stt.preempting():
         rj = stt.release(vid, now + 60)
@@ -145,7 +145,7 @@ def test_event_sequences_keep_every_invariant(data) -> None:
                 stt.set_node_health(nid, health)
             else:
                 res = fail_node(stt, nid, now, health)
-                for jid in res.released:
+                for _jid in res.released:
                     pass  # the driver would re-queue; here they simply leave
         elif action == "quota":
             team, t, _, _ = data.draw(st.sampled_from(sc.quotas))

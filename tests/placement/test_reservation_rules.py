@@ -171,6 +171,7 @@ def tight_setup():
     for n, end in zip(
         ["b0n0", "b0n1", "b0n2", "b0n3", "b1n0", "b1n1", "b1n2", "b1n3"],
         [1000, 2000, 9000, 9000, 1500, 1600, 1700, 9000],
+        strict=True,
     ):
         fill(st, [n], team="run", runtime=end, prefix=f"e{end}")
     return st

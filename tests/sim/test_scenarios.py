@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -59,14 +60,13 @@ def test_failure_requeues_the_whole_gang_from_its_last_checkpoint() -> None:
         [job("g", "x", 0.0, 1 * HOUR, gpus=32, pack="block", checkpoint_s=600.0, max_runtime_s=2 * HOUR)],
         {"x": (64, 0)},
     )
-    _, first = None, None
     sim0, _ = simulate(wl, faults=())
     _, pl0 = placement_of(sim0, "g")
     failed_node = pl0.nodes[0].node_id
     index = sim0.node_ids.index(failed_node)
     fault = Fault(time=1500.0, node_index=index, kind="gpu", repair_s=2 * HOUR, burn_in_s=HOUR)
     sim, res = simulate(wl, faults=(fault,))
-    t0, first = placement_of(sim, "g", 0)
+    t0, _first = placement_of(sim, "g", 0)
     t1, second = placement_of(sim, "g", 1)
     assert t0 == 0.0 and t1 == 1500.0  # re-placed in the same instant, whole gang
     assert len(second.nodes) == 4 and failed_node not in {n.node_id for n in second.nodes}
@@ -222,7 +222,7 @@ def test_cycles_only_on_change_and_at_most_once_per_second() -> None:
     wl = workload(jobs, {"x": (64, 0)}, end=HOUR)
     sim, res = simulate(wl)
     times = [p.now for p in sim.plans]
-    assert all(b - a >= 1.0 for a, b in zip(times, times[1:]))
+    assert all(b - a >= 1.0 for a, b in itertools.pairwise(times))
     assert times[0] == 0.0
     # arrivals over 1 s -> cycles at 0 and 1; completions at 600 and 601 -> two more
     assert len(times) == 4
@@ -255,7 +255,7 @@ def test_starvation_is_detected_when_borrowed_capacity_is_not_reclaimed() -> Non
 
 
 def test_borrowed_work_of_a_higher_class_is_not_counted_as_starving_a_lower_class() -> None:
-    # B's job is preemptible: by DESIGN.md's victims it may not take back A's research
+    # B's job is preemptible: by docs/design.md's victims it may not take back A's research
     # capacity, so this is not starvation; the looser figure still shows the wait
     design_only = replace(PRESETS["gpufleet"], reclaim_small_borrowed_after_s=None)
     _, res = simulate(_borrow_then_ask("preemptible"), design_only)

@@ -17,7 +17,7 @@ import json
 import os
 import signal
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from temporalio import activity
@@ -71,7 +71,7 @@ class FakeAgent:
                 epoch=t.req.epoch,
                 rank=t.req.rank,
                 state=state,
-                at=datetime.now(timezone.utc),
+                at=datetime.now(UTC),
                 exit_code=exit_code,
                 checkpoint_uri=ck,
             )
@@ -126,7 +126,7 @@ class FakeAgent:
             try:
                 rc = await asyncio.wait_for(asyncio.shield(t.proc.wait()), 0.05)
                 break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             try:
                 uri = json.loads(t.progress.read_text()).get("checkpoint_uri")
@@ -154,7 +154,7 @@ class FakeAgent:
                 pass
             try:
                 await asyncio.wait_for(t.done.wait(), req.grace_seconds)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.signals_seen[req.lease_id].append("SIGKILL")
                 try:
                     os.killpg(t.proc.pid, signal.SIGKILL)
@@ -178,5 +178,5 @@ class FakeAgent:
         for t in self.tasks.values():
             try:
                 await asyncio.wait_for(t.done.wait(), 5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass

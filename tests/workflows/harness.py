@@ -18,19 +18,12 @@ from typing import Any
 import asyncpg
 from temporalio.client import Client
 
+from common.settings import Settings
 from control.leader import signals
-
-from store import allocations
-
-from store import audit
-
-from store import job_states
-
-from store import leadership
+from store import allocations, audit, job_states, leadership
+from store.allocations import GangPlacement
 from store.seed import ensure_cluster
 from store.teams import TeamQuota, set_quota
-from store.allocations import GangPlacement
-from common.settings import Settings
 from tests.support import eventually
 from workflows import messages as m
 

@@ -1,4 +1,4 @@
-"""The leader publishes the hot spares it holds for large gangs (DESIGN.md, Placement):
+"""The leader publishes the hot spares it holds for large gangs (docs/design.md, Placement):
 a write only when the set changes, under the epoch, so the API can show them while the
 control plane is down. The leader state runs on a real database; no Temporal is needed
 (the cycle's signals go out in the background and a failed one is only logged)."""
@@ -15,8 +15,8 @@ from control.leader.state import LeaderState, policy_from_settings
 from store import allocations, leadership, publications
 from store.errors import StaleEpoch
 from tests.foundation.builders import queued_job, small_cluster, team
-from tests.workflows.harness import scaled_settings
 from tests.support import force_job_state
+from tests.workflows.harness import scaled_settings
 
 
 class NoTemporal:

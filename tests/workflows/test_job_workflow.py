@@ -1,10 +1,14 @@
 """JobWorkflow against the real Temporal dev server, Postgres and real rank processes.
 
 Placement is played by the test (commit_gang + the allocation signal), so each test
-pins one path of DESIGN.md's job lifecycle.
+pins one path of docs/design.md's job lifecycle.
 """
 
 from __future__ import annotations
+
+from datetime import UTC
+
+import pytest
 
 from tests.support import eventually
 from tests.workflows.harness import PY, TRAIN, read_json
@@ -244,11 +248,8 @@ async def test_refused_start_fails_the_attempt_without_counting_against_the_job(
     await stand.allocate(job, (stand.nodes[0], (0,)))
     row = await stand.wait_state(job, "QUEUED", attempt=2)
     assert row["failed_attempts"] == 0 and row["front_of_class"] is True
-    ev = [e for e in await stand.events(job) if e["event"] == "attempt_failed"][0]
+    ev = next(e for e in await stand.events(job) if e["event"] == "attempt_failed")
     assert ev["detail"]["job_fault"] is False and "never started" in ev["reason"]
-
-
-import pytest  # noqa: E402
 
 
 @pytest.mark.parametrize("settings_overrides", [{"gang_start_timeout_s": 1.5}])
@@ -258,7 +259,7 @@ async def test_gang_not_started_in_time_is_released_and_requeued(stand):
     row = await stand.wait_state(job, "QUEUED", attempt=2, timeout=20)
     assert row["failed_attempts"] == 0 and row["front_of_class"] is True
     assert await stand.live_gpus(job) == 0
-    ev = [e for e in await stand.events(job) if e["event"] == "attempt_failed"][0]
+    ev = next(e for e in await stand.events(job) if e["event"] == "attempt_failed")
     assert ev["detail"]["job_fault"] is False and "started" in ev["reason"]
 
 
@@ -305,10 +306,10 @@ async def test_long_running_attempt_continues_as_new_and_keeps_running(stand, mo
     await stand.wait_state(job, "RUNNING")
     h = stand.client.get_workflow_handle(job)
     first_run = (await h.describe()).run_id
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     noise = TaskStatus(
-        stand.nodes[0], alloc.ranks[0].lease_id, job, 1, alloc.epoch, 0, TaskState.STARTED, datetime.now(timezone.utc)
+        stand.nodes[0], alloc.ranks[0].lease_id, job, 1, alloc.epoch, 0, TaskState.STARTED, datetime.now(UTC)
     )
     for _ in range(20):
         await h.signal("task_status", TaskStatusBatch([noise]))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from store import leadership
 from control.leader.state import policy_from_settings
+from store import leadership
 from tests.foundation.builders import queued_job, small_cluster, team
 from tests.workflows.harness import scaled_settings
 from tests.workflows.test_hot_spares import leader_cycles

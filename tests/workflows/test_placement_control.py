@@ -11,13 +11,10 @@ import asyncio
 import pytest
 from temporalio.service import RPCError, RPCStatusCode
 
-from control.leader import signals
-
-from store import allocations
-
-from store import errors
 from common.temporal import connect, make_worker
+from control.leader import signals
 from control.process import ControlProcess
+from store import allocations, errors
 from tests.support import eventually
 from tests.workflows.fake_agent import FakeAgent
 from tests.workflows.harness import PY, TRAIN, Stand, read_json, scaled_settings, seed
@@ -89,7 +86,7 @@ async def test_placement_places_and_the_job_succeeds(cluster):
         (1, "STARTING", "RUNNING"),
         (1, "RUNNING", "SUCCEEDED"),
     ]
-    allocate = [a for a in await stand.audit(job) if a["action"] == "allocate"][0]
+    allocate = next(a for a in await stand.audit(job) if a["action"] == "allocate")
     assert allocate["actor"] == "placement:c1" and allocate["detail"]["epoch"] == c1.epoch
 
 
@@ -189,7 +186,7 @@ async def test_research_job_is_preempted_by_prod_batch_and_resumes_to_the_same_r
     out = read_json(stand.settings.state_dir.resolve() / "checkpoints" / research / "result-0.json")
     assert out["value"] == expected(steps) and out["resumed_from"] and out["attempt"] == "2"
     assert all(sigs == ["SIGTERM"] for lid, sigs in stand.agent.signals_seen.items() if lid.startswith(research))
-    preempt = [a for a in await stand.audit(research) if a["action"] == "preempt"][0]
+    preempt = next(a for a in await stand.audit(research) if a["action"] == "preempt")
     assert preempt["detail"]["by_job"] == prod
 
 
