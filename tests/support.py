@@ -157,3 +157,16 @@ class OutputReader:
                 break
             out.append(line)
         return "".join(out)
+
+
+async def workflow_status(client: Any, workflow_id: str) -> dict[str, Any]:
+    """A job workflow's ``status`` query, or ``{}`` while its first workflow task has not been
+    scheduled (the server answers a query that early with WorkflowNotReady): for polling."""
+    from temporalio.service import RPCError
+
+    try:
+        return await client.get_workflow_handle(workflow_id).query("status")
+    except RPCError as e:
+        if "not scheduled yet" in str(e):
+            return {}
+        raise

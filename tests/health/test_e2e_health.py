@@ -16,7 +16,7 @@ import pytest
 
 from common.contracts import StartTask, TaskState, TaskStatus
 from tests.e2e.conftest import PY, TRAIN_COUNTER
-from tests.support import eventually, holds
+from tests.support import eventually, holds, workflow_status
 from worker_agent.nvml import write_fault
 
 pytestmark = pytest.mark.e2e
@@ -52,7 +52,7 @@ async def kill_node_agent(stack, node_id: str) -> None:
 
 async def gang_checkpoint(stack, job):
     async def probe():
-        return (await stack.client.get_workflow_handle(job).query("status"))["checkpoint"]
+        return (await workflow_status(stack.client, job)).get("checkpoint")
 
     return await eventually(probe, timeout=30, what="a checkpoint every rank reported")
 

@@ -10,7 +10,7 @@ from datetime import UTC
 
 import pytest
 
-from tests.support import eventually
+from tests.support import eventually, workflow_status
 from tests.workflows.harness import PY, TRAIN, read_json
 
 
@@ -65,8 +65,8 @@ async def test_gang_rank_failure_stops_all_ranks_releases_gpus_and_requeues_in_f
 
     # the workflow continued as new for attempt 2 and waits for its allocation
     async def waiting_for_attempt_2():
-        status = await stand.client.get_workflow_handle(job).query("status")
-        return status["attempt"] == 2 and status["state"] == "QUEUED"
+        status = await workflow_status(stand.client, job)
+        return status.get("attempt") == 2 and status.get("state") == "QUEUED"
 
     await eventually(waiting_for_attempt_2, what="the attempt-2 run")
 

@@ -15,7 +15,7 @@ from common.temporal import connect, make_worker
 from control.leader import signals
 from control.process import ControlProcess
 from store import allocations, errors
-from tests.support import eventually
+from tests.support import eventually, workflow_status
 from tests.workflows.fake_agent import FakeAgent
 from tests.workflows.harness import PY, TRAIN, Stand, read_json, scaled_settings, seed
 
@@ -167,7 +167,7 @@ async def test_research_job_is_preempted_by_prod_batch_and_resumes_to_the_same_r
     await eventually(progressed, timeout=15, what="training progress")
 
     async def gang_checkpoint():
-        return (await stand.client.get_workflow_handle(research).query("status"))["checkpoint"]
+        return (await workflow_status(stand.client, research)).get("checkpoint")
 
     await eventually(gang_checkpoint, timeout=15, what="a checkpoint every rank reported")
     prod = await stand.submit(
