@@ -265,6 +265,7 @@ async def _bench(
         blocks = max(1, -(-nodes_needed // 32))
         token = "bench-" + uuid.uuid4().hex
         settings = Settings(
+            env="dev",
             state_dir=root / "state",
             database_url=dsn,
             temporal_address=address,

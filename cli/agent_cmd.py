@@ -75,10 +75,19 @@ def run(
     settings = _settings()
     node_ids = _node_ids(settings, simulate, nodes)
     kind = "simulated" if simulate else (backend or settings.agent_nvml_backend)
+    from common.embedded import PlatformError
+    from common.secrets import require_production_ready
+
+    try:
+        require_production_ready(settings, "agent", node_ids)
+    except PlatformError as e:
+        print(f"gpufleet agent: {e}", file=sys.stderr)
+        hard_exit(2)
 
     async def main() -> int:
         from worker_agent.agent import AgentProcess
         from worker_agent.nvml import NvmlUnavailable
+        from worker_agent.rank_access import RankAccessError
 
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -96,7 +105,7 @@ def run(
         )
         try:
             await agent.start()
-        except NvmlUnavailable as e:
+        except (NvmlUnavailable, RankAccessError) as e:
             print(f"gpufleet agent: {e}", file=sys.stderr)
             return 2
         print(

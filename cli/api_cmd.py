@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -16,10 +17,17 @@ def serve(
     import uvicorn
 
     from api.main import create_app
+    from common.embedded import PlatformError
+    from common.secrets import require_production_ready
     from common.settings import Settings
     from common.temporal import hard_exit
 
     settings = Settings()
+    try:
+        require_production_ready(settings, "api")
+    except PlatformError as e:
+        print(f"error: {e}", file=sys.stderr)
+        hard_exit(2)
     app = create_app(settings)
     code = 0
     try:

@@ -31,8 +31,11 @@ def serve(
         settings = settings_for_child() or settings
     code = 0
     try:
+        from common.secrets import require_production_ready
+
         if not settings.database_url:
             raise PlatformError("GPUFLEET_DATABASE_URL is not set (`gpufleet up` sets it for its children)")
+        require_production_ready(settings, "job-worker" if job_worker else "control")
         asyncio.run(_jobs_main(settings) if job_worker else _main(settings, holder, grpc))
     except PlatformError as e:
         print(f"error: {e}", file=sys.stderr)

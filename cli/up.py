@@ -28,7 +28,10 @@ from common.embedded import (
     require_free_port,
     wait_for_port,
 )
-from common.settings import Settings
+from common.secrets import role_env
+from common.settings import Principal, Settings
+from proto.auth import node_credential, node_log_key
+from worker_agent.rank_access import private_ancestor
 
 
 def load_or_create_tokens(state_dir: Path, teams: list[str]) -> dict[str, dict]:
@@ -90,6 +93,7 @@ class Platform:
     postgres: EmbeddedPostgres | None = None
     temporal: EmbeddedTemporal | None = None
     stop_signal: int | None = field(default=None, init=False)
+    ranks: str = field(default="", init=False)  # how ranks run, for the banner
 
     def start(self) -> dict[str, str]:
         s = self.settings
@@ -118,24 +122,31 @@ class Platform:
         from store.seed import DEMO_TEAMS
 
         tokens = load_or_create_tokens(state, list(DEMO_TEAMS))
-        env = dict(os.environ)
-        env.update(
-            {
-                "GPUFLEET_DATABASE_URL": dsn,
-                "GPUFLEET_TEMPORAL_ADDRESS": temporal_address,
-                "GPUFLEET_STATE_DIR": str(state),
-                "GPUFLEET_API_TOKENS": json.dumps(tokens),
-                "GPUFLEET_CONTROL_ADDRESSES": json.dumps([f"{s.control_grpc_host}:{s.control_grpc_port}"]),
-                "PYTHONUNBUFFERED": "1",
+        platform = s.model_copy(
+            update={
+                "env": "dev",
+                "database_url": dsn,
+                "temporal_address": temporal_address,
+                "state_dir": state,
+                "api_tokens": {t: Principal(**p) for t, p in tokens.items()},
+                "control_addresses": [f"{s.control_grpc_host}:{s.control_grpc_port}"],
             }
         )
+        platform, self.ranks = _rank_isolation(platform)
         fleet = nodes[: s.agent_simulate] if s.agent_simulate else nodes
+        # least privilege: each child gets only the secrets it uses; the agent gets the
+        # credentials and log keys of its own nodes, not the secrets they are derived from
+        credentials = {n: node_credential(platform, n) for n in fleet}
+        log_keys = {n: node_log_key(platform.log_signing_key, n) for n in fleet}
         commands = {
-            "control": ["control"],
-            "api": ["api"],
-            "agent": ["agent", "run", "--nodes", ",".join(fleet)],
+            "control": (["control"], role_env(platform, "control")),
+            "api": (["api"], role_env(platform, "api")),
+            "agent": (
+                ["agent", "run", "--nodes", ",".join(fleet)],
+                role_env(platform, "agent", agent_credentials=credentials, agent_log_keys=log_keys),
+            ),
         }
-        for name, args in commands.items():
+        for name, (args, env) in commands.items():
             log = open(logs / f"{name}.log", "ab")
             self.children[name] = subprocess.Popen(
                 [sys.executable, "-m", "cli.main", *args], env=env, stdout=log, stderr=subprocess.STDOUT
@@ -190,6 +201,27 @@ class Platform:
             self.postgres.stop()
 
 
+def _rank_isolation(platform: Settings) -> tuple[Settings, str]:
+    """Whether the dev box's ranks run as another user, and the banner line that says so. A
+    state dir the ranks' user cannot reach (under /root, a private home) would fail every
+    job, so there the ranks run as this user, and the banner says they are not isolated."""
+    if not platform.agent_rank_isolation:
+        return platform, "run as this user (GPUFLEET_AGENT_RANK_ISOLATION=false)"
+    if os.geteuid() != 0:
+        return platform, "run as this user: not isolated (the agent must be root to switch users)"
+    users = {(platform.agent_rank_uid, platform.agent_rank_gid), *platform.agent_team_rank_ids.values()}
+    for path in filter(None, (platform.state_dir, platform.agent_work_dir)):
+        for uid, gid in users:
+            blocked = private_ancestor(Path(path), int(uid), int(gid))
+            if blocked is not None:
+                off = platform.model_copy(update={"agent_rank_isolation": False})
+                return off, (
+                    f"run as root, NOT isolated: {blocked} is private to the ranks' user {uid}; put"
+                    " GPUFLEET_STATE_DIR where others may pass through to isolate them"
+                )
+    return platform, f"run as uid {platform.agent_rank_uid} (isolated; per-team ids: GPUFLEET_AGENT_TEAM_RANK_IDS)"
+
+
 def run(settings: Settings) -> int:
     platform = Platform(settings)
     try:
@@ -205,6 +237,7 @@ def run(settings: Settings) -> int:
     for token, p in platform._tokens.items():
         who = "admin" if p.get("admin") else f"team {p['team']}"
         print(f"    {who:<16} {token}")
+    print(f"  {'ranks':<12} {platform.ranks}")
     print("Ctrl-C stops everything; state is kept in", settings.state_dir)
     sys.stdout.flush()
     code = platform.watch()

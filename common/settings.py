@@ -2,6 +2,11 @@
 
 Every duration is a setting so tests can run leases, heartbeats and grace
 periods in seconds. Pydantic lives here and at the HTTP edge only.
+
+A secret (``SECRET_FIELDS``) may also come from a file: ``GPUFLEET_<NAME>_FILE=path``
+reads the value from ``path``, which must be a regular file owned by this process's user
+and readable by nobody else (mode 0600 or stricter). Which process gets which secret, and
+what a production start refuses, is ``common.secrets``.
 """
 
 from __future__ import annotations
@@ -13,7 +18,59 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from common.image_ref import parse_registry_rule
+
+# the settings that are secrets (never logged, never handed to a process that does not use them)
+SECRET_FIELDS = (
+    "database_url",
+    "api_tokens",
+    "agent_credentials",
+    "agent_log_keys",
+    "agent_shared_secret",
+    "log_signing_key",
+    "token",
+)
+
+
+class SecretFileError(ValueError):
+    """A ``GPUFLEET_<NAME>_FILE`` that cannot be used as a secret."""
+
+
+def read_secret_file(path: str, name: str) -> str:
+    """A secret's value from ``path``: a regular file owned by this user, mode 0600 or stricter."""
+    var = f"GPUFLEET_{name.upper()}_FILE"
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise SecretFileError(f"{var}={path}: {e.strerror}") from e
+    import stat
+
+    if not stat.S_ISREG(st.st_mode):
+        raise SecretFileError(f"{var}={path}: not a regular file")
+    if st.st_uid != os.geteuid():
+        raise SecretFileError(f"{var}={path}: owned by uid {st.st_uid}, not by this process's user ({os.geteuid()})")
+    if st.st_mode & 0o077:
+        raise SecretFileError(f"{var}={path}: mode {stat.S_IMODE(st.st_mode):o} lets others read it; use 0600")
+    return Path(path).read_text().strip()
+
+
+class _SecretFiles(PydanticBaseSettingsSource):
+    """``GPUFLEET_<NAME>_FILE`` for every secret: the value read from that file (JSON for maps)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[object, str, bool]:
+        return None, field_name, False  # everything is read in __call__
+
+    def __call__(self) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for name in SECRET_FIELDS:
+            path = os.environ.get(f"GPUFLEET_{name.upper()}_FILE")
+            if path:
+                text = read_secret_file(path, name)
+                out[name] = json.loads(text) if name in ("api_tokens", "agent_credentials", "agent_log_keys") else text
+        return out
 
 
 class Principal(BaseModel):
@@ -26,6 +83,24 @@ class Principal(BaseModel):
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GPUFLEET_", env_nested_delimiter="__", extra="ignore")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # arguments first, then the environment, then GPUFLEET_<NAME>_FILE secrets
+        return init_settings, env_settings, _SecretFiles(settings_cls), dotenv_settings
+
+    # --- which deployment -----------------------------------------------------
+    env: Literal["dev", "production"] = Field(
+        "production",
+        description="dev allows the built-in dev secrets (`gpufleet up`, tests); production refuses to start with one",
+    )
 
     # --- where things live -------------------------------------------------
     state_dir: Path = Field(Path(".gpufleet"), description="state of the embedded services and agents")
@@ -62,8 +137,22 @@ class Settings(BaseSettings):
     agent_nvml_backend: Literal["real", "simulated"] = Field(
         "simulated", description="GPU health source: real NVML or the simulated backend"
     )
-    agent_credentials: dict[str, str] = Field(default_factory=dict, description="node_id -> credential")
-    agent_shared_secret: str = Field("dev-agent-secret", description="derives per-node credentials in dev")
+    agent_credentials: dict[str, str] = Field(
+        default_factory=dict, description="node_id -> credential, for the nodes an agent process hosts"
+    )
+    agent_log_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="node_id -> the key that node's log endpoint checks tokens with (issued with its credential)",
+    )
+    node_credentials_refresh_s: float = Field(
+        10.0,
+        gt=0,
+        description="control re-reads the issued node credentials this often (a revocation takes effect within it)",
+    )
+    agent_shared_secret: str = Field(
+        "dev-agent-secret",
+        description="derives every node's credential (dev only; production issues per-node credentials)",
+    )
 
     # --- leadership (docs/design.md, Leadership) --------------------------------
     leader_scope: str = Field("placement", description="leader row scope")
@@ -178,6 +267,18 @@ class Settings(BaseSettings):
         "127.0.0.1:0",
         description="where an agent process serves rank logs to the API over HTTP (GET /v1/leases/{id}/logs; host:port, port 0 = any; advertised in heartbeats as agent_addr)",
     )
+    agent_rank_isolation: bool = Field(
+        True,
+        description="ranks run as an unprivileged user, in their own work dir (needs the agent to run as root; else it says so)",
+    )
+    agent_rank_uid: int = Field(65534, ge=1, description="the numeric user ranks run as (no account needed)")
+    agent_rank_gid: int = Field(65534, ge=1, description="the numeric group ranks run as")
+    agent_team_rank_ids: dict[str, tuple[int, int]] = Field(
+        default_factory=dict, description="team -> [uid, gid] its ranks run as (teams not listed: agent_rank_uid/gid)"
+    )
+    agent_work_dir: Path | None = Field(
+        None, description="where ranks' working dirs live, outside the agent's state (unset: <state_dir>/work)"
+    )
     agent_poll_s: float = Field(
         0.5, description="how often agents and rank supervisors check exits, steps, stop requests and confirmations"
     )
@@ -192,7 +293,18 @@ class Settings(BaseSettings):
     # --- API ----------------------------------------------------------------
     api_tokens: dict[str, Principal] = Field(default_factory=dict, description="bearer token -> principal")
     allowed_registries: list[str] = Field(
-        description="image prefixes jobs may use", default_factory=lambda: ["registry/"]
+        description="registries jobs may pull from: host[:port], optionally /repository/prefix (matched by"
+        " component, not as text)",
+        default_factory=lambda: ["registry"],
+    )
+    api_requests_per_s_per_principal: int = Field(
+        200, ge=1, description="requests a second one principal may make to one API process, then 429"
+    )
+    api_requests_per_s_per_address: int = Field(
+        500, ge=1, description="requests a second one client address may make to one API process, then 429"
+    )
+    api_auth_failures_per_minute: int = Field(
+        30, ge=1, description="requests with a bad or missing token from one address a minute, then 429 until it eases"
     )
     max_queued_per_team: int = Field(5000, description="admission: queued jobs per team")
     max_page_size: int = Field(500, description="largest list page")
@@ -205,9 +317,11 @@ class Settings(BaseSettings):
     api_temporal_timeout_s: float = Field(
         5.0, description="API calls to Temporal (start, signal, update) give up after this"
     )
-    agent_log_token: str = Field(
-        "dev-agent-log-token", description="bearer token the API presents to agents' log endpoint"
+    log_signing_key: str = Field(
+        "dev-log-signing-key",
+        description="the API's key for the short-lived per-lease log tokens; each node gets a key derived from it",
     )
+    log_token_ttl_s: float = Field(60.0, gt=0, description="how long a per-lease log token is valid")
     api_url: str | None = Field(None, description="where the CLI reaches the API; unset = http://api_host:api_port")
     token: str | None = Field(None, description="the CLI's bearer token")
 
@@ -221,6 +335,13 @@ class Settings(BaseSettings):
     @classmethod
     def _expand(cls, v: Path) -> Path:
         return v.expanduser()
+
+    @field_validator("allowed_registries")
+    @classmethod
+    def _registries_parse(cls, v: list[str]) -> list[str]:
+        for entry in v:
+            parse_registry_rule(entry)  # ImageRefError is a ValueError: a clear settings error
+        return v
 
     def to_env(self) -> dict[str, str]:
         """This process's environment with every setting as a ``GPUFLEET_`` variable (for

@@ -30,6 +30,7 @@ from temporalio.worker import PollerBehaviorAutoscaling, Worker
 
 from activities.job_activities import JobActivities
 from common.aio import cancel_and_wait
+from common.secrets import for_role
 from common.settings import Settings
 from common.temporal import make_worker
 from store.tx import Pool
@@ -88,13 +89,13 @@ class JobWorkerChildren:
         return self.settings.state_dir / "control" / f"job-worker-{os.getpid()}-{i}.ready"
 
     def _settings_file(self) -> Path:
-        """This process's settings for its children, as a file (0600: it holds tokens and
-        agent credentials; a cluster's credentials would not fit in one environment variable)."""
+        """This process's settings for its children, as a file (0600: it holds the database
+        login), without the secrets a job worker does not use."""
         path = self.settings.state_dir / "control" / f"job-worker-{os.getpid()}.settings.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(self.settings.model_dump_json())
+            f.write(for_role(self.settings, "job-worker").model_dump_json())
         return path
 
     def _spawn(self, i: int) -> None:

@@ -26,6 +26,11 @@ hypothesis_settings.load_profile(os.environ.get("GPUFLEET_HYPOTHESIS_PROFILE", "
 
 # every job state change the tests make must be an edge of placement.lifecycle's table
 os.environ.setdefault("GPUFLEET_STRICT_JOB_TRANSITIONS", "true")
+# the tests run a dev platform (dev secrets allowed); tests of a production start say so
+os.environ.setdefault("GPUFLEET_ENV", "dev")
+# the tests' ranks run this venv's interpreter, which an unprivileged user may not reach (CI
+# keeps it under /root): ranks run as the agent's user; tests/security turns isolation on
+os.environ.setdefault("GPUFLEET_AGENT_RANK_ISOLATION", "false")
 
 from common.db import create_pool, migrate  # noqa: E402
 from tests.support import dsn_with_db  # noqa: E402

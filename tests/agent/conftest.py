@@ -32,7 +32,7 @@ FAST = {
     "agent_fence_grace_s": 1.0,
     "default_grace_s": 1.0,
     "agent_shared_secret": "test-agent-secret",
-    "agent_log_token": "test-log-token",
+    "log_signing_key": "test-log-signing-key",
 }
 
 

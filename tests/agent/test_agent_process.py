@@ -53,6 +53,8 @@ class AgentProc:
 
     def __init__(self, settings, temporal_address: str, nodes: list[str], log: Path) -> None:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")} | {
+            "GPUFLEET_ENV": "dev",
+            "GPUFLEET_AGENT_RANK_ISOLATION": "false",  # the ranks run this venv's interpreter
             "GPUFLEET_STATE_DIR": str(settings.state_dir),
             "GPUFLEET_TEMPORAL_ADDRESS": temporal_address,
             "GPUFLEET_CONTROL_ADDRESSES": json.dumps(settings.control_addresses),
@@ -248,7 +250,10 @@ async def _connect_retrying(address: str) -> Client:
 
 
 def test_cli_inject_fault_and_ps(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")} | {"GPUFLEET_STATE_DIR": str(tmp_path)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")} | {
+        "GPUFLEET_STATE_DIR": str(tmp_path),
+        "GPUFLEET_ENV": "dev",
+    }
     out = subprocess.run(
         [PY, "-m", "cli.agent_cmd", "inject-fault", "--node", "node-003", "--gpu", "2", "--xid", "79"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
@@ -276,6 +281,7 @@ def test_real_backend_without_nvml_is_a_clear_error(tmp_path):
         pass
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")} | {
         "GPUFLEET_STATE_DIR": str(tmp_path),
+        "GPUFLEET_ENV": "dev",
         "GPUFLEET_AGENT_NVML_BACKEND": "real",
         "LD_LIBRARY_PATH": "/nonexistent",
     }

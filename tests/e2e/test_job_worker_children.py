@@ -54,14 +54,23 @@ async def test_job_workflows_run_in_a_restarted_child_and_stop_with_control(stac
     assert not _alive(second)
 
 
-def test_children_get_settings_from_a_private_file_not_the_environment(tmp_path, monkeypatch):
-    """A cluster's agent credentials would not fit in one environment variable (128 KiB)."""
-    from common.settings import Settings
+def test_children_get_settings_from_a_private_file_with_only_their_secrets(tmp_path, monkeypatch):
+    """The job workers' settings come in a 0600 file, with the database login and none of the
+    secrets they do not use (API tokens, the agents' credentials and their derivation secret)."""
+    from common.settings import Principal, Settings
     from control.job_workers import SETTINGS_FILE_ENV, JobWorkerChildren, settings_for_child
 
-    settings = Settings(state_dir=tmp_path, agent_credentials={f"node-{i:05d}": "c" * 40 for i in range(5000)})
+    settings = Settings(
+        state_dir=tmp_path,
+        database_url="postgresql://gpufleet:pw@db/gpufleet",
+        api_tokens={"t0ken": Principal(name="alice", team="a")},
+        agent_credentials={f"node-{i:05d}": "c" * 40 for i in range(50)},
+    )
     path = JobWorkerChildren(settings, 1)._settings_file()
     assert path.stat().st_mode & 0o777 == 0o600
-    assert path.stat().st_size > 128 * 1024
     monkeypatch.setenv(SETTINGS_FILE_ENV, str(path))
-    assert settings_for_child() == settings
+    child = settings_for_child()
+    assert child is not None and child.database_url == settings.database_url
+    assert child.api_tokens == {} and child.agent_credentials == {} and child.agent_shared_secret == ""
+    assert "t0ken" not in path.read_text() and "c" * 40 not in path.read_text()
+    assert child.control_task_queue == settings.control_task_queue

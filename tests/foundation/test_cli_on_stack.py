@@ -19,7 +19,9 @@ from tests.support import OutputReader, eventually_sync
 
 pytestmark = pytest.mark.e2e
 
-RANK = "import time\nfor i in range(40):\n    print(f'tick {i}', flush=True)\n    time.sleep(0.5)\n"
+# a shell rank: as root, `gpufleet up` runs ranks as an unprivileged user, which may not reach
+# this venv's interpreter (CI keeps it under /root)
+RANK = "echo uid $(id -u); i=0; while [ $i -lt 40 ]; do echo tick $i; i=$((i+1)); sleep 0.5; done"
 
 JOB = """\
 team: pretrain
@@ -129,7 +131,7 @@ def _run_cli_checks(proc: subprocess.Popen, ports: dict[str, int], tmp_path: Pat
     cli = Cli(f"http://127.0.0.1:{ports['api']}", token)
 
     job = tmp_path / "job.yaml"
-    job.write_text(JOB.format(command=json.dumps([sys.executable, "-c", RANK])))
+    job.write_text(JOB.format(command=json.dumps(["/bin/sh", "-c", RANK])))
     r = cli.run("submit", "-f", str(job), "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     job_id = json.loads(r.stdout)["job_id"]
@@ -137,6 +139,12 @@ def _run_cli_checks(proc: subprocess.Popen, ports: dict[str, int], tmp_path: Pat
     cli.wait_state(job_id, "RUNNING", timeout=60)
     logs = cli.follow_until(job_id, "tick 2", timeout=30)
     assert "tick 0" in logs and "tick 1" in logs
+    # as root the dev box isolates ranks, and says so
+    ranks = next(line for line in out.splitlines() if line.strip().startswith("ranks"))
+    if os.geteuid() == 0 and "NOT isolated" not in ranks:
+        assert "run as uid 65534 (isolated" in ranks and "uid 65534" in logs, (ranks, logs)
+    else:
+        assert f"uid {os.geteuid()}" in logs, (ranks, logs)
 
     r = cli.run("cancel", job_id)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -3,6 +3,7 @@ Ctrl-C stops every child; a second start finds the state again."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from tests.support import OutputReader
@@ -99,6 +101,7 @@ def test_make_up_brings_the_platform_up_and_down(state_root):
         assert "team pretrain" in out and "admin" in out
         assert httpx.get(f"http://127.0.0.1:{ports['api']}/healthz", timeout=10).status_code == 200
         assert httpx.get(f"http://127.0.0.1:{ports['ui']}/", timeout=10).status_code == 200
+        assert_least_privilege(proc, tokens=(state_root / "state" / "tokens.json").read_text())
     finally:
         tail = stop(proc)
     assert_stopped(proc, tail, ports)
@@ -113,6 +116,28 @@ def test_make_up_brings_the_platform_up_and_down(state_root):
         tail = stop(proc)
     assert_stopped(proc, tail, ports)
     assert (state_root / "state" / "tokens.json").read_text() == tokens
+
+
+def assert_least_privilege(proc: subprocess.Popen, tokens: str) -> None:
+    """Each child holds only the secrets it uses: the agent no API token, no database login
+    and neither the secret every node's credential derives from nor the key every node's
+    log key derives from; control no API token and no log key."""
+    envs = {}
+    for child in psutil.Process(proc.pid).children():
+        cmd = " ".join(child.cmdline())
+        role = next((r for r in ("agent", "control", "api") if f"cli.main {r}" in cmd), None)
+        if role:
+            envs[role] = child.environ()
+    assert set(envs) == {"agent", "control", "api"}, envs.keys()
+    token = next(iter(json.loads(tokens)))
+    agent = envs["agent"]
+    assert "GPUFLEET_DATABASE_URL" not in agent and "GPUFLEET_AGENT_SHARED_SECRET" not in agent
+    assert token not in json.dumps(agent) and json.loads(agent["GPUFLEET_AGENT_CREDENTIALS"])
+    assert "GPUFLEET_LOG_SIGNING_KEY" not in agent and json.loads(agent["GPUFLEET_AGENT_LOG_KEYS"])
+    assert "GPUFLEET_LOG_SIGNING_KEY" not in envs["control"] and envs["api"]["GPUFLEET_LOG_SIGNING_KEY"]
+    assert token not in json.dumps(envs["control"]) and envs["control"]["GPUFLEET_DATABASE_URL"]
+    assert token in envs["api"]["GPUFLEET_API_TOKENS"]
+    assert all(env["GPUFLEET_ENV"] == "dev" for env in envs.values())
 
 
 def assert_stopped(proc: subprocess.Popen, tail: str, ports: dict[str, int]) -> None:
