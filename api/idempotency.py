@@ -46,6 +46,8 @@ class Outcome:
     body: dict[str, Any]
     after_commit: Callable[[], Awaitable[None]] | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    # what is stored for replays, when the response carries a secret that must not be kept
+    stored_body: dict[str, Any] | None = None
 
 
 def validate_key(key: str | None) -> str:
@@ -129,7 +131,8 @@ async def run(
             else:
                 outcome = await work(conn)
                 outcome.body = jsonable_encoder(outcome.body)
-                await idempotency_keys.complete_key(conn, principal.name, key, outcome.status, outcome.body)
+                stored = outcome.body if outcome.stored_body is None else jsonable_encoder(outcome.stored_body)
+                await idempotency_keys.complete_key(conn, principal.name, key, outcome.status, stored)
     if replay is not None:
         if on_replay is not None:
             await on_replay(replay[1])

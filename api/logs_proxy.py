@@ -3,7 +3,7 @@
 The agent's contract (the integrator aligns the agent to it):
 
     GET http://{nodes.agent_addr}/v1/leases/{lease_id}/logs?offset=N&follow=0|1
-    Authorization: Bearer {settings.agent_log_token}
+    Authorization: Bearer {a token for this lease only, valid for log_token_ttl_s}
     -> 200 text/plain, chunked; with follow=1 the agent keeps the response open
        and writes new output as the rank produces it, closing when the rank exits.
 
@@ -15,15 +15,26 @@ upstream connection when the client goes away.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from urllib.parse import quote
 
 import httpx
 
 from api.errors import ApiError
+from common.settings import Settings
+from proto.auth import lease_log_token, node_log_key
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 30.0
+
+
+def log_token(settings: Settings, node_id: str, lease_id: str) -> str:
+    """The token the API presents for one lease's logs: scoped to the lease, short-lived, and
+    signed with the node's own key, so neither a leaked token, nor one lease's token, nor a
+    key held by another node opens these logs."""
+    key = node_log_key(settings.log_signing_key, node_id)
+    return lease_log_token(key, lease_id, now=time.time(), ttl_s=settings.log_token_ttl_s)
 
 
 async def open_agent_log(

@@ -597,6 +597,58 @@ def return_node(
     _out().print(f"{r['node_id']}: {r['previous_state']} -> {r['state']}")
 
 
+credential_app = typer.Typer(help="per-node credentials of the agents: issue, revoke (admin)", no_args_is_help=True)
+
+
+@credential_app.command("issue")
+def credential_issue(
+    node_id: str,
+    reason: Annotated[str, typer.Option(help="why (audited)")] = "provisioning",
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Issue (or rotate) a node's credential; it is printed once, with the node's log key, as
+    the two settings the node's agent needs (each may instead be a 0600 file named by
+    GPUFLEET_AGENT_CREDENTIALS_FILE / GPUFLEET_AGENT_LOG_KEYS_FILE)."""
+    r = _run(
+        _client(url, token).request,
+        "POST",
+        f"/v1/nodes/{node_id}:issue-credential",
+        json_body={"reason": reason},
+        write=True,
+    )
+    if as_json:
+        return _print_json(r)
+    if r.get("credential") is None:
+        _out().print(f"{r['node_id']}: already issued by this request; issue again to rotate")
+        return
+    node = r["node_id"]
+    print(f"GPUFLEET_AGENT_CREDENTIALS='{json.dumps({node: r['credential']})}'")
+    print(f"GPUFLEET_AGENT_LOG_KEYS='{json.dumps({node: r['log_key']})}'")
+
+
+@credential_app.command("revoke")
+def credential_revoke(
+    node_id: str,
+    reason: Annotated[str, typer.Option(help="why (audited)")],
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Revoke a node's credential: its agent is refused until a new one is issued."""
+    r = _run(
+        _client(url, token).request,
+        "POST",
+        f"/v1/nodes/{node_id}:revoke-credential",
+        json_body={"reason": reason},
+        write=True,
+    )
+    if as_json:
+        return _print_json(r)
+    _out().print(f"{r['node_id']}: " + ("revoked" if r["revoked"] else "had no live credential"))
+
+
 def register(app: typer.Typer) -> None:
     """Add the user commands to the top-level `gpufleet` app."""
     app.command("submit")(submit)
@@ -612,3 +664,4 @@ def register(app: typer.Typer) -> None:
     app.command("nodes")(nodes)
     app.command("drain")(drain)
     app.command("return-node")(return_node)
+    app.add_typer(credential_app, name="node-credential")

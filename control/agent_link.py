@@ -19,6 +19,11 @@ from proto import agent_pb2 as pb
 from proto.convert import heartbeat_report_from_pb
 
 
+class ReportRefused(Exception):
+    """A node's report about something that is not its own: refused for good (the agent is
+    told not to retry) and audited as a security event."""
+
+
 @dataclass(frozen=True)
 class AuthFailure:
     """A rejected stream or message: audit it (who claimed to be which node, from where, why)."""

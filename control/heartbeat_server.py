@@ -33,14 +33,16 @@ elsewhere if it is slow):
 ``on_task_status(status: TaskStatus) -> None | Awaitable[None]``
     Each TaskStatus once (duplicates by node + seq are acknowledged without a
     second call). If it raises, the agent is told ``ok=false`` and retries later,
-    so the report is never lost while the leader cannot forward it.
+    so the report is never lost while the leader cannot forward it; if it raises
+    ``ReportRefused`` (not this node's lease) the agent is told ``refused`` and drops it.
 ``leader_address() -> str | None``
     None when this process is the leader; otherwise the leader's gRPC address
     (``""`` if unknown). Checked when a stream opens and on every heartbeat; the
     agent is sent a ``Redirect`` and reconnects there.
-``credential_for(node_id) -> str | None``
-    The credential expected from a node; default ``proto.auth.node_credential``
-    (provisioned ``agent_credentials``, else derived from ``agent_shared_secret``).
+``authenticate(node_id, presented) -> bool | Awaitable[bool]``
+    Whether ``presented`` is the node's credential; default: equal to
+    ``proto.auth.node_credential`` (the control process passes ``control.node_auth``: the
+    credentials an admin issued, derivation in dev only).
 ``on_auth_failure(AuthFailure) -> None | Awaitable[None]``
     A stream with a bad credential (UNAUTHENTICATED) or a message for another node
     than the stream's (PERMISSION_DENIED): write the audit row here.
@@ -60,7 +62,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import grpc
 
 from common.contracts import TaskStatus
-from control.agent_link import AuthFailure, HeartbeatTable, NodeHeartbeat
+from control.agent_link import AuthFailure, HeartbeatTable, NodeHeartbeat, ReportRefused
 from proto import agent_pb2 as pb
 from proto import agent_pb2_grpc as pbg
 from proto.auth import CREDENTIAL_KEY, NODE_ID_KEY, check_credential, metadata_value, node_credential
@@ -96,7 +98,7 @@ class HeartbeatServer:
         on_heartbeat: Callable[[NodeHeartbeat], None] | None = None,
         on_task_status: Callable[[TaskStatus], Awaitable[None] | None] | None = None,
         leader_address: Callable[[], str | None] | None = None,
-        credential_for: Callable[[str], str | None] | None = None,
+        authenticate: Callable[[str, str | None], bool | Awaitable[bool]] | None = None,
         on_auth_failure: Callable[[AuthFailure], Awaitable[None] | None] | None = None,
     ) -> None:
         if settings is None:
@@ -111,7 +113,9 @@ class HeartbeatServer:
         self.on_heartbeat = on_heartbeat
         self.on_task_status = on_task_status
         self.leader_address = leader_address
-        self.credential_for = credential_for or (lambda node_id: node_credential(settings, node_id))
+        self.authenticate = authenticate or (
+            lambda node_id, presented: check_credential(node_credential(settings, node_id), presented)
+        )
         self.on_auth_failure = on_auth_failure
         self.table = HeartbeatTable()
         self.address = ""
@@ -148,6 +152,7 @@ class HeartbeatServer:
             "task_statuses": 0,
             "duplicate_statuses": 0,
             "failed_statuses": 0,
+            "refused_statuses": 0,
             "auth_failures": 0,
             "redirects": 0,
         }
@@ -185,7 +190,7 @@ class HeartbeatServer:
 
     async def _status(self, node_id: str, m: pb.TaskStatus) -> pb.ControlMessage:
         seen = self._seen.setdefault(node_id, {})
-        ok, error = True, ""
+        ok, refused, error = True, False, ""
         if m.seq in seen:
             self.counters["duplicate_statuses"] += 1
         else:
@@ -199,12 +204,18 @@ class HeartbeatServer:
                 if len(seen) > SEEN_STATUSES_PER_NODE:
                     del seen[next(iter(seen))]
                 self.counters["task_statuses"] += 1
+            except ReportRefused as e:
+                self.counters["refused_statuses"] += 1
+                ok, refused, error = False, True, str(e)[:200]
+                log.warning("TaskStatus from %s refused: %s", node_id, error)
             except Exception as e:
                 self.counters["failed_statuses"] += 1
                 ok, error = False, f"{type(e).__name__}: {str(e)[:200]}"
                 log.warning("TaskStatus from %s not taken: %s", node_id, error)
         return pb.ControlMessage(
-            task_status_ack=pb.TaskStatusAck(lease_id=m.lease_id, epoch=m.epoch, seq=m.seq, ok=ok, error=error)
+            task_status_ack=pb.TaskStatusAck(
+                lease_id=m.lease_id, epoch=m.epoch, seq=m.seq, ok=ok, error=error, refused=refused
+            )
         )
 
     def _ack(self, node_id: str, hb: pb.Heartbeat, entry: NodeHeartbeat | None) -> pb.ControlMessage:
@@ -235,7 +246,10 @@ class _Servicer(pbg.ControlLinkServicer):
         md = context.invocation_metadata()
         node_id = metadata_value(md, NODE_ID_KEY)
         peer = context.peer()
-        if not node_id or not check_credential(s.credential_for(node_id), metadata_value(md, CREDENTIAL_KEY)):
+        verdict = s.authenticate(node_id, metadata_value(md, CREDENTIAL_KEY)) if node_id else False
+        if inspect.isawaitable(verdict):
+            verdict = await verdict
+        if not node_id or not verdict:
             await s._auth_failed(AuthFailure(node_id, peer, "bad or missing node credential"))
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad or missing node credential")
             return  # abort raises; this tells the type checker node_id is set below

@@ -39,13 +39,16 @@ from temporalio.service import RPCError
 from common.db import pool_from_settings
 from common.settings import Settings
 from common.temporal import connect
+from control.agent_link import AuthFailure, ReportRefused
 from control.health.monitor import HealthMonitor
 from control.job_workers import JobWorkerChildren, control_queue_worker
 from control.leader.cycle import PlacementCycles
 from control.leader.leadership import Leadership
 from control.leader.signals import JobSignals
 from control.leader.state import LeaderState
+from control.node_auth import NodeAuth
 from control.status_forwarder import TaskStatusForwarder
+from store import node_credentials
 from store.tx import Pool
 from store.wake import WakeListener
 
@@ -85,6 +88,7 @@ class ControlProcess:
         self.leadership: Leadership | None = None
         self.forwarder: TaskStatusForwarder | None = None
         self.heartbeats: Any = None
+        self.node_auth: NodeAuth | None = None
         self.health: HealthMonitor | None = None
         self.job_workers: JobWorkerChildren | None = None
         self._workers: list[Any] = []
@@ -126,6 +130,7 @@ class ControlProcess:
         self.cycles = PlacementCycles(self.leader, self.signals, self.client, actor=f"placement:{self.holder}")
         self.forwarder = TaskStatusForwarder(self.client)
         await self.forwarder.start()
+        self.node_auth = NodeAuth(self.pool, s)
         self.health = HealthMonitor(
             self.pool,
             self.client,
@@ -146,6 +151,8 @@ class ControlProcess:
                 on_task_status=self._on_task_status,
                 on_heartbeat=self.health.on_heartbeat,
                 leader_address=self._leader_address,
+                authenticate=self.node_auth.verify,
+                on_auth_failure=self._on_auth_failure,
             )
             self.grpc_addr = await self.heartbeats.start()
         else:
@@ -250,13 +257,36 @@ class ControlProcess:
 
     # ------------------------------------------------------------------ agents
 
-    def _on_task_status(self, status: Any) -> None:
-        assert self.forwarder is not None
+    async def _on_task_status(self, status: Any) -> None:
+        """A node's report about one of its ranks: forwarded to the rank's job. A report about a
+        lease the store assigns to another node (or to no node) is refused and audited."""
+        assert self.forwarder is not None and self.node_auth is not None
         if self.health is not None and self.health.on_task_status(status):
             return  # a burn-in rank's report: the health monitor's, not a job's
+        owner = await self.node_auth.owner_of(status.lease_id)
+        if owner != status.node_id:
+            what = f"a report about lease {status.lease_id}, which " + (
+                f"runs on node {owner}" if owner else "is no lease of the store"
+            )
+            await self._security_event(status.node_id, what, {"lease_id": status.lease_id, "owner": owner,
+                                                              "state": str(status.state), "job_id": status.job_id})  # fmt: skip
+            raise ReportRefused(f"node {status.node_id} sent {what}")
         self.forwarder.submit(status)
         if status.checkpoint_uri and self.is_leader and self.leader is not None:
             self.leader.note_checkpoint(status.job_id, status.attempt)
+
+    async def _on_auth_failure(self, failure: AuthFailure) -> None:
+        detail = {"peer": failure.peer, "claimed_node": failure.node_id, "message_node": failure.message_node_id}
+        await self._security_event(failure.node_id or "unknown", failure.reason, detail)
+
+    async def _security_event(self, node_id: str, what: str, detail: dict[str, Any]) -> None:
+        log.warning("security: node %s: %s", node_id, what)
+        try:
+            await node_credentials.audit_security_event(
+                self.pool, actor=f"control:{self.holder}", node_id=node_id, what=what[:500], detail=detail
+            )
+        except Exception as e:  # the refusal stands even when it cannot be audited now
+            log.warning("security event not audited: %s", e)
 
     def _leader_address(self) -> str | None:
         if self.is_leader:

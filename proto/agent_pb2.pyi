@@ -186,18 +186,20 @@ class TaskStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., at: _Optional[float] = ..., exit_code: _Optional[int] = ..., checkpoint_uri: _Optional[str] = ..., step: _Optional[int] = ..., boot_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class TaskStatusAck(_message.Message):
-    __slots__ = ("lease_id", "epoch", "seq", "ok", "error")
+    __slots__ = ("lease_id", "epoch", "seq", "ok", "error", "refused")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     epoch: int
     seq: int
     ok: bool
     error: str
-    def __init__(self, lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    refused: bool
+    def __init__(self, lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., refused: _Optional[bool] = ...) -> None: ...
 
 class Redirect(_message.Message):
     __slots__ = ("leader_addr", "reason")

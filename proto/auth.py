@@ -53,3 +53,36 @@ def check_credential(expected: str | None, presented: str | None) -> bool:
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
     return ((AUTHORIZATION_KEY, f"Bearer {token}"),)
+
+
+# --- per-lease log tokens: the API mints one per log request, the agent checks it ----------
+
+LOG_TOKEN_VERSION = "v1"
+
+
+def _log_mac(key: str, lease_id: str, expires: int) -> str:
+    msg = f"gpufleet-log:{LOG_TOKEN_VERSION}:{lease_id}:{expires}".encode()
+    return hmac.new(key.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def node_log_key(signing_key: str, node_id: str) -> str:
+    """The key one node's log endpoint checks tokens with: derived from the API's signing
+    key, so an agent (or a compromised node) can mint tokens for its own leases only."""
+    return hmac.new(signing_key.encode(), f"gpufleet-node-log-key:{node_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def lease_log_token(key: str, lease_id: str, *, now: float, ttl_s: float) -> str:
+    """A token that lets its bearer read one lease's logs until ``now + ttl_s``."""
+    expires = int(now + ttl_s)
+    return f"{LOG_TOKEN_VERSION}.{expires}.{_log_mac(key, lease_id, expires)}"
+
+
+def check_lease_log_token(key: str, token: str | None, lease_id: str, *, now: float) -> bool:
+    """Whether ``token`` was minted with ``key`` for ``lease_id`` and has not expired."""
+    if not key or not token:
+        return False
+    version, _, rest = token.partition(".")
+    expires_s, _, mac = rest.partition(".")
+    if version != LOG_TOKEN_VERSION or not expires_s.isdigit() or int(expires_s) < now:
+        return False
+    return hmac.compare_digest(_log_mac(key, lease_id, int(expires_s)).encode(), mac.encode())

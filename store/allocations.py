@@ -284,9 +284,9 @@ async def live_gang(db: Db, job_id: str, attempt: int) -> list[asyncpg.Record]:
     )
 
 
-async def live_lease_ids(db: Db, lease_ids: Sequence[str]) -> set[str]:
-    """Which of ``lease_ids`` are live."""
+async def live_lease_nodes(db: Db, lease_ids: Sequence[str]) -> dict[str, str]:
+    """The live ones of ``lease_ids``, each with the node that holds it."""
     rows = await db.fetch(
-        "SELECT lease_id FROM leases WHERE lease_id = ANY($1::text[]) AND state = 'live'", list(lease_ids)
+        "SELECT lease_id, node_id FROM leases WHERE lease_id = ANY($1::text[]) AND state = 'live'", list(lease_ids)
     )
-    return {r["lease_id"] for r in rows}
+    return {r["lease_id"]: r["node_id"] for r in rows}

@@ -28,7 +28,7 @@ from api.deps import (
 )
 from api.errors import ERROR_RESPONSES, ApiError
 from api.gateway import ControlUnavailable, UpdateRejected, WorkflowClosed, WorkflowMissing
-from api.logs_proxy import open_agent_log
+from api.logs_proxy import log_token, open_agent_log
 from api.schemas import (
     CancelAccepted,
     Explain,
@@ -382,7 +382,7 @@ async def job_logs(
     body = await open_agent_log(
         lease["agent_addr"],
         lease["lease_id"],
-        token=settings_of(request).agent_log_token,
+        token=log_token(settings_of(request), lease["node_id"], lease["lease_id"]),
         offset=offset,
         follow=follow,
     )

@@ -10,11 +10,24 @@ from pydantic import AfterValidator
 
 from api import idempotency
 from api.auth import current_principal, require_admin
-from api.deps import NodeId, decode_cursor, encode_cursor, page_size, pool_of
+from api.deps import NodeId, decode_cursor, encode_cursor, page_size, pool_of, settings_of
 from api.errors import ERROR_RESPONSES, ApiError
-from api.schemas import DrainAccepted, DrainBody, NodeList, NodeState, NodeView, ReturnAccepted, ReturnBody, storable
+from api.schemas import (
+    CredentialBody,
+    CredentialIssued,
+    CredentialRevoked,
+    DrainAccepted,
+    DrainBody,
+    NodeList,
+    NodeState,
+    NodeView,
+    ReturnAccepted,
+    ReturnBody,
+    storable,
+)
 from common.settings import Principal
-from store import nodes
+from proto.auth import node_log_key
+from store import node_credentials, nodes
 
 router = APIRouter(prefix="/v1", tags=["nodes"], dependencies=[Depends(current_principal)], responses=ERROR_RESPONSES)
 
@@ -176,5 +189,62 @@ async def return_node(
             )
         out = {"node_id": node_id, "state": "burn_in", "previous_state": previous, "reason": body.reason}
         return idempotency.Outcome(202, out)
+
+    return await idempotency.run(request, principal, idempotency_key, work)
+
+
+@router.post(
+    "/nodes/{node_id}:issue-credential",
+    status_code=201,
+    response_model=CredentialIssued,
+    summary="Issue (or rotate) a node's credential (admin)",
+)
+async def issue_node_credential(
+    request: Request,
+    node_id: NodeId,
+    body: CredentialBody,
+    idempotency_key: IdempotencyKey,
+    principal: Principal = Depends(require_admin),
+) -> Any:
+    """A new credential for the node's agent (`GPUFLEET_AGENT_CREDENTIALS`), shown once; the
+    node's previous credential stops working. Only a SHA-256 of it is stored, audited. With it,
+    the node's log key (`GPUFLEET_AGENT_LOG_KEYS`), derived from the API's signing key."""
+
+    async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
+        if await nodes.get_node(conn, node_id, for_update=True) is None:
+            raise ApiError(404, "node_not_found", f"no node {node_id}")
+        issued = await node_credentials.issue(conn, node_id, actor=principal.name, reason=body.reason)
+        out = {
+            "node_id": node_id,
+            "credential": issued.credential,
+            "log_key": node_log_key(settings_of(request).log_signing_key, node_id),
+            "issued_at": issued.issued_at,
+        }
+        return idempotency.Outcome(201, out, stored_body={**out, "credential": None, "log_key": None})
+
+    return await idempotency.run(request, principal, idempotency_key, work)
+
+
+@router.post(
+    "/nodes/{node_id}:revoke-credential",
+    status_code=200,
+    response_model=CredentialRevoked,
+    summary="Revoke a node's credential (admin)",
+)
+async def revoke_node_credential(
+    request: Request,
+    node_id: NodeId,
+    body: CredentialBody,
+    idempotency_key: IdempotencyKey,
+    principal: Principal = Depends(require_admin),
+) -> Any:
+    """The node's agent is refused from now on (control re-reads credentials every
+    `GPUFLEET_NODE_CREDENTIALS_REFRESH_S`) until a new credential is issued; audited."""
+
+    async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
+        if await nodes.get_node(conn, node_id, for_update=True) is None:
+            raise ApiError(404, "node_not_found", f"no node {node_id}")
+        revoked = await node_credentials.revoke(conn, node_id, actor=principal.name, reason=body.reason)
+        return idempotency.Outcome(200, {"node_id": node_id, "revoked": revoked})
 
     return await idempotency.run(request, principal, idempotency_key, work)

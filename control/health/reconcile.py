@@ -4,7 +4,8 @@ Per heartbeat, while this process leads:
 
 * a task with no live lease is stopped: once it stayed unknown to the leader's view for
   ``RECONCILE_AFTER_S`` and Postgres confirms the lease is not live (released, or never
-  committed) - ``stops_for``;
+  committed) - ``stops_for``; a node that reports a lease live on another node is not
+  believed (a node speaks only for itself) and the report is audited as a security event;
 * a rank on other GPUs than its live lease holds is stopped, and audited once -
   ``stops_for``;
 * a live lease of a RUNNING job whose rank the agent no longer reports is released after
@@ -30,7 +31,7 @@ from control.health.metrics import RECONCILE
 from control.health.node_states import LeaseView, NodeObservation, RankView, reconcile
 from control.leader.state import LeaderState
 from placement.lifecycle import JobState
-from store import allocations, nodes
+from store import allocations, node_credentials, nodes
 from store.tx import Pool
 
 log = logging.getLogger("gpufleet.control.health")
@@ -65,10 +66,11 @@ class Reconciler:
         self.forward_status = forward_status
         self.spawn = spawn
         # tasks agents run whose lease the leader does not hold as live: first seen, confirmed dead
-        self._unknown_since: dict[str, float] = {}
+        self._unknown_since: dict[tuple[str, str], float] = {}  # (node, lease) first seen unknown
         self._dead: set[str] = set()
-        self._to_verify: set[str] = set()
+        self._to_verify: dict[str, str] = {}  # lease -> the node that reported it
         self._verifying: asyncio.Task | None = None
+        self._foreign: set[tuple[str, str]] = set()  # (node, lease) audited once
         self._wrong_gpus: set[str] = set()  # leases whose rank ran on the wrong GPUs (audited once)
         self._missing_since: dict[str, float] = {}  # live leases the agent does not report
 
@@ -102,32 +104,47 @@ class Reconciler:
         now = time.monotonic()
         out: list[tuple[str, int, str]] = []
         for r in entry.message.running:
+            key = (entry.node_id, r.lease_id)
             if r.lease_id in live or (is_burn_in(r.lease_id) and r.lease_id in confirmed_burn_in):
-                self._unknown_since.pop(r.lease_id, None)
+                self._unknown_since.pop(key, None)
                 continue
-            first = self._unknown_since.setdefault(r.lease_id, now)
+            first = self._unknown_since.setdefault(key, now)
             if r.lease_id in self._dead:
                 out.append((r.lease_id, r.epoch, "reconciliation: no live lease"))
             elif now - first >= RECONCILE_AFTER_S:
-                self._to_verify.add(r.lease_id)
+                self._to_verify[r.lease_id] = entry.node_id
         if self._to_verify and (self._verifying is None or self._verifying.done()):
             self._verifying = asyncio.create_task(self._verify_dead())
         out.extend(self._wrong_gpu_stops(entry))
         return out
 
     async def _verify_dead(self) -> None:
-        ids, self._to_verify = sorted(self._to_verify), set()
+        reporters, self._to_verify = self._to_verify, {}
+        ids = sorted(reporters)
         try:
-            live = await allocations.live_lease_ids(self.pool, ids)
+            owners = await allocations.live_lease_nodes(self.pool, ids)
         except Exception as e:
             log.warning("lease reconciliation check failed: %s", e)
             return
+        live = set(owners)
+        for lid, owner in owners.items():
+            node = reporters[lid]
+            if owner != node and (node, lid) not in self._foreign:
+                self._foreign.add((node, lid))
+                log.warning("security: node %s reports lease %s, which runs on node %s", node, lid, owner)
+                await node_credentials.audit_security_event(
+                    self.pool,
+                    actor=self.actor,
+                    node_id=node,
+                    what=f"a heartbeat reports lease {lid}, which runs on node {owner}",
+                    detail={"lease_id": lid, "owner": owner},
+                )
         dead = set(ids) - live
         if dead:
             log.warning("agents run %d task(s) without a live lease; stopping them: %s", len(dead), sorted(dead)[:5])
         self._dead |= dead
         for lid in live:
-            self._unknown_since.pop(lid, None)
+            self._unknown_since.pop((reporters[lid], lid), None)
         if len(self._dead) > 100_000:
             self._dead = set(list(self._dead)[-50_000:])
 

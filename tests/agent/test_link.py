@@ -14,7 +14,7 @@ import pytest
 from common.contracts import StopTask
 from proto import agent_pb2 as pb
 from proto import agent_pb2_grpc as pbg
-from proto.auth import node_credential, node_metadata
+from proto.auth import lease_log_token, node_credential, node_log_key, node_metadata
 from tests.agent.conftest import Control, kill_group_quietly, make_settings, pid_alive, script, start_task, wait_for
 from tests.support import holds
 from worker_agent import statefiles as sf
@@ -227,7 +227,10 @@ async def test_rank_logs_are_served_over_the_apis_http_contract(agent, settings,
     from api.errors import ApiError
     from api.logs_proxy import open_agent_log
 
-    async def read(lease: str, token: str = settings.agent_log_token, **kw) -> bytes:
+    key_b = node_log_key(settings.log_signing_key, "node-b")
+
+    async def read(lease: str, token: str | None = None, **kw) -> bytes:
+        token = token or lease_log_token(key_b, lease, now=time.time(), ttl_s=60)
         body = await open_agent_log(agent.http_log_addr, lease, token=token, **kw)
         return b"".join([c async for c in body])
 
@@ -236,12 +239,29 @@ async def test_rank_logs_are_served_over_the_apis_http_contract(agent, settings,
     await wait_for(lambda: (node.leases["lease-http"].dir / sf.STDOUT).stat().st_size > 0, what="output")
     assert await read("lease-http") == b"hello from the rank\n"
     assert await read("lease-http", offset=6) == b"from the rank\n"
-    with pytest.raises(ApiError) as e:
-        await read("lease-http", token="not-the-token")
-    assert e.value.code == "agent_auth_failed"
+    # refused: a made-up token, the old static dev token, another lease's token, an expired
+    # one, one signed with another key, one signed with the key of another node (node-a, in
+    # the same agent process), one signed with the API's key itself
+    other = lease_log_token(key_b, "lease-other", now=time.time(), ttl_s=60)
+    stale = lease_log_token(key_b, "lease-http", now=time.time() - 120, ttl_s=60)
+    forged = lease_log_token("another-key-another-key", "lease-http", now=time.time(), ttl_s=60)
+    node_a = lease_log_token(node_log_key(settings.log_signing_key, "node-a"), "lease-http", now=time.time(), ttl_s=60)
+    master = lease_log_token(settings.log_signing_key, "lease-http", now=time.time(), ttl_s=60)
+    for bad in ("not-the-token", "dev-agent-log-token", other, stale, forged, node_a, master):
+        with pytest.raises(ApiError) as e:
+            await read("lease-http", token=bad)
+        assert e.value.code == "agent_auth_failed", bad
     with pytest.raises(ApiError) as e:
         await read("nope")
     assert e.value.code == "logs_not_found"
+    # the node's issued log key (GPUFLEET_AGENT_LOG_KEYS) is what it checks when it has one
+    agent.settings.agent_log_keys["node-b"] = "issued-log-key-issued-log-key"
+    with pytest.raises(ApiError) as e:
+        await read("lease-http")
+    assert e.value.code == "agent_auth_failed"
+    issued = lease_log_token("issued-log-key-issued-log-key", "lease-http", now=time.time(), ttl_s=60)
+    assert await read("lease-http", token=issued) == b"hello from the rank\n"
+    del agent.settings.agent_log_keys["node-b"]
     # follow: the response stays open while the rank runs and ends after it exits
     follower = asyncio.create_task(read("lease-http", follow=True))
     await holds(lambda: not follower.done(), for_s=0.5, what="the follow response open")

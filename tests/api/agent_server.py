@@ -1,7 +1,11 @@
 """A tiny real HTTP server that speaks the agent's log contract (api/logs_proxy.py):
 
     GET /v1/leases/{lease_id}/logs?offset=N&follow=0|1
-    Authorization: Bearer <agent log token>  ->  200 text/plain, chunked
+    Authorization: Bearer <a per-lease log token signed with a node's log key>  ->  200 text/plain, chunked
+
+One server stands in for the agents of every node of the test cluster: a token is good when
+it is signed with the key of one of ``nodes`` (the real agent takes the key of the node
+holding the lease; tests/agent/test_link.py covers that).
 
 Logs are whatever the test puts in ``logs[lease_id]``; with follow=1 the server
 also writes each of ``follow_lines[lease_id]`` as its own chunk, a little apart,
@@ -14,6 +18,10 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
+
+from proto.auth import check_lease_log_token, node_log_key
+
+SMALL_CLUSTER = ("b0-n0", "b0-n1", "b1-n0", "b1-n1")  # tests.foundation.builders.small_cluster
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -35,7 +43,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.requests.append(
             {"lease_id": lease_id, "offset": offset, "follow": follow, "auth": self.headers.get("Authorization")}
         )
-        if self.headers.get("Authorization") != f"Bearer {self.server.token}":
+        auth = self.headers.get("Authorization") or ""
+        token = auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
+        keys = [node_log_key(self.server.key, n) for n in self.server.nodes]
+        if not any(check_lease_log_token(k, token, lease_id, now=time.time()) for k in keys):
             return self._plain(401, b"bad token\n")
         if lease_id not in self.server.logs:
             return self._plain(404, b"no such lease\n")
@@ -67,9 +78,10 @@ class _Handler(BaseHTTPRequestHandler):
 class AgentLogServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, key: str, nodes: tuple[str, ...] = SMALL_CLUSTER) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
-        self.token = token
+        self.key = key  # the API's log signing key, from which each node's log key derives
+        self.nodes = nodes
         self.logs: dict[str, bytes] = {}
         self.follow_lines: dict[str, list[bytes]] = {}
         self.requests: list[dict] = []

@@ -51,6 +51,8 @@ MATRIX: dict[tuple[str, str], dict[str, int]] = {
     ("GET", "/v1/nodes/{node_id}"): ANY_MEMBER,
     ("POST", "/v1/nodes/{node_id}:drain"): expect(other=403, own=403, admin=202),
     ("POST", "/v1/nodes/{node_id}:return"): expect(other=403, own=403, admin=202),
+    ("POST", "/v1/nodes/{node_id}:issue-credential"): expect(other=403, own=403, admin=201),
+    ("POST", "/v1/nodes/{node_id}:revoke-credential"): expect(other=403, own=403, admin=200),
 }
 
 
@@ -105,12 +107,14 @@ BODIES: dict[tuple[str, str], dict] = {
     ("PUT", "/v1/teams/{team}/quota"): {"gpu_type": "h100", "guaranteed": 16, "reason": "matrix"},
     ("POST", "/v1/nodes/{node_id}:drain"): {"reason": "matrix"},
     ("POST", "/v1/nodes/{node_id}:return"): {"reason": "matrix"},
+    ("POST", "/v1/nodes/{node_id}:issue-credential"): {"reason": "matrix"},
+    ("POST", "/v1/nodes/{node_id}:revoke-credential"): {"reason": "matrix"},
 }
 
 
 @pytest.fixture
 def agent():
-    with AgentLogServer(token="agent-secret") as server:
+    with AgentLogServer(key="test-log-signing-key") as server:
         yield server
 
 
@@ -171,6 +175,8 @@ async def test_admin_routes_refuse_team_tokens_before_looking_at_the_request(cli
         ("PUT", "/v1/teams/alpha/quota"),
         ("POST", "/v1/nodes/b0-n0:drain"),
         ("POST", "/v1/nodes/b0-n0:return"),
+        ("POST", "/v1/nodes/b0-n0:issue-credential"),
+        ("POST", "/v1/nodes/b0-n0:revoke-credential"),
     ):
         for headers, body in ((auth(ALPHA), None), (auth(ALPHA), {"junk": 1}), (auth(ALPHA, new_key()), {"x": []})):
             r = await client.request(method, path, json=body, headers=headers)

@@ -82,7 +82,7 @@ def server(settings, cluster):
 
 @pytest.fixture
 def agent():
-    with AgentLogServer(token="agent-secret") as a:
+    with AgentLogServer(key="test-log-signing-key") as a:
         yield a
 
 
@@ -283,6 +283,7 @@ def test_gpufleet_api_serve_runs_uvicorn_and_stops_cleanly(db_dsn, tmp_path):
         "GPUFLEET_API_PORT": str(port),
         "GPUFLEET_TEMPORAL_ADDRESS": "127.0.0.1:1",
         "GPUFLEET_API_TOKENS": json.dumps({"t": {"name": "a", "admin": True}}),
+        "GPUFLEET_ENV": "dev",
     }
     code = "import typer; from cli.api_cmd import serve; typer.run(serve)"
     root = Path(__file__).resolve().parents[2]

@@ -3,18 +3,27 @@ holds the rank (a real HTTP server here, speaking the agent's log contract)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from proto.auth import check_lease_log_token, lease_log_token, node_log_key
 from store import allocations, leadership
 from tests.api.agent_server import AgentLogServer
 from tests.api.conftest import ALPHA, BETA, auth, submit
 from tests.foundation.builders import gang
 from tests.support import force_job_state
 
+LOG_KEY = "test-log-signing-key"  # tests/api/conftest.py's settings
+
+
+def token(lease_id: str, node: str = "b0-n0") -> str:
+    return lease_log_token(node_log_key(LOG_KEY, node), lease_id, now=time.time(), ttl_s=60)
+
 
 @pytest.fixture
 def agent():
-    with AgentLogServer(token="agent-secret") as server:
+    with AgentLogServer(key=LOG_KEY) as server:
         yield server
 
 
@@ -45,8 +54,16 @@ async def test_logs_of_a_rank_are_proxied_from_its_agent(client, pool, agent):
     assert r.text == "rank1 step 1\n"
     r = await client.get(f"/v1/jobs/{job_id}/logs", params={"offset": 13}, headers=auth(ALPHA))
     assert r.text == "rank0 step 2\n"
-    # the API presents the agent log token, never the caller's
-    assert {q["auth"] for q in agent.requests} == {"Bearer agent-secret"}
+    # the API presents a token for that lease alone, signed with its node's key, never the
+    # caller's, never a static one
+    assert all(q["auth"] != auth(ALPHA)["Authorization"] for q in agent.requests)
+    tokens = {q["lease_id"]: q["auth"][len("Bearer ") :] for q in agent.requests}
+    b0n1 = node_log_key(LOG_KEY, "b0-n1")
+    assert check_lease_log_token(b0n1, tokens[leases[1]], leases[1], now=time.time())
+    assert not check_lease_log_token(node_log_key(LOG_KEY, "b0-n0"), tokens[leases[1]], leases[1], now=time.time())
+    assert not check_lease_log_token(LOG_KEY, tokens[leases[1]], leases[1], now=time.time())
+    assert not check_lease_log_token(b0n1, tokens[leases[1]], leases[0], now=time.time())
+    assert not check_lease_log_token(b0n1, tokens[leases[1]], leases[1], now=time.time() + 3600)
     assert agent.requests[-1]["offset"] == 13 and agent.requests[-1]["follow"] is False
 
 
@@ -75,8 +92,8 @@ async def test_log_errors_use_the_error_shape(client, pool, agent):
     agent.logs[leases[0]] = b"secret\n"
     r = await client.get(f"/v1/jobs/{job_id}/logs", headers=auth(BETA))
     assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found"
-    # the agent refuses the API's token
-    agent.token = "rotated"
+    # the agent refuses the API's token (the agent's key was rotated)
+    agent.key = "rotated-key-rotated-key"
     r = await client.get(f"/v1/jobs/{job_id}/logs", headers=auth(ALPHA))
     assert r.status_code == 502 and r.json()["error"]["code"] == "agent_auth_failed"
     # the agent is gone
@@ -107,10 +124,10 @@ async def test_proxy_function_directly(agent):
     from api.logs_proxy import open_agent_log
 
     agent.logs["L1"] = b"abcdef"
-    body = await open_agent_log(agent.addr, "L1", token="agent-secret", offset=2)
+    body = await open_agent_log(agent.addr, "L1", token=token("L1"), offset=2)
     assert b"".join([c async for c in body]) == b"cdef"
     with pytest.raises(ApiError) as e:
-        await open_agent_log(agent.addr, "nope", token="agent-secret")
+        await open_agent_log(agent.addr, "nope", token=token("nope"))
     assert e.value.status == 404
     with pytest.raises(ApiError) as e:
         await open_agent_log("127.0.0.1:1", "L1", token="agent-secret")

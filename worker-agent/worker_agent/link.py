@@ -117,8 +117,10 @@ class ControlLink:
                         acked.set()
                     elif kind == "task_status_ack":
                         a = msg.task_status_ack
-                        node.status_acked(a.seq, a.ok)
-                        if not a.ok:
+                        node.status_acked(a.seq, a.ok or a.refused)
+                        if a.refused:
+                            log.warning("%s: leader refused status %s: %s", node.node_id, a.seq, a.error)
+                        elif not a.ok:
                             log.info("%s: leader did not take status %s: %s", node.node_id, a.seq, a.error)
                     elif kind == "redirect":
                         raise _Redirected(msg.redirect.leader_addr)

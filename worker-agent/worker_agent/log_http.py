@@ -1,10 +1,14 @@
 """Rank logs over HTTP: the contract the API's log proxy speaks (api/logs_proxy.py).
 
     GET /v1/leases/{lease_id}/logs?offset=N&follow=0|1
-    Authorization: Bearer <settings.agent_log_token>
+    Authorization: Bearer <a per-lease log token: proto.auth.lease_log_token, signed with
+                           the node's log key (settings.agent_log_keys), valid for this
+                           lease only, for a minute>
     -> 200 text/plain, chunked; with follow=1 the response stays open and carries new
        output as the rank writes it, and ends when the rank has exited (or after an hour).
-    401 bad or missing token, 404 no such lease on this agent, 405/400 anything else.
+    401 a missing, expired or forged token, one for another lease, or one signed with
+    another node's key; 404 no such lease on this agent (to a valid token); 405/400
+    anything else.
 
 Served by each agent process on ``settings.agent_http_listen``; its address is what heartbeats advertise as
 ``agent_addr`` and what the leader writes to ``nodes.agent_addr``. A small HTTP/1.1
@@ -20,7 +24,7 @@ import socket
 import time
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from proto.auth import check_credential
+from proto.auth import check_lease_log_token, node_log_key
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +32,17 @@ CHUNK = 64 * 1024
 MAX_FOLLOW_S = 3600.0
 MAX_HEADER_BYTES = 16 * 1024
 HEADER_TIMEOUT_S = 10.0
+
+
+def log_key(settings, node_id: str) -> str | None:
+    """The key ``node_id``'s log endpoint checks tokens with: issued with its credential, or in
+    dev derived from ``log_signing_key`` (which only ``gpufleet up``'s tests hand an agent)."""
+    key = settings.agent_log_keys.get(node_id)
+    if key:
+        return key
+    if settings.env == "dev" and settings.log_signing_key:
+        return node_log_key(settings.log_signing_key, node_id)
+    return None
 
 
 def advertised(host: str, port: int) -> str:
@@ -95,17 +110,24 @@ class LogHttpServer:
             return await _plain(writer, 405, "GET only")
         auth = headers.get("authorization", "")
         token = auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
-        if not check_credential(self.settings.agent_log_token, token):
-            return await _plain(writer, 401, "bad or missing log token")
+        lease_id = unquote(segs[3])
+        node, path = self._find(lease_id)
+        # the token must be signed with the key of the node holding the lease; for a lease
+        # not here, any hosted node's key (so a 404 tells nothing to a bad token)
+        candidates = [node.node_id] if node is not None else list(self.nodes)
+        now = time.time()
+        if not any(
+            (key := log_key(self.settings, n)) and check_lease_log_token(key, token, lease_id, now=now)
+            for n in candidates
+        ):
+            return await _plain(writer, 401, "bad, expired or missing log token for this lease")
         q = parse_qs(parts.query)
         try:
             offset = int(q.get("offset", ["0"])[0])
         except ValueError:
             return await _plain(writer, 400, "offset must be an integer")
         follow = q.get("follow", ["0"])[0] == "1"
-        lease_id = unquote(segs[3])
-        node, path = self._find(lease_id)
-        if node is None:
+        if node is None or path is None:
             return await _plain(writer, 404, f"no lease {lease_id} on this agent")
         writer.write(
             b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\n"
