@@ -39,6 +39,7 @@ class StartTask:
     env: dict[str, str] = field(default_factory=dict)
     checkpoint_dir: str = ""
     resume_from: str | None = None
+    team: str = ""  # whose rank: the agent runs it as that team's user (agent_team_rank_ids)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,23 @@ class StopTaskResult:
     exit_code: int | None = None
     checkpoint_uri: str | None = None
     reason: str = ""
+
+
+# --- what a job's env may not set (the API refuses it at submit; the agent drops it anyway) ---
+
+# variables that change how programs load or start, or that would impersonate the platform
+DENIED_ENV_KEYS = frozenset(
+    {"LD_PRELOAD", "LD_AUDIT", "LD_LIBRARY_PATH", "LD_BIND_NOW", "LD_DEBUG", "LD_PROFILE", "PYTHONSTARTUP",
+     "PYTHONHOME", "PYTHONINSPECT", "BASH_ENV", "ENV", "PROMPT_COMMAND", "IFS", "PERL5OPT", "NODE_OPTIONS",
+     "CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+     "MASTER_ADDR", "MASTER_PORT", "HOME", "TMPDIR", "USER", "LOGNAME"}
+)  # fmt: skip
+DENIED_ENV_PREFIXES = ("GPUFLEET_", "LD_", "DYLD_")
+
+
+def denied_env_key(key: str) -> bool:
+    """Whether a job's env may not set ``key``: it changes loading, or it is the platform's."""
+    return key in DENIED_ENV_KEYS or key.startswith(DENIED_ENV_PREFIXES)
 
 
 # --- a node's activities (on its task queue): typed interfaces, implemented by worker_agent.node ---

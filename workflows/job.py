@@ -461,6 +461,7 @@ class JobWorkflow:
             env=env,
             checkpoint_dir=snap.checkpoint_dir,
             resume_from=self._checkpoint or snap.last_checkpoint,
+            team=snap.team,
         )
 
     async def _start_rank(self, r: _Rank, deadline: datetime | None = None) -> None:

@@ -8,7 +8,8 @@ import re
 import pytest
 
 from tests.e2e.conftest import PY, TRAIN_COUNTER
-from tests.support import eventually
+from tests.support import eventually, workflow_status
+from worker_agent import statefiles as sf
 
 pytestmark = pytest.mark.e2e
 
@@ -67,14 +68,14 @@ async def test_research_job_preempted_by_prod_batch_resumes_from_its_checkpoint(
     leases = await stack.pool.fetch("SELECT * FROM leases WHERE job_id = $1 AND attempt = 1 ORDER BY rank", research)
 
     async def checkpointed():
-        return (await stack.client.get_workflow_handle(research).query("status"))["state"] == "RUNNING" and all(
-            (stack.lease_dir(lz["node_id"], lz["lease_id"]) / "rank" / "progress.json").exists() for lz in leases
+        return (await workflow_status(stack.client, research)).get("state") == "RUNNING" and all(
+            sf.progress_path(stack.lease_dir(lz["node_id"], lz["lease_id"])).exists() for lz in leases
         )
 
     await eventually(checkpointed, timeout=20, what="first checkpoints")
 
     async def gang_checkpoint():
-        return (await stack.client.get_workflow_handle(research).query("status"))["checkpoint"]
+        return (await workflow_status(stack.client, research)).get("checkpoint")
 
     await eventually(gang_checkpoint, timeout=20, what="a checkpoint every rank reported")
     prod = await stack.submit(
@@ -158,8 +159,8 @@ async def test_cancel_while_queued_starting_and_running(stack):
     await stack.wait_state(starting, "STARTING")
 
     async def three_started():
-        s = await stack.client.get_workflow_handle(starting).query("status")
-        return s["ranks_started"] == 3
+        s = await workflow_status(stack.client, starting)
+        return s.get("ranks_started") == 3
 
     await eventually(three_started, timeout=20, what="three ranks started")
     # QUEUED: the cluster is full (and the lowest class preempts nobody)

@@ -56,7 +56,9 @@ from common.contracts import (
 from proto import agent_pb2 as pb
 from proto.convert import HEALTH_TO_PB, task_status_to_pb
 from worker_agent import statefiles as sf
+from worker_agent.checkpoints import checkpoint_within, local_path
 from worker_agent.nvml import GpuBackend
+from worker_agent.rank_access import RankAccessError, require_reachable
 from worker_agent.runtime import ContainerRuntime, ProcessRuntime
 
 log = logging.getLogger("gpufleet.agent")
@@ -91,6 +93,7 @@ class Lease:
     checkpoint_uri: str | None = None
     checkpoint_step: int | None = None
     progress_mtime: int = 0
+    progress: Path | None = None  # the rank's progress file (in its work dir)
     reported: bool = False
     starting: bool = False  # start_task is bringing it up: the watcher keeps off
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -131,6 +134,10 @@ class NodeAgent:
         self.host_env = host_env
         self.dir = sf.node_dir(settings.state_dir, node_id)
         self.leases_dir = self.dir / "leases"
+        # ranks' working dirs: outside the agent's private state, one per lease
+        self.work_dir = Path(settings.agent_work_dir or Path(settings.state_dir) / "work") / node_id
+        # ranks run as another user only when the agent can switch users (it runs as root)
+        self.isolated = bool(settings.agent_rank_isolation) and os.geteuid() == 0
         self.poll_s = float(settings.agent_poll_s)
         self.leases: dict[str, Lease] = {}
         self.outbox: dict[int, pb.TaskStatus] = {}  # seq -> status, until acknowledged
@@ -149,6 +156,23 @@ class NodeAgent:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self.leases_dir.mkdir(parents=True, exist_ok=True)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        if self.isolated:
+            # the agent's state (credentials aside, every lease's logs and records) is the agent's
+            # alone; ranks may pass through the work root to their own dirs, not list it
+            os.chmod(self.dir.parent, 0o700)
+            os.chmod(self.work_dir, 0o711)
+            os.chmod(self.work_dir.parent, 0o711)
+            for uid, gid in self.rank_users():
+                require_reachable(
+                    self.work_dir, uid, gid, "the ranks' work dir",
+                    "set GPUFLEET_AGENT_WORK_DIR to a directory others may pass through",
+                )  # fmt: skip
+        elif self.settings.agent_rank_isolation:
+            log.warning(
+                "%s: the agent runs as uid %d, not root: ranks run as this user and can read what it can"
+                " (no isolation between ranks and the agent)", self.node_id, os.geteuid(),
+            )  # fmt: skip
         self.recover()
         self._watch_task = asyncio.create_task(self._watch(), name=f"agent-watch-{self.node_id}")
 
@@ -232,6 +256,48 @@ class NodeAgent:
             st.started_clock = float(sup["started_clock"])
             st.confirmed_clock = max(st.confirmed_clock, st.started_clock)
 
+    def rank_users(self) -> set[tuple[int, int]]:
+        """Every uid/gid ranks may run as here."""
+        ids = {(int(self.settings.agent_rank_uid), int(self.settings.agent_rank_gid))}
+        return ids | {(int(u), int(g)) for u, g in self.settings.agent_team_rank_ids.values()}
+
+    def rank_user(self, team: str) -> tuple[int, int] | None:
+        """The uid and gid a team's ranks run as; None: as the agent's own user (no isolation)."""
+        if not self.isolated:
+            return None
+        ids = self.settings.agent_team_rank_ids.get(team)
+        if ids:
+            return int(ids[0]), int(ids[1])
+        return int(self.settings.agent_rank_uid), int(self.settings.agent_rank_gid)
+
+    def _work_dir(self, req: StartTask, user: tuple[int, int] | None) -> Path:
+        """The rank's own working dir (0700, its user's), and its job's local checkpoint dir
+        made writable by it. Nothing of the agent's state is in either."""
+        work = self.work_dir / req.lease_id
+        work.mkdir(parents=True, exist_ok=True)
+        if user is not None:
+            os.chown(work, *user)
+            os.chmod(work, 0o700)
+            local_text = local_path(req.checkpoint_dir)
+            if local_text is not None:
+                local = Path(local_text)
+                require_reachable(
+                    local, *user, "the job's checkpoint dir", "keep checkpoints where others may pass through"
+                )
+                try:
+                    local.mkdir(parents=True)
+                except FileExistsError:
+                    # hand over only a dir that is already a rank's (an earlier attempt's), never
+                    # one of the host's that a checkpoint path happens to name
+                    if local.stat().st_uid not in {u for u, _ in self.rank_users()}:
+                        raise RankAccessError(
+                            f"the job's checkpoint dir {local} exists and belongs to uid {local.stat().st_uid},"
+                            " not to a rank's user"
+                        ) from None
+                os.chown(local, *user)
+                os.chmod(local, 0o700)
+        return work
+
     def _start_timeout(self) -> float:
         return max(10.0, 20 * self.poll_s)
 
@@ -276,10 +342,17 @@ class NodeAgent:
             if clash:
                 return refuse(f"GPUs busy: {clash}")
             d = self.leases_dir / req.lease_id
-            (d / sf.RANK_DIR).mkdir(parents=True, exist_ok=True)
-            progress_file = str(d / sf.PROGRESS)
+            d.mkdir(parents=True, exist_ok=True)
+            user = self.rank_user(req.team)
             try:
-                launch = self.runtime.launch(req, progress_file=progress_file, host_env=self.host_env)
+                work = self._work_dir(req, user)
+            except (OSError, RankAccessError) as e:
+                return refuse(f"cannot prepare the rank's dirs: {e}")
+            progress_file = str(work / "progress.json")
+            try:
+                launch = self.runtime.launch(
+                    req, progress_file=progress_file, host_env=self.host_env, workdir=str(work), user=user
+                )
             except ValueError as e:
                 return refuse(str(e))
             sf.write_json_atomic(d / sf.TASK, dataclasses.asdict(req))
@@ -289,7 +362,10 @@ class NodeAgent:
                     "argv": launch.argv,
                     "env": launch.env,
                     "kill_argv": launch.kill_argv,
-                    "cwd": str(d / sf.RANK_DIR),
+                    "cwd": str(work),
+                    "progress": progress_file,
+                    "checkpoint_dir": req.checkpoint_dir,
+                    "user": list(user) if user else None,
                     "stdout": str(d / sf.STDOUT),
                     "stderr": str(d / sf.STDERR),
                     "poll_s": self.poll_s,
@@ -639,7 +715,9 @@ class NodeAgent:
         self._mark_lost(st, "rank and its supervisor vanished")
 
     def _read_progress(self, st: Lease, report: bool = False) -> None:
-        path = st.dir / sf.PROGRESS
+        if st.progress is None:
+            st.progress = sf.progress_path(st.dir)
+        path = st.progress
         try:
             mtime = path.stat().st_mtime_ns
         except OSError:
@@ -647,7 +725,7 @@ class NodeAgent:
         if mtime == st.progress_mtime:
             return
         st.progress_mtime = mtime
-        p = sf.read_json(path)
+        p = sf.read_rank_json(path)
         if not p:
             return
         step = p.get("step")
@@ -655,6 +733,11 @@ class NodeAgent:
             st.step = step
             st.step_clock = sf.boot_clock()
         uri = p.get("checkpoint_uri")
+        if uri and not (isinstance(uri, str) and checkpoint_within(uri, st.task.checkpoint_dir)):
+            log.warning(
+                "%s: lease %s reports a checkpoint outside its dir (%r): ignored", self.node_id, st.lease_id, uri
+            )
+            uri = None
         if uri and uri != st.checkpoint_uri:
             st.checkpoint_uri = uri
             st.checkpoint_step = p.get("checkpoint_step")
@@ -710,6 +793,7 @@ class NodeAgent:
                 continue
             if float(st.exit.get("finished_at") or 0) < cutoff:
                 shutil.rmtree(st.dir, ignore_errors=True)
+                shutil.rmtree(self.work_dir / lid, ignore_errors=True)
                 del self.leases[lid]
 
     # -------------------------------------------------------------------- helpers

@@ -7,10 +7,13 @@
   environment, so they do not show up in ``ps``).
 
 The rank's environment is built from an allowlist of the host's harmless
-variables, the job's own ``env``, and ours (torchrun-compatible ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; ``GPUFLEET_*``
-job variables). Nothing of the agent's configuration or credentials reaches it:
-no ``GPUFLEET_*`` setting and nothing that looks like a secret.
+variables, the job's own ``env`` (without what ``common.contracts.denied_env_key``
+names: loader and interpreter hooks, the platform's variables), and ours
+(torchrun-compatible ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``; ``GPUFLEET_*`` job variables). Nothing of the agent's configuration
+or credentials reaches it: no ``GPUFLEET_*`` setting and nothing that looks like a
+secret. An isolated rank (``workdir`` given) gets the smaller ``ISOLATED_ALLOWLIST``
+of the host's variables, and its work dir as ``HOME`` and ``TMPDIR``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.contracts import StartTask
+from common.contracts import StartTask, denied_env_key
+from worker_agent.checkpoints import local_path
 
 # Host variables a rank may inherit (plus NCCL_*/UCX_* node tuning).
 HOST_ALLOWLIST = (
@@ -29,6 +33,8 @@ HOST_ALLOWLIST = (
     "TMPDIR", "TERM", "LD_LIBRARY_PATH", "CUDA_HOME", "PYTHONPATH",
 )  # fmt: skip
 HOST_ALLOW_PREFIXES = ("NCCL_", "UCX_")
+# what an isolated rank (its own user) keeps of the host's: nothing that points into the agent's world
+ISOLATED_ALLOWLIST = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "TERM", "LD_LIBRARY_PATH", "CUDA_HOME")
 SECRET_LIKE = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|PRIVATE|API_KEY|ACCESS_KEY", re.I)
 
 # Variables the platform owns: the job's env cannot override them.
@@ -51,16 +57,20 @@ def rank_env(
     progress_file: str,
     host_env: dict[str, str] | None = None,
     visible_devices: list[int] | None = None,
+    workdir: str | None = None,
 ) -> dict[str, str]:
     host = os.environ if host_env is None else host_env
+    allow = ISOLATED_ALLOWLIST if workdir else HOST_ALLOWLIST
     env: dict[str, str] = {}
     for k, v in host.items():
-        if (k in HOST_ALLOWLIST or k.startswith(HOST_ALLOW_PREFIXES)) and not SECRET_LIKE.search(k):
+        if (k in allow or k.startswith(HOST_ALLOW_PREFIXES)) and not SECRET_LIKE.search(k):
             env[k] = v
     for k, v in (task.env or {}).items():
-        if k in PLATFORM_VARS or k.startswith("GPUFLEET_"):
-            continue  # ours, set below
+        if k in PLATFORM_VARS or denied_env_key(str(k)):
+            continue  # ours (set below), or a loader hook the API should have refused
         env[str(k)] = str(v)
+    if workdir:
+        env["HOME"] = env["TMPDIR"] = workdir
     devices = task.gpu_indices if visible_devices is None else visible_devices
     env.update(
         {
@@ -98,19 +108,21 @@ class Launch:
 class ProcessRuntime:
     name = "process"
 
-    def launch(self, task: StartTask, *, progress_file: str, host_env: dict[str, str] | None = None) -> Launch:
-        return Launch(list(task.command), rank_env(task, progress_file=progress_file, host_env=host_env), [])
+    def launch(
+        self,
+        task: StartTask,
+        *,
+        progress_file: str,
+        host_env: dict[str, str] | None = None,
+        workdir: str | None = None,
+        user: tuple[int, int] | None = None,
+    ) -> Launch:
+        """``user``: the supervisor starts the rank as that uid/gid (spec ``user``)."""
+        env = rank_env(task, progress_file=progress_file, host_env=host_env, workdir=workdir if user else None)
+        return Launch(list(task.command), env, [])
 
     def cached_images(self) -> list[str]:
         return []
-
-
-def _local_path(uri: str) -> str | None:
-    if uri.startswith("file://"):
-        return uri[len("file://") :]
-    if uri.startswith("/"):
-        return uri
-    return None
 
 
 class ContainerRuntime:
@@ -127,7 +139,17 @@ class ContainerRuntime:
     def container_name(task: StartTask) -> str:
         return "gpufleet-" + re.sub(r"[^A-Za-z0-9_.-]", "-", task.lease_id)
 
-    def launch(self, task: StartTask, *, progress_file: str, host_env: dict[str, str] | None = None) -> Launch:
+    def launch(
+        self,
+        task: StartTask,
+        *,
+        progress_file: str,
+        host_env: dict[str, str] | None = None,
+        workdir: str | None = None,
+        user: tuple[int, int] | None = None,
+    ) -> Launch:
+        """The container runs as ``user`` (``--user uid:gid``) and sees only its own work dir
+        and checkpoint paths, never the agent's state."""
         if not task.image:
             raise ValueError("the container runtime needs StartTask.image")
         # Inside the container the granted GPUs are numbered from 0.
@@ -146,6 +168,8 @@ class ContainerRuntime:
             "--network", "host", "--ipc", "host",
             "--stop-signal", "SIGTERM",
         ]  # fmt: skip
+        if user is not None:
+            argv += ["--user", f"{user[0]}:{user[1]}"]
         if self.engine == "docker":
             argv += ["--gpus", f'"device={devices}"'] if task.gpu_indices else []
         else:
@@ -153,7 +177,7 @@ class ContainerRuntime:
                 argv += ["--device", f"nvidia.com/gpu={g}"]
         mounts: list[str] = [str(Path(progress_file).parent)]
         for uri in (task.checkpoint_dir, task.resume_from):
-            local = _local_path(uri or "")
+            local = local_path(uri)
             if local and not any(local == m or local.startswith(m.rstrip("/") + "/") for m in mounts):
                 mounts.append(local.rstrip("/") or "/")
         for m in mounts:

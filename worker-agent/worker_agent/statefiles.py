@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,13 @@ def node_dir(state_dir: Path | str, node_id: str) -> Path:
 
 def leases_dir(state_dir: Path | str, node_id: str) -> Path:
     return node_dir(state_dir, node_id) / "leases"
+
+
+def progress_path(lease_dir: Path) -> Path:
+    """Where the lease's rank writes its progress: as its spec says (in the rank's work dir),
+    else where ranks started before work dirs existed wrote it (``rank/progress.json``)."""
+    spec = read_json(lease_dir / SPEC) or {}
+    return Path(spec["progress"]) if spec.get("progress") else lease_dir / PROGRESS
 
 
 def boot_clock() -> float:
@@ -100,6 +108,34 @@ def read_json(path: Path) -> dict | None:
         with open(path, "rb") as f:
             value = json.loads(f.read())
     except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+RANK_FILE_MAX_BYTES = 64 * 1024
+
+
+def read_rank_json(path: Path) -> dict | None:
+    """Like ``read_json``, for a file a rank writes (its progress): the agent is root and the
+    rank is not, so a symlink (to the agent's state), a FIFO (to hang the agent) or a huge file
+    is not followed, waited on or read whole."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, RANK_FILE_MAX_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(data) > RANK_FILE_MAX_BYTES:
+        return None
+    try:
+        value = json.loads(data)
+    except ValueError:
         return None
     return value if isinstance(value, dict) else None
 

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from worker_agent import statefiles as sf
+from worker_agent.checkpoints import checkpoint_within
 
 
 class _Adopted:
@@ -115,19 +116,26 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
         _log(f"adopted rank pid {proc.pid}")
     else:
         sf.write_json_atomic(lease_dir / sf.SUPERVISOR, me)
-        (lease_dir / sf.RANK_DIR).mkdir(exist_ok=True)
+        if not spec.get("cwd"):
+            (lease_dir / sf.RANK_DIR).mkdir(exist_ok=True)
+        # the logs stay in the agent's private state: the rank gets open descriptors, not paths
         out = open(spec["stdout"], "ab")
         err = open(spec["stderr"], "ab")
+        user = spec.get("user")  # [uid, gid]: the rank runs as that user, files private to it
         try:
             proc = subprocess.Popen(
                 spec["argv"],
                 env=spec["env"],
-                cwd=spec.get("cwd") or None,
+                cwd=spec.get("cwd") or str(lease_dir / sf.RANK_DIR),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
                 close_fds=True,
+                user=user[0] if user else None,
+                group=user[1] if user else None,
+                extra_groups=[] if user else None,
+                umask=0o077 if user else -1,
             )
         except OSError as e:
             err.write(f"gpufleet: cannot start {spec['argv'][:1]}: {e}\n".encode())
@@ -214,7 +222,12 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
     _killpg(pgid, signal.SIGKILL)
     if kill_argv and state is not None:
         _run_quiet(kill_argv)
-    progress = sf.read_json(lease_dir / sf.PROGRESS) or {}
+    progress = sf.read_rank_json(Path(spec["progress"]) if spec.get("progress") else lease_dir / sf.PROGRESS) or {}
+    checkpoint = progress.get("checkpoint_uri")
+    if "checkpoint_dir" in spec and not (
+        isinstance(checkpoint, str) and checkpoint_within(checkpoint, spec["checkpoint_dir"])
+    ):
+        checkpoint = None  # the agent's rule: a rank cannot point the next attempt outside its dir
     if rc == -255:
         exit_code, sig = None, None
     elif rc is not None and rc < 0:
@@ -228,7 +241,7 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
         "killed": killed,
         "reason": reason,
         "stop_epoch": stop_epoch,
-        "checkpoint_uri": progress.get("checkpoint_uri"),
+        "checkpoint_uri": checkpoint,
         "checkpoint_step": progress.get("checkpoint_step"),
         "step": progress.get("step"),
         "finished_at": time.time(),

@@ -1,0 +1,168 @@
+"""A team's job sees only its own lease (docs/design.md, Security): with the agent running as
+root (as on a GPU node, and as CI runs here), a rank runs as an unprivileged user in its own
+work dir with a scrubbed environment, and reads nothing of the agent's or the control
+plane's environment, the agent's state, or another lease's log.
+
+The ranks here are /bin/sh scripts: the unprivileged user may not reach this venv's
+interpreter (CI keeps it under /root)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from common.contracts import StopTask
+from tests.agent.conftest import kill_group_quietly, make_settings, start_task, wait_for
+from worker_agent import statefiles as sf
+from worker_agent.node import NodeAgent
+from worker_agent.nvml import make_backend
+from worker_agent.rank_access import RankAccessError
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="the agent must run as root to run ranks as another user (it does on a GPU node)"
+)
+
+SECRET = "tok-secret-6b1f0e"  # in the agent's and the control plane's environments
+
+
+@pytest.fixture
+def work_root():
+    """Ranks' work dirs outside pytest's tmp (private to root), reachable by the rank's user."""
+    root = Path(tempfile.mkdtemp(prefix="gpufleet-work-"))
+    root.chmod(0o711)
+    yield root
+    subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+@pytest.fixture
+async def node(tmp_path, work_root, monkeypatch):
+    monkeypatch.setenv("GPUFLEET_API_TOKENS", f'{{"{SECRET}": {{"name": "root", "admin": true}}}}')
+    monkeypatch.setenv("GPUFLEET_DATABASE_URL", f"postgresql://postgres:{SECRET}@127.0.0.1/gpufleet")
+    settings = make_settings(tmp_path, agent_rank_isolation=True, agent_work_dir=work_root)
+    (tmp_path / "state").mkdir(parents=True, exist_ok=True)
+    tokens = tmp_path / "state" / "tokens.json"
+    tokens.write_text(SECRET)
+    tokens.chmod(0o600)
+    n = NodeAgent(settings, "node-i", backend=make_backend(settings, "node-i", "simulated"))
+    await n.start()
+    yield n
+    await n.close()
+    for st in n.leases.values():
+        kill_group_quietly(st.pid)
+
+
+@pytest.fixture
+def control_plane():
+    """A root process holding the control plane's secrets in its environment."""
+    env = {"PATH": "/usr/bin:/bin", "GPUFLEET_DATABASE_URL": f"postgresql://postgres:{SECRET}@db/gpufleet"}
+    proc = subprocess.Popen(["sleep", "60"], env=env)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+async def run_rank(node: NodeAgent, lease_id: str, body: str, **kw) -> tuple[str, str]:
+    res = await node.start_task(start_task(node.node_id, lease_id, ["/bin/sh", "-c", body], **kw))
+    assert res.accepted, res
+    st = node.leases[lease_id]
+    await wait_for(lambda: st.exit is not None or not st.live, timeout=15, what=f"{lease_id} to exit")
+    out = (st.dir / sf.STDOUT).read_text()
+    err = (st.dir / sf.STDERR).read_text()
+    return out, err
+
+
+async def test_a_rank_reads_nothing_of_the_agent_control_plane_or_another_lease(node, tmp_path, control_plane):
+    # another team's lease, with something in its log
+    other = await node.start_task(
+        start_task(node.node_id, "lease-other", ["/bin/sh", "-c", f"echo other-team-{SECRET}; sleep 30"], gpus=(1,))
+    )
+    assert other.accepted
+    other_log = node.leases["lease-other"].dir / sf.STDOUT
+    await wait_for(lambda: other_log.exists() and SECRET in other_log.read_text(), what="the other lease's output")
+    state = tmp_path / "state"
+    probes = {
+        "agent environ": f"/proc/{os.getpid()}/environ",
+        "control environ": f"/proc/{control_plane.pid}/environ",
+        "tokens file": str(state / "tokens.json"),
+        "other lease's log": str(other_log),
+        "other lease's spec": str(node.leases["lease-other"].dir / sf.SPEC),
+        "agent state dir": str(node.dir),
+    }
+    body = "id -u; id -g; pwd; echo HOME=$HOME; env | grep -c GPUFLEET_ || true\n" + "".join(
+        f'echo "== {name}"; cat "{path}" 2>&1 || ls "{path}" 2>&1\n' for name, path in probes.items()
+    )
+    out, _ = await run_rank(node, "lease-probe", body, gpus=(0,))
+    lines = out.splitlines()
+    assert lines[0] == "65534" and lines[1] == "65534", out  # the unprivileged user, not root
+    work = str(node.work_dir / "lease-probe")
+    assert lines[2] == work and lines[3] == f"HOME={work}", out  # its own work dir
+    assert SECRET not in out, out
+    for name in probes:
+        section = out.split(f"== {name}\n", 1)[1].split("\n== ", 1)[0]
+        assert "Permission denied" in section, (name, section)
+    # the rank's env is the lease's: only the job variables the platform sets
+    env_out = out.split("HOME=", 1)[1].splitlines()[1]
+    assert env_out == str(len([k for k in ("JOB_ID", "ATTEMPT", "LEASE_ID", "CHECKPOINT_DIR", "PROGRESS_FILE")])), out
+    # the work dir is the rank's alone, and the agent's state is root's alone
+    assert os.stat(work).st_uid == 65534 and os.stat(work).st_mode & 0o777 == 0o700
+    assert os.stat(node.dir.parent).st_mode & 0o777 == 0o700
+    await node.stop_task(StopTask("lease-other", 1, node.node_id, 0.5, "done"))
+
+
+async def test_a_rank_writes_its_progress_and_its_checkpoint_dir_as_its_user(node, work_root):
+    ckpt = work_root / "ckpt" / "job-lease-ck"
+    out, err = await run_rank(
+        node,
+        "lease-ck",
+        'echo \'{"step": 7}\' > "$GPUFLEET_PROGRESS_FILE" && touch "${GPUFLEET_CHECKPOINT_DIR#file://}/step-7" && echo ok',
+        checkpoint_dir=f"file://{ckpt}",
+    )
+    assert out.strip() == "ok", (out, err)
+    assert (ckpt / "step-7").stat().st_uid == 65534
+    node._read_progress(node.leases["lease-ck"])
+    assert node.leases["lease-ck"].step == 7
+
+
+async def test_a_team_with_its_own_ids_runs_as_them(tmp_path, work_root):
+    settings = make_settings(
+        tmp_path, agent_rank_isolation=True, agent_work_dir=work_root, agent_team_rank_ids={"alpha": (61000, 61000)}
+    )
+    n = NodeAgent(settings, "node-j", backend=make_backend(settings, "node-j", "simulated"))
+    await n.start()
+    try:
+        assert n.rank_user("alpha") == (61000, 61000) and n.rank_user("beta") == (65534, 65534)
+        task = dataclasses.replace(start_task("node-j", "lease-a", ["/bin/sh", "-c", "id -u"]), team="alpha")
+        assert (await n.start_task(task)).accepted
+        st = n.leases["lease-a"]
+        await wait_for(lambda: st.exit is not None, timeout=15, what="the rank to exit")
+        assert (st.dir / sf.STDOUT).read_text().strip() == "61000"
+    finally:
+        await n.close()
+
+
+async def test_a_work_dir_out_of_the_ranks_reach_is_refused_at_start(tmp_path):
+    private = Path(tempfile.mkdtemp(prefix="gpufleet-private-"))  # 0700, root's
+    try:
+        settings = make_settings(tmp_path, agent_rank_isolation=True, agent_work_dir=private / "work")
+        n = NodeAgent(settings, "node-p", backend=make_backend(settings, "node-p", "simulated"))
+        with pytest.raises(RankAccessError, match=f"{private} is private.*GPUFLEET_AGENT_WORK_DIR"):
+            await n.start()
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+async def test_a_checkpoint_dir_of_another_user_is_not_handed_to_a_rank(node, work_root):
+    theirs = work_root / "someone-elses"
+    theirs.mkdir()
+    os.chown(theirs, 4242, 4242)
+    res = await node.start_task(
+        start_task(node.node_id, "lease-steal", ["/bin/sh", "-c", "true"], checkpoint_dir=f"file://{theirs}")
+    )
+    assert not res.accepted and "belongs to uid 4242" in res.reason, res
+    assert theirs.stat().st_uid == 4242  # untouched
