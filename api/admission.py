@@ -16,6 +16,7 @@ import asyncpg
 
 from api.errors import ApiError
 from api.schemas import PRIORITY_CLASSES, JobSubmit
+from common.image_ref import parse_image_ref, parse_registry_rule
 from common.settings import Principal, Settings
 from store import jobs, nodes, teams
 
@@ -126,10 +127,13 @@ async def admit(conn: asyncpg.Connection, settings: Settings, principal: Princip
         )
     if not await nodes.gpu_type_exists(conn, job.gpu_type):
         raise reject("unknown_gpu_type", f"this cluster has no GPU type {job.gpu_type!r}", gpu_type=job.gpu_type)
-    if not any(job.image.startswith(prefix) for prefix in settings.allowed_registries):
+    ref = parse_image_ref(job.image)  # the schema has checked the grammar already
+    rules = [parse_registry_rule(r) for r in settings.allowed_registries]
+    if not any(rule.allows(ref) for rule in rules):
         raise reject(
             "image_not_allowed",
-            f"image {job.image!r} is not from an allowed registry ({', '.join(settings.allowed_registries)})",
+            f"image: {job.image!r} is not from an allowed registry ({', '.join(map(str, rules))})",
+            field="image",
         )
     if job.max_runtime is None:
         raise reject("max_runtime_required", 'every job needs a max_runtime (e.g. "72h")')

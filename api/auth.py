@@ -14,6 +14,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.errors import ApiError
+from api.rate_limits import EdgeLimits
 from common.settings import Principal, Settings
 
 bearer = HTTPBearer(auto_error=False, description="a token from GPUFLEET_API_TOKENS")
@@ -36,14 +37,20 @@ class TokenTable:
 async def current_principal(
     request: Request, creds: HTTPAuthorizationCredentials | None = Depends(bearer)
 ) -> Principal:
+    limits: EdgeLimits = request.app.state.limits
+    address = request.client.host if request.client is not None else "unknown"
+    limits.before_auth(address)
     if creds is None or not creds.credentials:
+        limits.auth_failed(address)
         raise ApiError(
             401, "unauthenticated", "this route needs a bearer token (Authorization: Bearer ...)", headers=_CHALLENGE
         )
     table: TokenTable = request.app.state.tokens
     principal = table.lookup(creds.credentials)
     if principal is None:
+        limits.auth_failed(address)
         raise ApiError(401, "unauthenticated", "the bearer token is not recognised", headers=_CHALLENGE)
+    limits.after_auth(principal.name)
     if not principal.admin and not principal.team:
         # a principal that is neither an admin nor a team member can do nothing
         raise ApiError(403, "forbidden", f"principal {principal.name} belongs to no team and is not an admin")

@@ -79,7 +79,7 @@ _ERROR_DESCRIPTIONS = {
     409: "conflicts with the current state, or an identical request is still in flight",
     413: "request body too large",
     422: "invalid request, or rejected by admission",
-    429: "team queue full",
+    429: "team queue full, or too many requests (or failed authentications) from this principal or address; see Retry-After",
     502: "an agent answered with an error",
     503: "a dependency (database, Temporal, agent) is unreachable",
 }

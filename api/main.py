@@ -21,6 +21,7 @@ from api.auth import TokenTable
 from api.errors import install_error_handlers
 from api.gateway import TemporalGateway
 from api.middleware import EdgeMiddleware
+from api.rate_limits import EdgeLimits
 from api.routes import jobs, nodes, system, teams
 from common.db import create_pool
 from common.settings import Settings
@@ -64,6 +65,7 @@ def create_app(
     app.state.pool = pool
     app.state.gateway = TemporalGateway(settings, temporal_client)
     app.state.tokens = TokenTable(settings)
+    app.state.limits = EdgeLimits(settings)
     install_error_handlers(app)
     app.add_middleware(EdgeMiddleware, max_request_bytes=settings.max_request_bytes)
     app.include_router(system.public)

@@ -7,11 +7,23 @@ the database as an overflow.
 
 from __future__ import annotations
 
+import unicodedata
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    RootModel,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
+from common.contracts import denied_env_key
+from common.image_ref import FORM, parse_image_ref
 from placement import NodeHealth, PriorityClass
 
 # the platform's vocabularies, from the engine (placement/): one spelling everywhere
@@ -30,17 +42,53 @@ def storable(s: str) -> str:
     return s
 
 
+# Trojan Source: embeddings, overrides and isolates reorder how text displays (a name or a
+# command that reads differently in a terminal than it runs)
+BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+_ARGUMENT_WHITESPACE = frozenset("\t\n")
+
+
+def _no_controls(s: str, allowed: frozenset[str]) -> str:
+    storable(s)
+    for i, c in enumerate(s):
+        if c in BIDI_CONTROLS:
+            raise ValueError(f"must not contain bidirectional control characters (U+{ord(c):04X} at {i})")
+        if unicodedata.category(c) == "Cc" and c not in allowed:
+            raise ValueError(f"must not contain control characters (U+{ord(c):04X} at {i})")
+    return s
+
+
+def plain_text(s: str) -> str:
+    """A name or a reason: printable, no control or bidi characters (terminals, logs, audit)."""
+    return _no_controls(s, frozenset())
+
+
+def argument_text(s: str) -> str:
+    """A command argument or env value: tabs and newlines allowed (scripts), no other controls."""
+    return _no_controls(s, _ARGUMENT_WHITESPACE)
+
+
+def image_reference(s: str) -> str:
+    parse_image_ref(s)  # ImageRefError is a ValueError: a 422 naming the field
+    return s
+
+
 # bounded strings that Postgres can store (no NUL, no lone surrogates); name: Str<max>[_<min>]
 _STORABLE = AfterValidator(storable)
-Str200 = Annotated[str, StringConstraints(max_length=200), _STORABLE]
-Str1000 = Annotated[str, StringConstraints(max_length=1000), _STORABLE]
-Str1000_1 = Annotated[str, StringConstraints(min_length=1, max_length=1000), _STORABLE]
 Str32_1 = Annotated[str, StringConstraints(min_length=1, max_length=32), _STORABLE]
-Str4096 = Annotated[str, StringConstraints(max_length=4096), _STORABLE]
-Str512_1 = Annotated[str, StringConstraints(min_length=1, max_length=512), _STORABLE]
 Str63_1 = Annotated[str, StringConstraints(min_length=1, max_length=63), _STORABLE]
 Str64_1 = Annotated[str, StringConstraints(min_length=1, max_length=64), _STORABLE]
-Str8192 = Annotated[str, StringConstraints(max_length=8192), _STORABLE]
+PlainText200 = Annotated[str, StringConstraints(max_length=200), AfterValidator(plain_text)]
+PlainText1000 = Annotated[str, StringConstraints(max_length=1000), AfterValidator(plain_text)]
+PlainText1000_1 = Annotated[str, StringConstraints(min_length=1, max_length=1000), AfterValidator(plain_text)]
+Argument4096 = Annotated[str, StringConstraints(max_length=4096), AfterValidator(argument_text)]
+Argument8192 = Annotated[str, StringConstraints(max_length=8192), AfterValidator(argument_text)]
+ImageReference = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=512),
+    AfterValidator(image_reference),
+    Field(description=f"an OCI image reference, {FORM}, from an allowed registry"),
+]
 EnvKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
 DurationValue = Annotated[
     str | Annotated[int, Field(ge=1, le=10**9)],
@@ -80,16 +128,30 @@ class JobSubmit(BaseModel):
     model_config = ConfigDict(extra="forbid")
     team: Str63_1
     priority_class: Str32_1 = Field(description="prod-serving, prod-batch, research or preemptible")
-    image: Str512_1
-    command: list[Str4096] = Field(min_length=1, max_length=256)
+    image: ImageReference
+    command: list[Argument4096] = Field(min_length=1, max_length=256)
     gpu_type: Str64_1
     replicas: int = Field(ge=1, le=100_000)
     gpus_per_replica: int = Field(ge=1, le=8)
     topology: Topology = Field(default_factory=Topology)
     max_runtime: DurationValue | None = Field(None, description="required; capped per priority class")
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
-    env: dict[EnvKey, Str8192] = Field(default_factory=dict, max_length=256)
-    name: Str200 | None = None
+    env: dict[EnvKey, Argument8192] = Field(
+        default_factory=dict,
+        max_length=256,
+        description="the ranks' env; keys that change loading or the platform's own are refused",
+    )
+    name: PlainText200 | None = None
+
+    @field_validator("env")
+    @classmethod
+    def _env_keys_allowed(cls, env: dict[str, str]) -> dict[str, str]:
+        denied = sorted(k for k in env if denied_env_key(k))
+        if denied:
+            raise ValueError(
+                f"may not set {', '.join(denied)}: these change how programs load or are set by the platform"
+            )
+        return env
 
 
 class SubmitAccepted(BaseModel):
@@ -180,7 +242,7 @@ class CancelAccepted(BaseModel):
 class ExtendBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     by: DurationValue = Field(description="how much longer the job may run")
-    reason: Str1000 = ""
+    reason: PlainText1000 = ""
 
 
 class ExtendGranted(BaseModel):
@@ -227,7 +289,7 @@ class QuotaSet(BaseModel):
     gpu_type: Str64_1
     guaranteed: int = Field(ge=0, le=10_000_000)
     borrow_limit: int | None = Field(None, ge=0, le=10_000_000, description="unset = keep the current one (0 if new)")
-    reason: Str1000_1 = Field(description="recorded in the audit row")
+    reason: PlainText1000_1 = Field(description="recorded in the audit row")
 
 
 class QueueEntry(BaseModel):
@@ -299,7 +361,7 @@ class NodeView(NodeSummary):
 
 class DrainBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reason: Str1000_1
+    reason: PlainText1000_1
     evict: bool = Field(False, description="also stop the node's running jobs (the health monitor acts on it)")
 
 
@@ -313,7 +375,7 @@ class DrainAccepted(BaseModel):
 
 class ReturnBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reason: Str1000_1
+    reason: PlainText1000_1
 
 
 class ReturnAccepted(BaseModel):
@@ -321,6 +383,28 @@ class ReturnAccepted(BaseModel):
     state: str
     previous_state: str
     reason: str
+
+
+class CredentialBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: PlainText1000_1
+
+
+class CredentialIssued(BaseModel):
+    node_id: str
+    credential: str | None = Field(
+        description="the node's new credential, shown once (a replay of the request shows null: issue again to rotate)"
+    )
+    log_key: str | None = Field(
+        description="the key the node's log endpoint checks the API's log tokens with (GPUFLEET_AGENT_LOG_KEYS);"
+        " shown with the credential"
+    )
+    issued_at: datetime
+
+
+class CredentialRevoked(BaseModel):
+    node_id: str
+    revoked: bool = Field(description="false when the node had no live credential")
 
 
 class Me(BaseModel):

@@ -1,0 +1,62 @@
+"""Abuse limits at the edge (docs/design.md, Security): per-address and per-principal request
+rates, and a back-off for an address that keeps failing authentication.
+
+Moving windows of one second (requests) and one minute (authentication failures), kept in
+this API process's memory by the ``limits`` library: several API processes each enforce
+their own share. A refused request gets 429 with ``Retry-After``. The defaults sit well
+above the requirements' sweep bursts (50 submissions/s from one team).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from limits import RateLimitItem, RateLimitItemPerMinute, RateLimitItemPerSecond
+from limits.storage import MemoryStorage
+from limits.strategies import MovingWindowRateLimiter
+
+from api.errors import ApiError
+from common.settings import Settings
+
+
+class EdgeLimits:
+    def __init__(self, settings: Settings) -> None:
+        self._limiter = MovingWindowRateLimiter(MemoryStorage())
+        self._per_address = RateLimitItemPerSecond(settings.api_requests_per_s_per_address)
+        self._per_principal = RateLimitItemPerSecond(settings.api_requests_per_s_per_principal)
+        self._auth_failures = RateLimitItemPerMinute(settings.api_auth_failures_per_minute)
+
+    def _retry_after(self, item: RateLimitItem, *key: str) -> str:
+        reset = self._limiter.get_window_stats(item, *key).reset_time
+        return str(max(1, math.ceil(reset - time.time())))
+
+    def before_auth(self, address: str) -> None:
+        """A request from ``address``: refused while it is backing off after too many failed
+        authentications, or beyond its request rate."""
+        if not self._limiter.test(self._auth_failures, "auth", address):
+            raise ApiError(
+                429,
+                "too_many_auth_failures",
+                "too many requests with a bad token from this address; wait before trying again",
+                headers={"Retry-After": self._retry_after(self._auth_failures, "auth", address)},
+            )
+        if not self._limiter.hit(self._per_address, "addr", address):
+            raise ApiError(
+                429,
+                "rate_limited",
+                "too many requests from this address",
+                headers={"Retry-After": self._retry_after(self._per_address, "addr", address)},
+            )
+
+    def auth_failed(self, address: str) -> None:
+        self._limiter.hit(self._auth_failures, "auth", address)
+
+    def after_auth(self, principal: str) -> None:
+        if not self._limiter.hit(self._per_principal, "principal", principal):
+            raise ApiError(
+                429,
+                "rate_limited",
+                f"too many requests from {principal}",
+                headers={"Retry-After": self._retry_after(self._per_principal, "principal", principal)},
+            )
