@@ -27,36 +27,31 @@ class EdgeLimits:
         self._per_principal = RateLimitItemPerSecond(settings.api_requests_per_s_per_principal)
         self._auth_failures = RateLimitItemPerMinute(settings.api_auth_failures_per_minute)
 
-    def _retry_after(self, item: RateLimitItem, *key: str) -> str:
+    def _hit(self, item: RateLimitItem, code: str, message: str, *key: str) -> None:
+        """Count one request against ``item`` for ``key``; beyond it, 429 with Retry-After."""
+        if not self._limiter.hit(item, *key):
+            raise self._refusal(item, code, message, *key)
+
+    def _refusal(self, item: RateLimitItem, code: str, message: str, *key: str) -> ApiError:
         reset = self._limiter.get_window_stats(item, *key).reset_time
-        return str(max(1, math.ceil(reset - time.time())))
+        retry_after = str(max(1, math.ceil(reset - time.time())))
+        return ApiError(429, code, message, headers={"Retry-After": retry_after})
 
     def before_auth(self, address: str) -> None:
         """A request from ``address``: refused while it is backing off after too many failed
         authentications, or beyond its request rate."""
         if not self._limiter.test(self._auth_failures, "auth", address):
-            raise ApiError(
-                429,
+            raise self._refusal(
+                self._auth_failures,
                 "too_many_auth_failures",
                 "too many requests with a bad token from this address; wait before trying again",
-                headers={"Retry-After": self._retry_after(self._auth_failures, "auth", address)},
+                "auth",
+                address,
             )
-        if not self._limiter.hit(self._per_address, "addr", address):
-            raise ApiError(
-                429,
-                "rate_limited",
-                "too many requests from this address",
-                headers={"Retry-After": self._retry_after(self._per_address, "addr", address)},
-            )
+        self._hit(self._per_address, "rate_limited", "too many requests from this address", "addr", address)
 
     def auth_failed(self, address: str) -> None:
         self._limiter.hit(self._auth_failures, "auth", address)
 
     def after_auth(self, principal: str) -> None:
-        if not self._limiter.hit(self._per_principal, "principal", principal):
-            raise ApiError(
-                429,
-                "rate_limited",
-                f"too many requests from {principal}",
-                headers={"Retry-After": self._retry_after(self._per_principal, "principal", principal)},
-            )
+        self._hit(self._per_principal, "rate_limited", f"too many requests from {principal}", "principal", principal)
