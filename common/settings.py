@@ -298,10 +298,10 @@ class Settings(BaseSettings):
         default_factory=lambda: ["registry"],
     )
     api_requests_per_s_per_principal: int = Field(
-        200, ge=1, description="requests a second one principal may make to one API process, then 429"
+        200, ge=1, description="requests a second one principal may make to one API process (over 10 s), then 429"
     )
     api_requests_per_s_per_address: int = Field(
-        500, ge=1, description="requests a second one client address may make to one API process, then 429"
+        500, ge=1, description="requests a second one client address may make to one API process (over 10 s), then 429"
     )
     api_auth_failures_per_minute: int = Field(
         30, ge=1, description="requests with a bad or missing token from one address a minute, then 429 until it eases"
