@@ -13,8 +13,8 @@ Latency is measured from the moment a submit request is sent to the job's
 ``running`` event in Postgres (every rank started). The simulated fleet serves the
 agents' ``start_task`` / ``stop_task`` activities on the shared node task queue
 without rank processes (a rank "runs" for ``job_seconds``, then exits 0) and
-reports TaskStatus as job-workflow signals through the control plane's own
-``TaskStatusForwarder`` (the gRPC hop from agent to leader is not exercised here;
+stores its TaskStatus reports through the control plane's own ``ReportDelivery``; the
+control process delivers them (the gRPC hop from agent to leader is not exercised here;
 ``gpufleet bench heartbeat`` measures that).
 """
 
@@ -80,8 +80,8 @@ def _pct(values: list[float], q: float) -> float | None:
 class SimFleet:
     """Simulated agents: ``start_task`` accepts at once, the rank exits 0 after ``job_seconds``."""
 
-    def __init__(self, forwarder: Any, job_seconds: float) -> None:
-        self.forwarder = forwarder
+    def __init__(self, reports: Any, job_seconds: float) -> None:
+        self.reports = reports  # stored durably; the control process delivers them
         self.job_seconds = job_seconds
         self.timers: dict[str, asyncio.TimerHandle] = {}
         self.started: set[str] = set()
@@ -114,7 +114,7 @@ class SimFleet:
         self._report(req, "EXITED", code)
 
     def _report(self, req: Any, state: str, exit_code: int | None = None) -> None:
-        self.forwarder.submit(
+        self.reports.submit(
             TaskStatus(
                 node_id=req.node_id, lease_id=req.lease_id, job_id=req.job_id, attempt=req.attempt, epoch=req.epoch,
                 rank=req.rank, state=TaskState(state), at=datetime.now(UTC), exit_code=exit_code,
@@ -244,7 +244,7 @@ async def _bench(
     from common.embedded import EmbeddedPostgres, EmbeddedTemporal
     from common.settings import Principal, Settings
     from common.temporal import connect, make_worker
-    from control.status_forwarder import TaskStatusForwarder
+    from control.report_delivery import ReportDelivery
     from store.seed import ensure_cluster
     from store.teams import TeamQuota, set_quota
 
@@ -258,7 +258,7 @@ async def _bench(
     worker = None
     worker_run: asyncio.Task | None = None
     pool = None
-    forwarder = None
+    reports = None
     try:
         address = temporal.start()
         nodes_needed = max(1, -(-jobs // 8))
@@ -311,9 +311,8 @@ async def _bench(
         )
         log.close()
         client = await connect(settings)
-        forwarder = TaskStatusForwarder(client)
-        await forwarder.start()
-        fleet = SimFleet(forwarder, job_seconds)
+        reports = ReportDelivery(pool, client, settings)
+        fleet = SimFleet(reports, job_seconds)
         from temporalio.worker import PollerBehaviorAutoscaling
 
         worker = make_worker(client, settings.agent_shared_task_queue, activities=fleet.activities(),
@@ -449,11 +448,8 @@ async def _bench(
             "stack": "embedded Postgres + Temporal dev server (SQLite WAL), API in-process (ASGI), control subprocess",
         }
     finally:
-        if forwarder is not None:
-            try:
-                await forwarder.stop()
-            except Exception:
-                pass
+        if reports is not None:
+            await reports.close()
         if worker is not None:
             try:
                 await asyncio.wait_for(worker.shutdown(), 10)

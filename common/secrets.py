@@ -66,6 +66,8 @@ def production_problems(settings: Settings, role: Role, node_ids: Iterable[str] 
     if settings.env == "dev":
         return []
     problems: list[str] = []
+    if settings.test_faults:
+        problems.append(f"{_var('test_faults')} breaks the platform on purpose (for tests only)")
     if role in ("api", "control", "job-worker") and not settings.database_url:
         problems.append(f"{_var('database_url')} is unset")
     if role == "api":

@@ -208,6 +208,11 @@ class Settings(BaseSettings):
         False,
         description="a job state change outside placement.lifecycle's table fails (the tests set it) instead of being logged",
     )
+    test_faults: list[Literal["ack_before_durable", "skip_epoch_check"]] = Field(
+        default_factory=list,
+        description="deliberate breakages, for the chaos checker's own tests: ack_before_durable (control acks a"
+        " report before it is stored), skip_epoch_check (allocation writes ignore the epoch); dev only",
+    )
     job_start_delay_s: float = Field(
         300.0,
         ge=0,
@@ -215,6 +220,14 @@ class Settings(BaseSettings):
     )
     allocation_resignal_s: float = Field(
         5.0, description="retry an allocation or preemption signal that Temporal did not accept after this (doubling)"
+    )
+    report_delivery_poll_s: float = Field(
+        1.0, gt=0, description="the leader looks for stored agent reports not yet in their job's workflow this often"
+    )
+    workflow_reconcile_s: float = Field(
+        60.0,
+        gt=0,
+        description="every active job is checked for a running workflow this often (one is started when missing)",
     )
     placement_wake_min_s: float = Field(
         0.1, description="least time between two placement cycles (a burst of changes runs one cycle)"
@@ -232,6 +245,16 @@ class Settings(BaseSettings):
     missing_task_release_s: float = Field(120.0, description="a lease whose task is missing this long is released")
     health_sweep_s: float = Field(
         1.0, description="the leader's health sweep interval (silence, recovery re-signals, restart clock)"
+    )
+    health_mass_silence_fraction: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="when this share of the nodes in service is silent at once, the leader marks none down and"
+        " recovers no job for silence (the mass-silence guard; released below half of it)",
+    )
+    health_mass_silence_min_nodes: int = Field(
+        3, ge=1, description="the mass-silence guard engages only when at least this many nodes are silent"
     )
     ib_flap_threshold: int = Field(
         5, description="InfiniBand link flaps reported in one heartbeat that cordon the node"
@@ -281,6 +304,15 @@ class Settings(BaseSettings):
     )
     agent_poll_s: float = Field(
         0.5, description="how often agents and rank supervisors check exits, steps, stop requests and confirmations"
+    )
+    agent_ack_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="a heartbeat the control process has not acknowledged within this ends the agent's stream: it"
+        " tries the next control address (also its gRPC keepalive timeout)",
+    )
+    agent_connect_timeout_s: float = Field(
+        5.0, gt=0, description="an agent gives up a control address that does not connect within this"
     )
     agent_fence_grace_s: float = Field(
         30.0, description="SIGTERM to SIGKILL when a supervisor kills a rank whose lease went unconfirmed"

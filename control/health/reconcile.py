@@ -10,7 +10,8 @@ Per heartbeat, while this process leads:
   ``stops_for``;
 * a live lease of a RUNNING job whose rank the agent no longer reports is released after
   ``missing_task_release_s`` (epoch-checked), and its job is told the rank was LOST -
-  ``release_missing``.
+  ``release_missing`` - unless the rank's end is on record (a stored report the job's
+  workflow has or will get: a late report never turns a finished rank into a lost one).
 
 Burn-in ranks hold no lease in the store; they are the burn-in's to judge, never stopped here.
 """
@@ -31,7 +32,7 @@ from control.health.metrics import RECONCILE
 from control.health.node_states import LeaseView, NodeObservation, RankView, reconcile
 from control.leader.state import LeaderState
 from placement.lifecycle import JobState
-from store import allocations, node_credentials, nodes
+from store import allocations, node_credentials, nodes, task_reports
 from store.tx import Pool
 
 log = logging.getLogger("gpufleet.control.health")
@@ -182,14 +183,19 @@ class Reconciler:
         if not candidates:
             return
         rows = await self.state.lease_rows(candidates)
+        due = []
         for lid, lz in rows.items():
             job = self.state.jobs.get(lz.job_id)
             if job is None or job.state != JobState.RUNNING or job.attempt != lz.attempt:
                 self._missing_since.pop(lid, None)  # not started yet, or being stopped: not missing
                 continue
             since = self._missing_since.setdefault(lid, now)
-            if now - since < self.settings.missing_task_release_s:
-                continue
+            if now - since >= self.settings.missing_task_release_s:
+                due.append((lid, lz, since))
+        ended = await task_reports.exits_for(self.pool, [lid for lid, _, _ in due]) if due else set()
+        for lid, lz, since in due:
+            if lid in ended:
+                continue  # its exit is on record: the job's workflow ends the attempt itself
             self._missing_since.pop(lid, None)
             released = await allocations.release_lease(
                 self.pool, lid, reason=f"reconciliation: task missing for {now - since:.0f}s",

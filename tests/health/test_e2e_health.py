@@ -252,7 +252,9 @@ async def test_reconciliation_orphans_vanished_ranks_and_stale_exits(stack):
     new = await stack.pool.fetchrow("SELECT * FROM leases WHERE job_id = $1 AND attempt = 2", job)
     same_gpu = (new["node_id"], list(new["gpu_indices"])) == (old["node_id"], list(old["gpu_indices"]))
 
-    # (3) a stale "task exited" of the old lease does not release the new lease (same GPU)
+    # (3) a stale "task exited" of the old lease does not release the new lease (same GPU). Its
+    # code is the one the SIGKILLed rank really had: an exit 0 of every rank of an earlier
+    # attempt would say the work is done and finish the job (tests/faults/test_lost_node.py)
     stale = TaskStatus(
         node_id=keep,
         lease_id=old["lease_id"],
@@ -262,10 +264,10 @@ async def test_reconciliation_orphans_vanished_ranks_and_stale_exits(stack):
         rank=0,
         state=TaskState.EXITED,
         at=datetime.now(UTC),
-        exit_code=0,
+        exit_code=137,
         seq=1,
     )
-    stack.controls[0]._on_task_status(stale)
+    await stack.controls[0]._on_task_status(stale)
 
     async def untouched() -> bool:
         lease = await stack.pool.fetchval("SELECT state FROM leases WHERE lease_id = $1", new["lease_id"])

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from activities.job_activities import JobActivities
+from common.aio import cancel_and_wait
 from common.temporal import make_worker
-from control.status_forwarder import TaskStatusForwarder
+from control.report_delivery import ReportDelivery
 from tests.workflows.fake_agent import FakeAgent
 from tests.workflows.harness import Stand, scaled_settings, seed
 from workflows.job import JobWorkflow
@@ -22,9 +25,10 @@ async def stand(pool, temporal_env, tmp_path, settings_overrides):
     settings = scaled_settings(tmp_path, **settings_overrides)
     client = temporal_env.client
     nodes, epoch = await seed(pool, settings)
-    forwarder = TaskStatusForwarder(client)
-    await forwarder.start()
-    agent = FakeAgent(forwarder, tmp_path / "agent")
+    # the agent's reports take the durable path: stored, then delivered (here, by the stand)
+    reports = ReportDelivery(pool, client, settings)
+    delivery = asyncio.create_task(reports.run(lambda: True))
+    agent = FakeAgent(reports, tmp_path / "agent")
     control = make_worker(
         client, settings.control_task_queue, workflows=[JobWorkflow], activities=JobActivities(pool, settings).all()
     )
@@ -32,4 +36,5 @@ async def stand(pool, temporal_env, tmp_path, settings_overrides):
     async with control, node:
         yield Stand(pool=pool, client=client, settings=settings, agent=agent, epoch=epoch, nodes=nodes)
         await agent.kill_all()
-        await forwarder.stop()
+        await cancel_and_wait(delivery)
+        await reports.close()

@@ -136,7 +136,9 @@ class Stand:
             by_job=by_job,
         )
         assert o.applied, o
-        await signals.signal_preempt(self.client, m.PreemptRequest(job_id, attempt, self.epoch, "priority", by_job))
+        await signals.signal_preempt(
+            self.client, self.settings, m.PreemptRequest(job_id, attempt, self.epoch, "priority", by_job)
+        )
 
     async def job(self, job_id: str) -> asyncpg.Record:
         return await self.pool.fetchrow("SELECT * FROM jobs WHERE job_id = $1", job_id)

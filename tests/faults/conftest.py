@@ -1,0 +1,127 @@
+"""A stack whose Temporal server a test can stop, restart and freeze: the fault paths of issue 19.
+
+The session's shared Temporal (``temporal_env``) cannot go down under one test, so each test
+here gets its own dev server (its own port and SQLite file, which survives a restart) beside
+the usual pieces: Postgres (a fresh database), one in-process control process, real node
+agents on a simulated fleet, the REST API in-process. Durations are scaled to seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from temporalio.client import Client
+
+from common.embedded import EmbeddedTemporal
+from common.temporal import connect
+from tests.e2e.conftest import Stack, e2e_settings, free_port, kill_ranks, seed_cluster
+from tests.support import eventually
+
+pytestmark = pytest.mark.e2e
+
+
+@dataclass
+class OutageStack(Stack):
+    temporal: EmbeddedTemporal | None = None
+    agents: list[Any] | None = None
+
+    def temporal_down(self) -> None:
+        assert self.temporal is not None
+        self.temporal.stop()
+
+    def temporal_up(self) -> None:
+        assert self.temporal is not None
+        self.temporal.start()
+
+    def temporal_freeze(self) -> None:
+        """Unreachable the way a hung server is: connections open, calls never answer."""
+        assert self.temporal is not None and self.temporal.proc is not None
+        os.killpg(self.temporal.proc.pid, signal.SIGSTOP)
+
+    def temporal_thaw(self) -> None:
+        assert self.temporal is not None and self.temporal.proc is not None
+        os.killpg(self.temporal.proc.pid, signal.SIGCONT)
+
+    async def start_agent(self, nodes: list[str]) -> Any:
+        from worker_agent.agent import AgentProcess
+
+        agent = AgentProcess(self.settings, nodes, backend="simulated")
+        await agent.start()
+        assert self.agents is not None
+        self.agents.append(agent)
+        return agent
+
+    async def stop_agent(self, agent: Any) -> None:
+        """The agent process goes away; its ranks (under their supervisors) do not."""
+        assert self.agents is not None
+        await agent.stop()
+        self.agents.remove(agent)
+
+    async def events(self, job_id: str) -> list[tuple[int, str, str | None, str]]:
+        rows = await self.pool.fetch("SELECT * FROM job_events WHERE job_id = $1 ORDER BY id", job_id)
+        return [(r["attempt"], r["event"], r["to_state"], r["reason"] or "") for r in rows]
+
+    async def live_leases(self, job_id: str) -> list[Any]:
+        return await self.pool.fetch(
+            "SELECT * FROM leases WHERE job_id = $1 AND state = 'live' ORDER BY lease_id", job_id
+        )
+
+
+@pytest.fixture
+def outage_overrides() -> dict:
+    return {}
+
+
+@pytest.fixture
+async def outage_stack(pool, db_dsn, tmp_path: Path, outage_overrides) -> AsyncIterator[OutageStack]:
+    import httpx
+
+    from api.main import create_app
+    from control.process import ControlProcess
+
+    server = EmbeddedTemporal(tmp_path / "temporal" / "t.db", port=free_port(), ui=False, log_file=tmp_path / "t.log")
+    server.start()
+    over = {k: v for k, v in outage_overrides.items() if not k.startswith("_")}
+    values: dict[str, Any] = dict(
+        api_temporal_timeout_s=1.0,
+        workflow_reconcile_s=2.0,
+        report_delivery_poll_s=0.5,
+        missing_task_release_s=3.0,
+    )
+    values.update(over)
+    settings = e2e_settings(tmp_path, db_dsn, server.address, **values)
+    nodes = await seed_cluster(pool, settings, nodes_per_block=outage_overrides.get("_nodes", 2))
+    client: Client = await connect(settings)
+    control = ControlProcess(settings, holder="c1", pool=pool, client=client)
+    stack = None
+    try:
+        await control.start()
+        await eventually(lambda: _v(control.is_leader), timeout=10, what="leadership")
+        app = create_app(settings, pool=pool, temporal_client=client)
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api", timeout=30)
+        stack = OutageStack(settings, pool, client, http, nodes, None, [control], temporal=server, agents=[])
+        groups = outage_overrides.get("_agents", "one for all")
+        for n in [[n] for n in nodes] if groups == "one per node" else [nodes]:
+            await stack.start_agent(n)
+        stack.agent = stack.agents[0] if stack.agents else None
+        yield stack
+    finally:
+        if stack is not None:
+            await stack.http.aclose()
+            for a in list(stack.agents or []):
+                await a.stop()
+        await control.stop()
+        if server.proc is not None and server.proc.poll() is None:
+            os.killpg(server.proc.pid, signal.SIGCONT)
+        server.stop()
+        kill_ranks(settings.state_dir)
+
+
+async def _v(x):
+    return x
