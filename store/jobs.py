@@ -14,6 +14,7 @@ from typing import Any
 import asyncpg
 
 from store.allocations import live_gang
+from store.audit import write_audit
 from store.tx import Db, transaction
 
 CLASS_RANK_SQL = "CASE {col} WHEN 'prod-serving' THEN 0 WHEN 'prod-batch' THEN 1 WHEN 'research' THEN 2 ELSE 3 END"
@@ -182,3 +183,21 @@ async def job_attempts(db: Db, job_ids: Sequence[str]) -> dict[str, tuple[str, i
         "SELECT job_id, state, attempt, started_at FROM jobs WHERE job_id = ANY($1::text[])", list(job_ids)
     )
     return {r["job_id"]: (r["state"], r["attempt"], r["started_at"]) for r in rows}
+
+
+async def active_jobs(db: Db, *, unchanged_for_s: float, limit: int = 100_000) -> list[asyncpg.Record]:
+    """Jobs not in a final state whose row has not changed for ``unchanged_for_s`` (a job
+    that just moved may not show in Temporal's visibility yet): job_id, state, attempt."""
+    return await db.fetch(
+        "SELECT job_id, state, attempt FROM jobs"
+        " WHERE state NOT IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'TIMED_OUT')"
+        " AND updated_at < now() - make_interval(secs => $1) ORDER BY submitted_at LIMIT $2",
+        unchanged_for_s,
+        limit,
+    )
+
+
+async def audit_workflow_restarted(db: Db, job_id: str, *, actor: str, state: str, reason: str) -> None:
+    """Who started a job's missing workflow, and why (invariant 7)."""
+    async with transaction(db) as conn:
+        await write_audit(conn, actor, "workflow_started", job_id, reason, {"state": state})

@@ -20,18 +20,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from temporalio.client import Client
-from temporalio.service import RPCError, RPCStatusCode
 
 from common.settings import Settings
 from control.health.metrics import FAILURE_TO_RESTART, RECOVERIES
 from control.health.node_states import Decision, Event
-from control.leader.signals import signal_preempt
+from control.leader.signals import signal_preempt, start_with_signal
 from placement.lifecycle import TERMINAL, JobState
 from store import job_states, jobs
 from store.allocations import LeaseRow
 from store.tx import Pool
 from workflows import messages as m
-from workflows.job import JobWorkflow
 
 log = logging.getLogger("gpufleet.control.health")
 
@@ -96,12 +94,16 @@ class Recoveries:
             return
         rec.next_signal = now + self.settings.recovery_resignal_s
         try:
-            await self.client.get_workflow_handle(rec.job_id).signal(
-                JobWorkflow.node_failed, m.NodeFailed(rec.job_id, rec.attempt, rec.node_id, reason)
+            # signal-with-start: a job whose workflow is missing still gets its gang stopped
+            await start_with_signal(
+                self.client,
+                self.settings,
+                rec.job_id,
+                m.SIGNAL_NODE_FAILED,
+                m.NodeFailed(rec.job_id, rec.attempt, rec.node_id, reason),
             )
-        except RPCError as e:
-            if e.status != RPCStatusCode.NOT_FOUND:
-                log.warning("node_failed to %s not delivered: %s", rec.job_id, e)
+        except Exception as e:  # re-sent every recovery_resignal_s while the lease is live
+            log.warning("node_failed to %s not delivered: %s", rec.job_id, e)
 
     async def resignal(self, still_live: Iterable[LeaseRow]) -> None:
         """Keep telling jobs whose lease on a failed node is still live (a lost signal).
@@ -150,7 +152,9 @@ class Recoveries:
             self.evicted.add(key)
             if o.applied:
                 await signal_preempt(
-                    self.client, m.PreemptRequest(lz.job_id, lz.attempt, epoch, f"node {node_id} drained", None)
+                    self.client,
+                    self.settings,
+                    m.PreemptRequest(lz.job_id, lz.attempt, epoch, f"node {node_id} drained", None),
                 )
 
 

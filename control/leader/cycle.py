@@ -12,8 +12,10 @@ One cycle (``run_cycle``):
 4. signal the job workflows (``allocated`` with signal-with-start, ``preempt``), and
    re-signal those Temporal has not accepted yet (``JobSignals``);
 5. publish queue positions, pending reasons, expected starts, reservations and the hot
-   spares held for large gangs (changed rows only, or only when the set changed); start
-   workflows for QUEUED jobs that lack one.
+   spares held for large gangs (changed rows only, or only when the set changed).
+
+Jobs that lack a workflow get one from ``control.leader.workflows``, beside the cycles:
+a cycle never waits on Temporal.
 
 Every write checks the epoch in its transaction; ``StaleEpoch`` ends the cycles and
 drops the in-memory state (this process is no longer the leader).
@@ -33,18 +35,17 @@ from typing import Any
 from temporalio.client import Client
 
 import placement as engine
-from control.leader.signals import JobSignals, start_job_workflow
+from control.leader.signals import JobSignals
 from control.leader.state import LeaderState, policy_from_settings
 from placement import Placement, Plan, Policy, iter_order
 from placement.lifecycle import JobState
-from store import allocations, job_states, jobs, publications
+from store import allocations, job_states, publications
 from store.allocations import GangPlacement
 from store.errors import AllocationConflict, StaleEpoch, StoreError, UnknownSubject
 from workflows import messages as m
 
 log = logging.getLogger("gpufleet.control.leader")
 
-UNSTARTED_SWEEP_S = 5.0
 PRUNE_EVERY_S = 60.0
 CHANGES_KEPT_S = 600.0
 
@@ -62,7 +63,6 @@ class CycleStats:
     queued: int = 0
     published: int = 0
     failed_commits: int = 0
-    started_workflows: int = 0
     duration_ms: float = 0.0
     errors: list[str] = field(default_factory=list)
 
@@ -97,7 +97,6 @@ class PlacementCycles:
         self.cycles = 0
         self.last: CycleStats | None = None
         self._wake = asyncio.Event()
-        self._next_sweep = 0.0
         self._next_prune = time.monotonic() + PRUNE_EVERY_S
         # what was last written, so each cycle writes only what changed
         self.published: dict[str, tuple[int | None, str | None, str | None, datetime | None]] = {}
@@ -227,9 +226,6 @@ class PlacementCycles:
         for msg in sent:
             self.signals.send(msg, mono)
         stats.published = await self._publish(epoch, plan, now)
-        if mono >= self._next_sweep:
-            self._next_sweep = mono + UNSTARTED_SWEEP_S
-            stats.started_workflows = await self._start_missing_workflows()
         if mono >= self._next_prune:
             self._next_prune = mono + PRUNE_EVERY_S
             await state.feed.prune(self.pool, kept_s=CHANGES_KEPT_S)
@@ -358,18 +354,6 @@ class PlacementCycles:
             await publications.publish_hot_spares(self.pool, scope=self.scope, epoch=epoch, spares=spares)
             self.published_spares = spares
         return written
-
-    async def _start_missing_workflows(self) -> int:
-        ids = await jobs.unstarted_queued_jobs(self.pool, older_than_s=UNSTARTED_SWEEP_S)
-        started: list[str] = []
-        for jid in ids:
-            try:
-                if await start_job_workflow(self.client, self.settings, jid):
-                    started.append(jid)
-            except Exception as e:
-                log.warning("cannot start the workflow of %s: %s", jid, e)
-        await jobs.mark_workflow_started(self.pool, started)
-        return len(started)
 
 
 def _unevaluated_reason(plan: Plan, spec: Any) -> tuple[str, str | None]:

@@ -6,10 +6,11 @@ with a doubling interval until it is, or until the job's state says it is no lon
 needed. A new leader re-derives what to send from the store (every STARTING and
 PREEMPTING job), so nothing here needs to survive a change of leader.
 
-``signal_allocation`` is a signal-with-start: a committed gang always reaches a
-workflow, even one the API never managed to start. Under REJECT_DUPLICATE a closed
-workflow is never started again (a closed job workflow = a finished job), so a late
-re-signal to a finished job is a harmless no-op.
+``signal_allocation`` and ``signal_preempt`` are signal-with-start: a committed gang or a
+victim always reaches a workflow, even one that was never started (the API could not
+reach Temporal) or that failed. A workflow that completed is not started again (it ends
+only when its job has ended: a late re-signal to a finished job is a no-op); one that
+failed or was terminated is, since Postgres says the job is still active.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
-from temporalio.service import RPCError, RPCStatusCode
 
 from common.settings import Settings
 from placement.lifecycle import JobState
@@ -44,32 +44,42 @@ async def allocation_for(db: Db, settings: Settings, job_id: str, attempt: int) 
     return m.allocation_from_leases(job_id, attempt, rows, settings.node_task_queue)
 
 
-async def signal_allocation(client: Client, settings: Settings, alloc: m.Allocation) -> bool:
-    """Deliver ``allocated`` (starting the workflow if it does not exist). False: the
-    job's workflow has closed, nobody will act on it."""
+async def start_with_signal(
+    client: Client,
+    settings: Settings,
+    job_id: str,
+    signal: str,
+    arg: object,
+    *,
+    reuse: WorkflowIDReusePolicy = WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
+) -> bool:
+    """Signal the job's workflow, starting it when none runs (signal-with-start). False: its
+    workflow completed (the job ended) and is not started again."""
     try:
         await client.start_workflow(
             JobWorkflow.run,
-            m.JobInput(job_id=alloc.job_id),
-            id=alloc.job_id,
+            m.JobInput(job_id=job_id),
+            id=job_id,
             task_queue=settings.control_task_queue,
-            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-            start_signal=m.SIGNAL_ALLOCATED,
-            start_signal_args=[alloc],
+            id_reuse_policy=reuse,
+            start_signal=signal,
+            start_signal_args=[arg],
         )
         return True
     except WorkflowAlreadyStartedError:
         return False
 
 
-async def signal_preempt(client: Client, req: m.PreemptRequest) -> bool:
-    try:
-        await client.get_workflow_handle(req.job_id).signal(JobWorkflow.preempt, req)
-        return True
-    except RPCError as e:
-        if e.status == RPCStatusCode.NOT_FOUND:
-            return False
-        raise
+async def signal_allocation(client: Client, settings: Settings, alloc: m.Allocation) -> bool:
+    """Deliver ``allocated`` (starting the workflow if none runs). False: the job's workflow
+    has completed, nobody will act on it."""
+    return await start_with_signal(client, settings, alloc.job_id, m.SIGNAL_ALLOCATED, alloc)
+
+
+async def signal_preempt(client: Client, settings: Settings, req: m.PreemptRequest) -> bool:
+    """Deliver ``preempt`` (starting the workflow if none runs: a victim without a workflow
+    would hold its GPUs for ever). False: the job's workflow has completed."""
+    return await start_with_signal(client, settings, req.job_id, m.SIGNAL_PREEMPT, req)
 
 
 async def start_job_workflow(client: Client, settings: Settings, job_id: str) -> bool:
@@ -166,7 +176,7 @@ class JobSignals:
                 if isinstance(msg, m.Allocation):
                     await signal_allocation(self.client, self.settings, msg)
                 else:
-                    await signal_preempt(self.client, msg)
+                    await signal_preempt(self.client, self.settings, msg)
             except Exception as e:  # re-sent later
                 log.warning("signal to %s failed: %s", msg.job_id, e)
                 return
