@@ -43,7 +43,10 @@ class JobActivities:
             return m.JobSnapshot(job_id=req.job_id, exists=False)
         spec = job_spec.parse_spec(job["spec"])
         ck = job_spec.spec_checkpoint(spec)
-        ck_dir = ck.get("dir") or ck.get("path") or str(Path(s.state_dir).resolve() / "checkpoints" / req.job_id)
+        job_dir = ck.get("dir") or ck.get("path") or str(Path(s.state_dir).resolve() / "checkpoints" / req.job_id)
+        # each attempt writes its own dir: ranks of an attempt that has not been fenced yet
+        # (a lost node's) cannot overwrite what the next attempt writes or resumes from
+        ck_dir = Path(job_dir) / f"attempt-{job['attempt']}"
         alloc = None
         if job["state"] in ACTIVE:
             alloc = m.allocation_from_leases(req.job_id, job["attempt"], leases, s.node_task_queue)
@@ -73,6 +76,7 @@ class JobActivities:
             max_extensions=s.max_extensions,
             max_extension_fraction=s.max_extension_fraction,
             allocation=alloc,
+            started_at=job["started_at"],
         )
 
     @activity.defn(name=m.ACT_MARK_RUNNING)

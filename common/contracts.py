@@ -69,6 +69,9 @@ class StopTaskResult:
     exit_code: int | None = None
     checkpoint_uri: str | None = None
     reason: str = ""
+    # how the rank ended, as its supervisor recorded it: EXITED when it ended by itself
+    # before the stop reached it (its work may be done), STOPPED or FENCED when it was ended
+    state: str | None = None
 
 
 # --- what a job's env may not set (the API refuses it at submit; the agent drops it anyway) ---

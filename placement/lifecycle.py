@@ -54,6 +54,7 @@ class JobEvent(StrEnum):
     RUNTIME_EXPIRED = "runtime_expired"  # max_runtime timer fired
     REJECT = "reject"  # admission: the job can never run (invalid shape, unknown GPU type)
     CANCEL_STOPPED = "cancel_stopped"  # every rank is gone (or never started) and a cancel is pending
+    EARLIER_SUCCESS = "earlier_success"  # an earlier attempt exited 0 on every rank; its reports came late
 
     def __str__(self) -> str:
         return self.value
@@ -67,6 +68,10 @@ EDGES: dict[tuple[JobState, JobEvent], tuple[JobState, str]] = {
     (S.QUEUED, E.ALLOCATE): (S.STARTING, "a gang placement committed; ranks are being started"),
     (S.QUEUED, E.CANCEL): (S.CANCELLED, "nothing runs yet: cancel is immediate"),
     (S.QUEUED, E.REJECT): (S.FAILED, "it can never be placed"),
+    (S.QUEUED, E.EARLIER_SUCCESS): (
+        S.SUCCEEDED,
+        "the attempt recovered from a silent node had in fact finished: its exits arrived late",
+    ),
     (S.STARTING, E.ALL_STARTED): (S.RUNNING, "every rank started"),
     (S.STARTING, E.START_TIMEOUT): (S.QUEUED, "gang not started in time: released, front of its class"),
     (S.STARTING, E.RANK_FAILED): (S.QUEUED, "failed attempt: whole gang released, front of its class"),
@@ -78,6 +83,7 @@ EDGES: dict[tuple[JobState, JobEvent], tuple[JobState, str]] = {
     ),
     (S.STARTING, E.PREEMPT): (S.PREEMPTING, "a victim still starting: its started ranks get StopTask"),
     (S.STARTING, E.EXIT_FAIL): (S.FAILED, "a rank failed by itself before the gang was up, no retries left"),
+    (S.STARTING, E.EARLIER_SUCCESS): (S.SUCCEEDED, "an earlier attempt had finished (late exits): this one is stopped"),
     (S.RUNNING, E.EXIT_OK): (S.SUCCEEDED, "finished"),
     (S.RUNNING, E.EXIT_FAIL): (S.FAILED, "the job's own failure"),
     (S.RUNNING, E.RANK_FAILED): (S.QUEUED, "failed attempt: whole gang released, front of its class"),
@@ -86,6 +92,7 @@ EDGES: dict[tuple[JobState, JobEvent], tuple[JobState, str]] = {
     (S.RUNNING, E.CANCEL): (S.CANCELLING, "StopTask sent"),
     (S.RUNNING, E.RUNTIME_EXPIRED): (S.TIMED_OUT, "max_runtime reached; ranks are stopped"),
     (S.RUNNING, E.CANCEL_STOPPED): (S.CANCELLED, "a failed attempt's ranks were stopped while a cancel waited"),
+    (S.RUNNING, E.EARLIER_SUCCESS): (S.SUCCEEDED, "an earlier attempt had finished (late exits): this one is stopped"),
     (S.PREEMPTING, E.STOPPED): (S.QUEUED, "attempt + 1, original submit time, resumes from checkpoint"),
     (S.PREEMPTING, E.EXIT_OK): (S.SUCCEEDED, "it finished during its grace period"),
     (S.PREEMPTING, E.EXIT_FAIL): (S.QUEUED, "crashed while checkpointing: still re-queued (last good checkpoint)"),
@@ -93,6 +100,7 @@ EDGES: dict[tuple[JobState, JobEvent], tuple[JobState, str]] = {
     (S.PREEMPTING, E.CANCEL): (S.CANCELLING, "user cancel wins over re-queue"),
     (S.PREEMPTING, E.RUNTIME_EXPIRED): (S.TIMED_OUT, "its time ran out while stopping"),
     (S.PREEMPTING, E.CANCEL_STOPPED): (S.CANCELLED, "stopped for the preemption while a cancel waited: no re-queue"),
+    (S.PREEMPTING, E.EARLIER_SUCCESS): (S.SUCCEEDED, "an earlier attempt had finished (late exits)"),
     (S.CANCELLING, E.STOPPED): (S.CANCELLED, "every rank stopped"),
     (S.CANCELLING, E.EXIT_OK): (S.SUCCEEDED, "it finished before the stop landed"),
     (S.CANCELLING, E.EXIT_FAIL): (S.CANCELLED, "exited under SIGTERM: the cancel stands"),

@@ -18,6 +18,7 @@ from typing import Any
 import asyncpg
 
 from placement.lifecycle import TERMINAL, JobState
+from store import task_reports
 from store.allocations import lease_id_for, release_job
 from store.audit import write_audit, write_job_event
 from store.errors import UnknownSubject
@@ -37,7 +38,7 @@ class Outcome:
 async def _lock(conn: asyncpg.Connection, job_id: str) -> asyncpg.Record:
     row = await conn.fetchrow(
         "SELECT job_id, team, state, attempt, started_at, max_runtime_s, extended_s, extensions,"
-        " last_checkpoint, priority_class FROM jobs WHERE job_id = $1 FOR UPDATE",
+        " last_checkpoint, priority_class, replicas FROM jobs WHERE job_id = $1 FOR UPDATE",
         job_id,
     )
     if row is None:
@@ -113,28 +114,41 @@ async def finish_job(
             return Outcome(job["state"] == to_state, job["state"], job["attempt"])
         if job["attempt"] != attempt:
             return Outcome(False, job["state"], job["attempt"])
-        if to_state == JobState.CANCELLED and job["state"] != JobState.CANCELLING:
-            # a cancel from QUEUED/STARTING is audited here (from CANCELLING it already was)
-            await write_audit(conn, actor, "cancel", job_id, reason, {"attempt": attempt, "from_state": job["state"]})
-        elif to_state == JobState.TIMED_OUT:
-            await write_audit(conn, actor, "timeout", job_id, reason, {"attempt": attempt})
-        released = await release_job(conn, job_id, attempt, reason=to_state.lower(), actor=actor)
-        await conn.execute(
-            "UPDATE jobs SET state = $2, finished_at = now(), exit_code = $3,"
-            " last_checkpoint = COALESCE($4, last_checkpoint),"
-            " last_checkpoint_at = CASE WHEN $4::text IS NULL THEN last_checkpoint_at ELSE now() END,"
-            " queue_position = NULL, pending_reason = NULL, pending_detail = NULL, expected_start = NULL,"
-            " updated_at = now() WHERE job_id = $1",
-            job_id,
-            to_state,
-            exit_code,
-            checkpoint_uri,
-        )
-        detail = {"exit_code": exit_code, "released": released}
-        await write_job_event(
-            conn, job_id, attempt, _FINISH_EVENT[to_state], job["state"], to_state, actor, reason, detail
-        )
-        return Outcome(True, to_state, attempt, released)
+        return await _finish_locked(conn, job, attempt, to_state, actor, reason, exit_code, checkpoint_uri)
+
+
+async def _finish_locked(
+    conn: Any,
+    job: Any,
+    attempt: int,
+    to_state: str,
+    actor: str,
+    reason: str,
+    exit_code: int | None,
+    checkpoint_uri: str | None,
+) -> Outcome:
+    """The terminal change itself, inside the caller's transaction with the job row locked."""
+    job_id = job["job_id"]
+    if to_state == JobState.CANCELLED and job["state"] != JobState.CANCELLING:
+        # a cancel from QUEUED/STARTING is audited here (from CANCELLING it already was)
+        await write_audit(conn, actor, "cancel", job_id, reason, {"attempt": attempt, "from_state": job["state"]})
+    elif to_state == JobState.TIMED_OUT:
+        await write_audit(conn, actor, "timeout", job_id, reason, {"attempt": attempt})
+    released = await release_job(conn, job_id, attempt, reason=to_state.lower(), actor=actor)
+    await conn.execute(
+        "UPDATE jobs SET state = $2, finished_at = now(), exit_code = $3,"
+        " last_checkpoint = COALESCE($4, last_checkpoint),"
+        " last_checkpoint_at = CASE WHEN $4::text IS NULL THEN last_checkpoint_at ELSE now() END,"
+        " queue_position = NULL, pending_reason = NULL, pending_detail = NULL, expected_start = NULL,"
+        " updated_at = now() WHERE job_id = $1",
+        job_id,
+        to_state,
+        exit_code,
+        checkpoint_uri,
+    )
+    detail = {"exit_code": exit_code, "released": released}
+    await write_job_event(conn, job_id, attempt, _FINISH_EVENT[to_state], job["state"], to_state, actor, reason, detail)
+    return Outcome(True, to_state, attempt, released)
 
 
 async def requeue_job(
@@ -163,6 +177,12 @@ async def requeue_job(
             return Outcome(True, JobState.QUEUED, job["attempt"], extra={"resume_from": job["last_checkpoint"]})
         if job["state"] in TERMINAL or job["attempt"] != attempt:
             return Outcome(False, job["state"], job["attempt"], extra={"resume_from": job["last_checkpoint"]})
+        if await task_reports.ranks_exited_ok(conn, job_id, attempt) >= job["replicas"]:
+            # every rank had exited 0 by itself: the work is done, whatever the workflow was
+            # ending the attempt for (its exit reports reached the store first)
+            why = f"every rank had exited 0 (on record) while the attempt was being ended: {reason}"
+            o = await _finish_locked(conn, job, attempt, JobState.SUCCEEDED, actor, why[:500], 0, checkpoint_uri)
+            return Outcome(o.applied, o.state, o.attempt, o.released, {"resume_from": job["last_checkpoint"]})
         from_state = job["state"]
         released = await release_job(
             conn, job_id, attempt, reason="preempted" if cause == "preempted" else "attempt_failed", actor=actor

@@ -120,9 +120,11 @@ class JobWorkflow:
         self._alloc: m.Allocation | None = None
         self._preempts: dict[int, m.PreemptRequest] = {}
         self._cancel: m.CancelRequest | None = None
+        self._earlier_success: m.EarlierAttemptSucceeded | None = None
         self._ranks: dict[int, _Rank] = {}
         self._by_lease: dict[str, _Rank] = {}
         self._inbox = _Inbox()
+        self._early_node_failures: list[m.NodeFailed] = []  # arrived before the gang was known
         self._checkpoint: str | None = None
         self._running_since: datetime | None = None
         self._deadline: datetime | None = None
@@ -152,6 +154,13 @@ class JobWorkflow:
         if self._cancel is None:
             self._cancel = req
 
+    @workflow.signal(name=m.SIGNAL_EARLIER_SUCCESS)
+    def earlier_attempt_succeeded(self, req: m.EarlierAttemptSucceeded) -> None:
+        # this attempt's too: delivery sends it only when every rank's exit 0 is on record, and
+        # the run may be ending the attempt for another reason (it would re-queue the work)
+        if self._earlier_success is None and (not self._attempt or req.attempt <= self._attempt):
+            self._earlier_success = req
+
     @workflow.signal(name=m.SIGNAL_TASK_STATUS)
     def task_status(self, batch: m.TaskStatusBatch) -> None:
         self._inbox.statuses.extend(batch.statuses)
@@ -159,6 +168,10 @@ class JobWorkflow:
 
     @workflow.signal(name=m.SIGNAL_NODE_FAILED)
     def node_failed(self, req: m.NodeFailed) -> None:
+        if not self._ranks:
+            # a signal-with-start (the job had no workflow): applied once the gang is known
+            self._early_node_failures.append(req)
+            return
         if req.attempt != self._attempt:
             return
         for r in self._ranks.values():
@@ -236,6 +249,8 @@ class JobWorkflow:
         if snap.state in TERMINAL:
             return m.JobResult(inp.job_id, snap.state, snap.attempt, reason="already finished")
         # drop anything that arrived for an older attempt before we knew ours
+        if self._earlier_success is not None and self._earlier_success.attempt > self._attempt:
+            self._earlier_success = None
         self._allocs = {a: x for a, x in self._allocs.items() if a >= self._attempt}
         self._preempts = {a: x for a, x in self._preempts.items() if a >= self._attempt}
 
@@ -251,8 +266,15 @@ class JobWorkflow:
             self._allocs.setdefault(self._attempt, snap.allocation)
         if snap.state in (JobState.QUEUED, JobState.STARTING):
             await workflow.wait_condition(
-                lambda: self._cancel is not None or self._attempt in self._allocs or self._attempt in self._preempts
+                lambda: (
+                    self._cancel is not None
+                    or self._attempt in self._allocs
+                    or self._attempt in self._preempts
+                    or self._earlier_done()
+                )
             )
+            if self._earlier_done():
+                return await self._finish_earlier_success()
             if self._attempt not in self._allocs:
                 if self._cancel is not None:
                     return await self._finish(JobState.CANCELLED, self._cancel.reason, actor=self._cancel.actor)
@@ -266,9 +288,22 @@ class JobWorkflow:
             return await self._cancel_active()
         if snap.state == JobState.PREEMPTING:
             return await self._preempt()
+        if snap.allocation is not None and workflow.patched("adopt-running-attempt"):
+            # the job is RUNNING but had no workflow (it was never started, or it failed): keep
+            # the gang running and supervise it; its reports may be waiting in the inbox
+            return await self._adopt_running()
         return await self._fail_attempt("the job workflow was restarted mid-attempt", job_fault=False)
 
     # ------------------------------------------------------------------ phases
+
+    async def _adopt_running(self) -> m.JobResult:
+        snap = self._require_snap()
+        self._state = JobState.RUNNING
+        self._running_since = snap.started_at or workflow.now()
+        self._deadline = self._running_since + timedelta(seconds=snap.max_runtime_s)
+        self._checkpoint = snap.last_checkpoint
+        workflow.logger.warning("job %s: adopted its running attempt %d", self._job_id, self._attempt)
+        return await self._supervise()
 
     async def _start_gang(self) -> m.JobResult:
         snap = self._require_snap()
@@ -291,6 +326,7 @@ class JobWorkflow:
                     or self._attempt in self._preempts
                     or self._any_failed()
                     or self._all_started()
+                    or self._earlier_done()
                 ),
                 timeout=None if no_timer else timedelta(seconds=snap.gang_start_timeout_s),
             )
@@ -298,6 +334,8 @@ class JobWorkflow:
             timed_out = True
         if self._cancel is not None:
             return await self._cancel_active()
+        if self._earlier_done():
+            return await self._finish_earlier_success()
         if self._attempt in self._preempts:
             return await self._preempt()
         if timed_out or self._any_failed():
@@ -342,6 +380,8 @@ class JobWorkflow:
                 continue
             if self._cancel is not None:
                 return await self._cancel_active()
+            if self._earlier_done():
+                return await self._finish_earlier_success()
             if self._attempt in self._preempts:
                 return await self._preempt()
             if serving and self._crashed_replicas():
@@ -370,9 +410,26 @@ class JobWorkflow:
         await self._stop_all(req.reason if req else "preempted")
         if self._cancel is not None:
             return await self._finish(JobState.CANCELLED, self._cancel.reason, actor=self._cancel.actor)
+        if self._all_exited_ok() and workflow.patched("preempted-after-finishing"):
+            # every rank had ended by itself with 0 before the stop reached it: the work is
+            # done, a re-queue would run it again (a rank the stop ended is STOPPED, whatever
+            # its code: the job helper exits 143 after its preemption checkpoint)
+            return await self._finish(JobState.SUCCEEDED, "finished during its grace period", exit_code=0)
         return await self._requeue(
             "preempted", req.reason if req else "preempted", job_fault=False, epoch=req.epoch if req else None
         )
+
+    def _earlier_done(self) -> bool:
+        return self._earlier_success is not None and self._cancel is None
+
+    async def _finish_earlier_success(self) -> m.JobResult:
+        """Attempt N (recovered from a silent node) had finished: stop this attempt, succeed."""
+        req = self._earlier_success
+        assert req is not None
+        reason = req.reason or f"attempt {req.attempt} had exited 0 on every rank (its reports came late)"
+        if self._ranks:
+            await self._stop_all(reason)
+        return await self._finish(JobState.SUCCEEDED, reason, exit_code=0)
 
     async def _fail_attempt(self, reason: str, *, job_fault: bool) -> m.JobResult:
         workflow.logger.info("job %s attempt %d failed: %s", self._job_id, self._attempt, reason)
@@ -404,6 +461,10 @@ class JobWorkflow:
         self._ranks = {p.rank: _Rank(p, started=assume_started) for p in alloc.ranks}
         self._by_lease = {p.lease_id: self._ranks[p.rank] for p in alloc.ranks}
         self._drain_statuses()
+        early, self._early_node_failures = self._early_node_failures, []
+        if early and workflow.patched("apply-early-node-failures"):
+            for req in early:
+                self.node_failed(req)
 
     def _restore(self, carry: m.RunCarry) -> None:
         self._begin(carry.allocation)
@@ -528,7 +589,10 @@ class JobWorkflow:
         if r.exited:
             return
         if res.exit_code is not None:
-            r.exited, r.exit_code, r.outcome = True, res.exit_code, TaskState.STOPPED
+            outcome = TaskState.STOPPED
+            if res.state == TaskState.EXITED.value and workflow.patched("stop-result-says-exited"):
+                outcome = TaskState.EXITED  # it had ended by itself: its exit report is on its way
+            r.exited, r.exit_code, r.outcome = True, res.exit_code, outcome
         elif not res.accepted or res.reason.startswith("unknown lease"):
             # the agent holds no such task (never started, or long gone): nothing to wait for
             r.exited, r.outcome = True, TaskState.STOPPED
@@ -654,6 +718,12 @@ class JobWorkflow:
     def _all_exited(self) -> bool:
         return bool(self._ranks) and all(r.exited for r in self._ranks.values())
 
+    def _all_exited_ok(self) -> bool:
+        """Every rank ended by itself (not by a stop) with exit code 0."""
+        return bool(self._ranks) and all(
+            r.exited and r.outcome == TaskState.EXITED and r.exit_code == 0 for r in self._ranks.values()
+        )
+
     def _any_failed(self) -> bool:
         return any(r.failed and not r.restarting for r in self._ranks.values())
 
@@ -684,6 +754,7 @@ class JobWorkflow:
             or self._all_exited()
             or self._deadline != deadline
             or self._history_long()
+            or self._earlier_done()
         )
 
     def _history_long(self) -> bool:
@@ -718,6 +789,8 @@ class JobWorkflow:
         return m.JobResult(self._job_id, res.state, res.attempt, exit_code=exit_code, reason=reason)
 
     async def _requeue(self, cause: str, reason: str, *, job_fault: bool, epoch: int | None = None) -> m.JobResult:
+        if self._earlier_done():  # nothing to run again: an earlier attempt had finished
+            return await self._finish_earlier_success()
         self._expect(JobState.QUEUED)
         res = await self._local(
             acts.requeue_job,
@@ -734,6 +807,9 @@ class JobWorkflow:
         self._state = res.state
         if res.state == JobState.QUEUED and res.attempt > self._attempt:
             await workflow.wait_condition(workflow.all_handlers_finished)
+            if self._earlier_done():  # every rank's exit 0 came while we re-queued: done, not re-run
+                self._attempt = res.attempt
+                return await self._finish_earlier_success()
             workflow.continue_as_new(
                 m.JobInput(
                     self._job_id,

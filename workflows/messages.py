@@ -26,6 +26,7 @@ SIGNAL_TASK_STATUS = "task_status"
 SIGNAL_CANCEL = "cancel"
 SIGNAL_PREEMPT = "preempt"
 SIGNAL_NODE_FAILED = "node_failed"  # from the health monitor: a node under this attempt failed
+SIGNAL_EARLIER_SUCCESS = "earlier_attempt_succeeded"  # from report delivery: late exits of every rank
 UPDATE_EXTEND = "extend"
 QUERY_STATUS = "status"
 
@@ -178,6 +179,8 @@ class JobSnapshot:
     gang_timeout_in_start: bool = False
     # set when the job already holds a live gang (a new run found it STARTING or later)
     allocation: Allocation | None = None
+    # when the attempt started RUNNING (a new run that adopts a running gang keeps its deadline)
+    started_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -258,6 +261,17 @@ class RunCarry:
     deadline: datetime
     ranks: list[RankCarry]
     checkpoint: str | None = None
+
+
+@dataclass(frozen=True)
+class EarlierAttemptSucceeded:
+    """Signal ``earlier_attempt_succeeded``: every rank of ``attempt`` (an attempt recovered
+    from a silent node) had exited 0; the reports came when the node was heard again. The
+    job has finished: the current attempt is stopped and the job SUCCEEDED."""
+
+    job_id: str
+    attempt: int
+    reason: str = ""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ HISTORIES = Path(__file__).parent / "histories"
 RECORD = os.environ.get("GPUFLEET_RECORD_HISTORIES") == "1"
 # histories are kept per workflow-code version (<name>-<version>-<run>.json): older versions
 # stay committed so patched branches keep replaying; recording writes this version only
-VERSION = "v3"
+VERSION = "v4"
 
 
 def _histories() -> list[Path]:

@@ -2,8 +2,8 @@
 
 It implements the agent's two activities (``start_task`` / ``stop_task`` with the
 ``common.contracts`` payloads) on one shared node task queue, and reports
-``TaskStatus`` through the control plane's ``TaskStatusForwarder`` as the leader
-would forward the real agent's gRPC reports. The rank environment follows the
+``TaskStatus`` through the control plane's ``ReportDelivery`` (stored, then delivered)
+as the leader does with the real agent's gRPC reports. The rank environment follows the
 real agent's (``RANK``, ``WORLD_SIZE``, ``GPUFLEET_CHECKPOINT_DIR``,
 ``GPUFLEET_RESUME_FROM``, ``GPUFLEET_PROGRESS_FILE``).
 
@@ -45,13 +45,15 @@ class _Task:
 
 
 class FakeAgent:
-    def __init__(self, forwarder, root: Path) -> None:
-        self.forwarder = forwarder
+    def __init__(self, reports, root: Path) -> None:
+        self.reports = reports  # control.report_delivery.ReportDelivery (or anything with submit)
         self.root = root
         self.tasks: dict[str, _Task] = {}
         self.starts: list[StartTask] = []
         self.stops: list[StopTask] = []
         self.signals_seen: dict[str, list[str]] = {}
+        self.held_exits: set[str] = set()  # leases whose exit report is late (not sent until released)
+        self.stop_says_state = True  # False: stop results without ``state``, as an older agent's
 
     def activities(self) -> list:
         return [self.start_task, self.stop_task]
@@ -62,7 +64,7 @@ class FakeAgent:
             ck = json.loads(t.progress.read_text()).get("checkpoint_uri")
         except (OSError, ValueError):
             pass
-        self.forwarder.submit(
+        self.reports.submit(
             TaskStatus(
                 node_id=t.req.node_id,
                 lease_id=t.req.lease_id,
@@ -137,7 +139,19 @@ class FakeAgent:
                 self._report(t, TaskState.STARTED)
         t.exit_code = 128 - rc if rc < 0 else rc
         t.done.set()
-        self._report(t, TaskState.STOPPED if t.stop_requested else TaskState.EXITED, t.exit_code)
+        if t.req.lease_id not in self.held_exits:
+            self._report(t, self._end_state(t), t.exit_code)
+
+    def release_exit(self, lease_id: str) -> None:
+        """Send a held exit report now (it was late)."""
+        self.held_exits.discard(lease_id)
+        t = self.tasks[lease_id]
+        if t.done.is_set():
+            self._report(t, self._end_state(t), t.exit_code)
+
+    @staticmethod
+    def _end_state(t: _Task) -> TaskState:
+        return TaskState.STOPPED if t.stop_requested else TaskState.EXITED
 
     @activity.defn(name=STOP_TASK)
     async def stop_task(self, req: StopTask) -> StopTaskResult:
@@ -166,7 +180,10 @@ class FakeAgent:
             ck = json.loads(t.progress.read_text()).get("checkpoint_uri")
         except (OSError, ValueError):
             pass
-        return StopTaskResult(req.lease_id, req.epoch, accepted=True, exit_code=t.exit_code, checkpoint_uri=ck)
+        state = self._end_state(t).value if self.stop_says_state else None
+        return StopTaskResult(
+            req.lease_id, req.epoch, accepted=True, exit_code=t.exit_code, checkpoint_uri=ck, state=state
+        )
 
     async def kill_all(self) -> None:
         for t in self.tasks.values():

@@ -103,7 +103,11 @@ async def test_preempted_job_checkpoints_requeues_and_resumes_to_the_same_result
     assert res.state == "SUCCEEDED" and res.attempt == 2, (res, [dict(e) for e in await stand.events(job)])
     start2 = [s for s in stand.agent.starts if s.attempt == 2]
     assert start2 and start2[0].resume_from == ck
-    out = read_json(stand.settings.state_dir.resolve() / "checkpoints" / job / "result-0.json")
+    # each attempt writes its own dir: attempt 2 resumed from attempt 1's checkpoint
+    ck_root = stand.settings.state_dir.resolve() / "checkpoints" / job
+    assert ck.startswith(f"file://{ck_root}/attempt-1/") or ck.startswith(f"{ck_root}/attempt-1/"), ck
+    assert start2[0].checkpoint_dir.endswith("/attempt-2")
+    out = read_json(ck_root / "attempt-2" / "result-0.json")
     assert out["value"] == expected(steps) and out["resumed_from"] == ck and out["attempt"] == "2"
     assert await stand.transitions(job) == [
         (1, None, "QUEUED"),

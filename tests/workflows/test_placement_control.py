@@ -28,10 +28,10 @@ class _Fwd:
 
     def submit(self, status) -> None:
         for p in self.procs:
-            if p.is_leader and p.forwarder is not None:
-                p.forwarder.submit(status)
+            if p.is_leader and p.reports is not None:
+                p.reports.submit(status)
                 return
-        self.procs[0].forwarder.submit(status)
+        self.procs[0].reports.submit(status)
 
 
 @pytest.fixture
@@ -183,7 +183,7 @@ async def test_research_job_is_preempted_by_prod_batch_and_resumes_to_the_same_r
     assert res.state == "SUCCEEDED" and res.attempt == 2
     row = await stand.job(research)
     assert row["preemptions"] == 1
-    out = read_json(stand.settings.state_dir.resolve() / "checkpoints" / research / "result-0.json")
+    out = read_json(stand.settings.state_dir.resolve() / "checkpoints" / research / "attempt-2" / "result-0.json")
     assert out["value"] == expected(steps) and out["resumed_from"] and out["attempt"] == "2"
     assert all(sigs == ["SIGTERM"] for lid, sigs in stand.agent.signals_seen.items() if lid.startswith(research))
     preempt = next(a for a in await stand.audit(research) if a["action"] == "preempt")
@@ -237,9 +237,9 @@ async def assert_no_gpu_had_two_live_leases(pool) -> None:
 
 
 async def test_control_starts_the_workflow_of_a_queued_job_that_lacks_one(cluster, monkeypatch):
-    import control.leader.cycle as cycle
+    import control.leader.workflows as ownership
 
-    monkeypatch.setattr(cycle, "UNSTARTED_SWEEP_S", 0.5)
+    monkeypatch.setattr(ownership, "UNSTARTED_SWEEP_S", 0.5)
     stand, start = cluster
     c1 = await start("c1")
     await leading(c1)
