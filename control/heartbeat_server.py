@@ -37,8 +37,14 @@ elsewhere if it is slow):
     ``ReportRefused`` (not this node's lease) the agent is told ``refused`` and drops it.
 ``leader_address() -> str | None``
     None when this process is the leader; otherwise the leader's gRPC address
-    (``""`` if unknown). Checked when a stream opens and on every heartbeat; the
-    agent is sent a ``Redirect`` and reconnects there.
+    (``""`` if unknown, or if the leader's lease looks stale: ``Leadership.leader_grpc_addr``).
+    Checked when a stream opens and on every heartbeat; the agent is sent a ``Redirect``
+    and reconnects there. A stream that opens while no leader is known is *held* for up to
+    ``hold_s`` (default half of ``agent_ack_timeout_s``, so the agent does not give up
+    first): if this process takes over meanwhile the stream is served at once, if a leader
+    becomes known it is redirected there, else it is told "leader unknown". So after a
+    leader change the agents that found the new leader early are already connected to it,
+    and the followers do not answer a retry storm while no one leads.
 ``authenticate(node_id, presented) -> bool | Awaitable[bool]``
     Whether ``presented`` is the node's credential; default: equal to
     ``proto.auth.node_credential`` (the control process passes ``control.node_auth``: the
@@ -53,6 +59,7 @@ written) percentiles over the last 64K heartbeats; ``bench/heartbeat.py`` uses i
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -65,13 +72,21 @@ from common.contracts import TaskStatus
 from control.agent_link import AuthFailure, HeartbeatTable, NodeHeartbeat, ReportRefused
 from proto import agent_pb2 as pb
 from proto import agent_pb2_grpc as pbg
-from proto.auth import CREDENTIAL_KEY, NODE_ID_KEY, check_credential, metadata_value, node_credential
+from proto.auth import (
+    CONTROL_BUSY,
+    CREDENTIAL_KEY,
+    NODE_ID_KEY,
+    check_credential,
+    metadata_value,
+    node_credential,
+)
 from proto.convert import task_status_from_pb
 
 log = logging.getLogger("gpufleet.control.heartbeats")
 
 LATENCY_WINDOW = 1 << 16
 SEEN_STATUSES_PER_NODE = 1024
+HOLD_POLL_S = 0.1  # while streams are held, how often one watcher asks who leads
 
 SERVER_OPTIONS = [
     ("grpc.max_concurrent_streams", 1 << 20),
@@ -100,6 +115,7 @@ class HeartbeatServer:
         leader_address: Callable[[], str | None] | None = None,
         authenticate: Callable[[str, str | None], bool | Awaitable[bool]] | None = None,
         on_auth_failure: Callable[[AuthFailure], Awaitable[None] | None] | None = None,
+        hold_s: float | None = None,
     ) -> None:
         if settings is None:
             from common.settings import get_settings
@@ -117,11 +133,15 @@ class HeartbeatServer:
             lambda node_id, presented: check_credential(node_credential(settings, node_id), presented)
         )
         self.on_auth_failure = on_auth_failure
+        self.hold_s = float(settings.agent_ack_timeout_s) / 2 if hold_s is None else hold_s
         self.table = HeartbeatTable()
         self.address = ""
         self._server: grpc.aio.Server | None = None
         self._seen: dict[str, dict[int, bool]] = {}
         self._lat = array("d", bytes(8 * LATENCY_WINDOW))
+        self._holding = 0
+        self._leader_news = asyncio.Event()  # set (and replaced) when a held stream may go on
+        self._watch: asyncio.Task | None = None
         self.reset_stats()
 
     # ------------------------------------------------------------------ lifecycle
@@ -139,6 +159,9 @@ class HeartbeatServer:
         return self.address
 
     async def stop(self, grace: float = 1.0) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
@@ -155,6 +178,7 @@ class HeartbeatServer:
             "refused_statuses": 0,
             "auth_failures": 0,
             "redirects": 0,
+            "held": 0,
         }
         self._lat_n = 0
 
@@ -179,14 +203,50 @@ class HeartbeatServer:
             except Exception:
                 log.exception("on_auth_failure callback failed")
 
-    def _redirect(self) -> pb.ControlMessage | None:
+    def _leader_elsewhere(self) -> str | None:
+        """None while this process leads; else the leader's address ("" when none is known)."""
         if self.leader_address is None:
             return None
         leader = self.leader_address()
-        if leader is None:
-            return None
+        return None if leader is None else leader or ""
+
+    def _redirect_to(self, leader: str) -> pb.ControlMessage:
         self.counters["redirects"] += 1
-        return pb.ControlMessage(redirect=pb.Redirect(leader_addr=leader or "", reason="not the leader"))
+        why = "not the leader" if leader else "not the leader, and no live leader is known"
+        return pb.ControlMessage(redirect=pb.Redirect(leader_addr=leader, reason=why))
+
+    def _redirect(self) -> pb.ControlMessage | None:
+        leader = self._leader_elsewhere()
+        return None if leader is None else self._redirect_to(leader)
+
+    async def _hold(self) -> str | None:
+        """No leader is known: wait up to ``hold_s`` for this process to lead (None) or for a
+        leader to become known (its address); "" when neither happened."""
+        self.counters["held"] += 1
+        deadline = time.monotonic() + self.hold_s
+        self._holding += 1
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.create_task(self._watch_leadership(), name="heartbeat-hold-watch")
+        try:
+            while True:
+                leader = self._leader_elsewhere()
+                left = deadline - time.monotonic()
+                if leader != "" or left <= 0:
+                    return leader
+                try:
+                    await asyncio.wait_for(self._leader_news.wait(), left)
+                except TimeoutError:
+                    pass
+        finally:
+            self._holding -= 1
+
+    async def _watch_leadership(self) -> None:
+        """One poll for all held streams: wake them when a leader is known or this process leads."""
+        while self._holding > 0:
+            await asyncio.sleep(HOLD_POLL_S)
+            if self._leader_elsewhere() != "":
+                news, self._leader_news = self._leader_news, asyncio.Event()
+                news.set()
 
     async def _status(self, node_id: str, m: pb.TaskStatus) -> pb.ControlMessage:
         seen = self._seen.setdefault(node_id, {})
@@ -246,16 +306,23 @@ class _Servicer(pbg.ControlLinkServicer):
         md = context.invocation_metadata()
         node_id = metadata_value(md, NODE_ID_KEY)
         peer = context.peer()
-        verdict = s.authenticate(node_id, metadata_value(md, CREDENTIAL_KEY)) if node_id else False
-        if inspect.isawaitable(verdict):
-            verdict = await verdict
+        try:
+            verdict = s.authenticate(node_id, metadata_value(md, CREDENTIAL_KEY)) if node_id else False
+            if inspect.isawaitable(verdict):
+                verdict = await verdict
+        except Exception as e:  # the credentials are in Postgres: it is down or slow
+            log.warning("cannot check %s's credential now: %s", node_id, e)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{CONTROL_BUSY}: {type(e).__name__}")
+            return
         if not node_id or not verdict:
             await s._auth_failed(AuthFailure(node_id, peer, "bad or missing node credential"))
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad or missing node credential")
             return  # abort raises; this tells the type checker node_id is set below
-        redirect = s._redirect()
-        if redirect is not None:
-            yield redirect
+        leader = s._leader_elsewhere()
+        if leader == "" and s.hold_s > 0:
+            leader = await s._hold()
+        if leader is not None:
+            yield s._redirect_to(leader)
             return
         s.counters["streams"] += 1
         counters = s.counters

@@ -12,6 +12,7 @@ is accepted only from the node that holds the lease (a burn-in lease names its n
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -25,6 +26,10 @@ from store.tx import Pool
 log = logging.getLogger("gpufleet.control.auth")
 
 OWNERS_KEPT = 200_000
+# an unknown node makes the table be read again at once (issued a moment ago?), but not more
+# often than this: after a leader change every agent re-links at once, and in dev most
+# nodes have no issued credential, so one read per stream would be thousands of reads
+FORCED_REFRESH_MIN_S = 1.0
 
 
 class NodeAuth:
@@ -33,13 +38,21 @@ class NodeAuth:
         self.settings = settings
         self._digests: dict[str, str | None] = {}
         self._loaded_at = float("-inf")
+        self._reading: asyncio.Task | None = None  # the one read in flight; concurrent callers share it
         self._owners: dict[str, str] = {}  # lease -> node, as the store has it (a lease never moves)
 
     async def _refresh(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now - self._loaded_at >= self.settings.node_credentials_refresh_s:
-            self._digests = await node_credentials.digests(self.pool)
-            self._loaded_at = now
+        age = time.monotonic() - self._loaded_at
+        if age < (FORCED_REFRESH_MIN_S if force else self.settings.node_credentials_refresh_s):
+            return
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.create_task(self._read())
+        await asyncio.shield(self._reading)
+
+    async def _read(self) -> None:
+        started = time.monotonic()
+        self._digests = await node_credentials.digests(self.pool)
+        self._loaded_at = started
 
     async def verify(self, node_id: str, presented: str | None) -> bool:
         if not presented:

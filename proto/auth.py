@@ -20,6 +20,10 @@ from collections.abc import Iterable
 NODE_ID_KEY = "x-gpufleet-node-id"
 CREDENTIAL_KEY = "x-gpufleet-credential"
 AUTHORIZATION_KEY = "authorization"
+# the details of an UNAVAILABLE that control itself answers (it is up, but cannot check a
+# credential now: Postgres is unreachable). The agent counts it as an answer, not as the
+# address failing: it must still follow redirects to that process once Postgres is back
+CONTROL_BUSY = "control cannot serve the stream now"
 
 
 def node_credential(settings, node_id: str) -> str | None:

@@ -17,3 +17,10 @@ NODES = Gauge("gpufleet_nodes", "Nodes per health state (leader's view)", ["stat
 RECOVERIES = Counter("gpufleet_gang_recoveries_total", "Jobs ended by a node failure and re-queued", ["cause"])
 RECONCILE = Counter("gpufleet_reconciliation_total", "Reconciliation actions", ["action"])
 HOT_SPARES = Gauge("gpufleet_hot_spare_nodes", "Nodes held free as hot spares for restarts of large gangs")
+HEALTH_GUARD = Gauge(
+    "gpufleet_health_guard_engaged",
+    "1 while the mass-silence guard holds (so many nodes are silent at once that none is marked down for it)",
+)
+SILENT_NODES = Gauge(
+    "gpufleet_silent_nodes", "Nodes in service the leader has not heard for suspect_after_s (the guard's census)"
+)

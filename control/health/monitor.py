@@ -17,6 +17,12 @@ actions are carried out by its neighbours in this package: recovery of its gangs
 the store (``reconcile``). A node out of service (down / cordoned) stays out until its
 agent is back, reports no rank left and no live lease remains (or the self-fence window
 ``unconfirmed_kill_s x fence_margin`` has passed), then it burns in.
+
+Silence is judged from this leader's own takeover (``node_states.silence``), and every sweep
+first counts the silent nodes for the mass-silence guard (``silence_guard``): while so many
+are silent at once that the fault is likely the control plane's or the network's, no node is
+marked down and no job recovered for silence. The guard's changes are logged, audited
+(``health_guard``) and exported (``gpufleet_health_guard_engaged``).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from temporalio.client import Client
 from common.contracts import TaskStatus
 from common.settings import Settings
 from control.health.burn_in import BurnIns, is_burn_in
-from control.health.metrics import HOT_SPARES, NODE_TRANSITIONS, NODES
+from control.health.metrics import HEALTH_GUARD, HOT_SPARES, NODE_TRANSITIONS, NODES, SILENT_NODES
 from control.health.node_states import (
     Action,
     Decision,
@@ -46,12 +52,17 @@ from control.health.node_states import (
 )
 from control.health.reconcile import Reconciler, rank_views
 from control.health.recovery import Recoveries
+from control.health.silence_guard import GuardVerdict, SilenceCensus, count_silence, hold, judge
 from control.leader.state import LeaderState
 from store import nodes
+from store.audit import write_audit
 from store.errors import StaleEpoch
-from store.tx import Pool
+from store.leadership import check_epoch
+from store.tx import Pool, transaction
 
 log = logging.getLogger("gpufleet.control.health")
+
+GUARD_RECHECK_S = 0.5  # a census older than this is taken again before a node is marked down for silence
 
 
 def params_from_settings(s: Settings) -> HealthParams:
@@ -65,6 +76,8 @@ def params_from_settings(s: Settings) -> HealthParams:
         fatal_xids=frozenset(s.fatal_xids),
         ib_flap_threshold=s.ib_flap_threshold,
         idle_util_pct=s.hang_idle_util_pct,
+        mass_silence_fraction=s.health_mass_silence_fraction,
+        mass_silence_min_nodes=s.health_mass_silence_min_nodes,
     )
 
 
@@ -95,6 +108,12 @@ class HealthMonitor:
         self.silent_since: dict[str, float] = {}
         self.agent_addrs: dict[str, str | None] = {}  # node -> nodes.agent_addr as known written
         self.decisions: list[tuple[str, str, str, str]] = []  # (node, from, event, to) written (tests)
+        self.guard_engaged = False  # the mass-silence guard holds (silence_guard)
+        self.guard_since: float | None = None  # monotonic, while engaged
+        self.census = SilenceCensus(0, 0)
+        self._census_at = float("-inf")  # monotonic: when self.census was taken
+        self.guard_changes: list[tuple[float, bool, str]] = []  # (wall time, engaged, why) (tests, bench)
+        self._guard_unaudited: list[tuple[GuardVerdict, SilenceCensus, float | None]] = []
         self._dirty: set[str] = set()
         self._kick = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -138,6 +157,11 @@ class HealthMonitor:
         self.silent_since.clear()
         self.agent_addrs.clear()
         self._dirty.clear()
+        self.guard_engaged = False
+        self.guard_since = None
+        self._census_at = float("-inf")
+        self._guard_unaudited.clear()
+        HEALTH_GUARD.set(0)
         self.burn_ins.drop()
         self.recoveries.drop()
         self.reconciler.drop()
@@ -198,6 +222,7 @@ class HealthMonitor:
         if sweep:
             self._next_sweep = now + self.settings.health_sweep_s
             await self._read_admin_changes()
+            await self._judge_guard(epoch, now)
             todo = set(self.states)
         else:
             todo = set(self._dirty)
@@ -263,6 +288,16 @@ class HealthMonitor:
         await self._record_agent_addr(epoch, node_id)
         obs = self.observe(node_id, now)
         d = decide(obs, self.params, now)
+        if (
+            d is not None
+            and d.event == Event.LOST
+            and not self.guard_engaged
+            and now - self._census_at >= GUARD_RECHECK_S
+        ):
+            # a pass can take minutes (thousands of writes after a mass event): a node is not
+            # marked down on the census taken at its start
+            await self._judge_guard(epoch, now)
+        d = hold(d, engaged=self.guard_engaged)
         if obs.last_heartbeat_at is not None and now - obs.last_heartbeat_at < self.params.suspect_after_s:
             await self.reconciler.release_missing(node_id, obs, now)
         if self.states[node_id] == NodeState.BURN_IN:
@@ -354,6 +389,54 @@ class HealthMonitor:
                 rows = await self.state.lease_rows(self._live(node_id))
                 await self.recoveries.evict_drained(epoch, node_id, rows.values())
 
+    # ------------------------------------------------------------------ the mass-silence guard
+
+    def _last_heard(self, node_id: str) -> float | None:
+        entry = self._entry(node_id)
+        return entry.received_at if entry is not None else None
+
+    async def _judge_guard(self, epoch: int, now: float) -> None:
+        """Count the silent nodes; engage or release the guard (logged, audited, exported)."""
+        census = count_silence(
+            ((st, self._last_heard(n)) for n, st in self.states.items()), self.took_over_at, self.params, now
+        )
+        self.census = census
+        self._census_at = now
+        SILENT_NODES.set(census.silent)
+        verdict = judge(self.guard_engaged, census, self.params)
+        if verdict.changed:
+            held_s = now - self.guard_since if self.guard_since is not None else None
+            self.guard_engaged = verdict.engaged  # in memory first: holding is the safe side
+            self.guard_since = now if verdict.engaged else None
+            self.guard_changes.append((time.time(), verdict.engaged, verdict.why))
+            del self.guard_changes[:-100]
+            if verdict.engaged:
+                log.warning("mass-silence guard engaged: %s", verdict.why)
+            else:
+                log.warning("mass-silence guard released after %.1fs: %s", held_s or 0.0, verdict.why)
+            self._guard_unaudited.append((verdict, census, held_s))
+        HEALTH_GUARD.set(1 if self.guard_engaged else 0)
+        while self._guard_unaudited:
+            try:
+                await self._audit_guard(epoch, *self._guard_unaudited[0])
+            except StaleEpoch:
+                raise
+            except Exception as e:  # retried at the next sweep; the guard acts meanwhile
+                log.warning("mass-silence guard change not audited yet: %s", e)
+                return
+            self._guard_unaudited.pop(0)
+
+    async def _audit_guard(self, epoch: int, v: GuardVerdict, c: SilenceCensus, held_s: float | None) -> None:
+        detail = {
+            "engaged": v.engaged, "silent": c.silent, "in_service": c.in_service,
+            "fraction": round(c.fraction, 4), "threshold": self.params.mass_silence_fraction, "epoch": epoch,
+            **({"held_s": round(held_s, 1)} if held_s is not None else {}),
+        }  # fmt: skip
+        reason = ("engaged: " if v.engaged else "released: ") + v.why
+        async with transaction(self.pool) as conn:
+            await check_epoch(conn, self.settings.leader_scope, epoch)
+            await write_audit(conn, self.actor, "health_guard", "cluster", reason[:500], detail)
+
     # ------------------------------------------------------------------ misc
 
     def _gauges(self) -> None:
@@ -374,6 +457,11 @@ class HealthMonitor:
     def stats(self) -> dict[str, Any]:
         return {
             "states": {s.value: sum(1 for x in self.states.values() if x == s) for s in NodeState},
+            "guard": {
+                "engaged": self.guard_engaged,
+                "silent": self.census.silent,
+                "in_service": self.census.in_service,
+            },
             "recovering": self.recoveries.pending(),
             "restarts": [(r.job_id, r.cause, round(r.seconds, 2)) for r in self.recoveries.restarts[-20:]],
         }

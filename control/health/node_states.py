@@ -29,7 +29,7 @@ class NodeState(StrEnum):
 
 class Event(StrEnum):
     HEARTBEAT = "heartbeat"  # a fresh heartbeat with nothing fatal in it
-    SILENT = "silent"  # no heartbeat for suspect_after_s (never in the takeover quiet period)
+    SILENT = "silent"  # no heartbeat for suspect_after_s, counted from the takeover at the earliest
     LOST = "lost"  # no heartbeat for down_after_s
     FATAL = "fatal"  # fatal Xid, double-bit ECC, NVLink down, InfiniBand flaps past the threshold
     HANG = "hang"  # a rank's step counter stalled hang_after_s with its GPUs idle
@@ -148,6 +148,8 @@ class HealthParams:
     fatal_xids: frozenset[int] = frozenset({48, 63, 64, 74, 79, 94, 95})
     ib_flap_threshold: int = 5
     idle_util_pct: float = 1.0
+    mass_silence_fraction: float = 0.2  # the mass-silence guard (control.health.silence_guard)
+    mass_silence_min_nodes: int = 3
 
     @property
     def fence_window_s(self) -> float:
@@ -242,18 +244,30 @@ class Decision:
         return self.transition.to != self.frm
 
 
+def silent_since(last_heartbeat_at: float | None, took_over_at: float) -> float:
+    """Since when this leader has not heard the node: its latest heartbeat, but never before the
+    takeover. A node streaming to the previous leader had no way to reach this one earlier, so
+    its silence counts from the takeover at the earliest."""
+    return took_over_at if last_heartbeat_at is None else max(last_heartbeat_at, took_over_at)
+
+
 def silence(obs: NodeObservation, now: float) -> float:
-    """Seconds without a heartbeat; a node not heard since the takeover counts from the takeover."""
-    return now - (obs.last_heartbeat_at if obs.last_heartbeat_at is not None else obs.took_over_at)
+    """Seconds this leader has gone without a heartbeat from the node (``silent_since``)."""
+    return now - silent_since(obs.last_heartbeat_at, obs.took_over_at)
+
+
+def heard_recently(obs: NodeObservation, params: HealthParams, now: float) -> bool:
+    """A heartbeat within ``suspect_after_s``: what it reports is evidence about the node now."""
+    return obs.last_heartbeat_at is not None and now - obs.last_heartbeat_at < params.suspect_after_s
 
 
 def derive_event(
     obs: NodeObservation, params: HealthParams, now: float
 ) -> tuple[Event, str, tuple[RankView, ...]] | None:
     """The one event that describes the node now (the most severe first); None: nothing to say
-    (a node not heard yet in the takeover quiet period)."""
+    (not heard lately, but it has not had the whole suspect window to reach this leader yet)."""
     age = silence(obs, now)
-    if obs.last_heartbeat_at is not None and age < params.suspect_after_s:
+    if heard_recently(obs, params, now):
         faults = fatal_faults(obs.gpus, params)
         if faults:
             return Event.FATAL, "; ".join(faults[:8]), ()
@@ -275,6 +289,8 @@ def derive_event(
         return Event.HEARTBEAT, "", ()
     if now - obs.took_over_at < params.takeover_quiet_s:
         return None  # docs/design.md, Leadership: a new leader has not heard the heartbeats yet
+    if age < params.suspect_after_s:
+        return None  # the node has not had the whole suspect window to reach this leader
     if age >= params.down_after_s:
         return Event.LOST, f"no heartbeat for {age:.1f}s", ()
     return Event.SILENT, f"no heartbeat for {age:.1f}s", ()
@@ -347,8 +363,10 @@ __all__ = [
     "decide",
     "derive_event",
     "fatal_faults",
+    "heard_recently",
     "hung_ranks",
     "reconcile",
     "silence",
+    "silent_since",
     "transition",
 ]

@@ -6,6 +6,11 @@ loses it. It talks to Postgres only: nothing here waits on Temporal, so a Tempor
 outage never costs the lease. ``on_acquire(epoch)`` runs before the epoch is claimed
 (a failure resigns it at once); ``on_lose(why)`` when it goes.
 
+A follower reads the leader's row as it tries: ``leader_grpc_addr`` is the leader's address
+while its lease looks kept, and "" once the leader has missed two renewals (frozen or gone:
+agents are better off trying elsewhere than being sent back to it). The follower tries to
+take the row again the moment the lease it read runs out, not a renewal interval later.
+
     lead = Leadership(pool, settings, holder="c1", grpc_addr=addr, on_acquire=..., on_lose=...)
     task = asyncio.create_task(lead.run())
     ...
@@ -24,6 +29,8 @@ from store import leadership as rows
 from store.tx import Pool
 
 log = logging.getLogger("gpufleet.control.leader")
+
+STALE_SLACK_S = 0.5  # a renewal this late is not yet a missed one
 
 
 class Leadership:
@@ -44,7 +51,8 @@ class Leadership:
         self.on_acquire = on_acquire
         self.on_lose = on_lose
         self.epoch: int | None = None
-        self.leader_grpc_addr = ""  # the leader's, as a follower last read it
+        self._leader_addr = ""  # the leader's, as a follower last read it
+        self._leader_expires_at = 0.0  # monotonic: when that leader's lease runs out, as last read
         self._last_renew = 0.0
         self._stopping = asyncio.Event()
 
@@ -67,6 +75,9 @@ class Leadership:
                 if self.epoch is not None and time.monotonic() - self._last_renew > s.leader_ttl_s:
                     self.lose(f"no renewal for {s.leader_ttl_s}s")
             interval = s.leader_renew_s if self.epoch is not None else min(s.leader_renew_s, s.leader_ttl_s / 3)
+            left = self._leader_expires_at - time.monotonic()
+            if self.epoch is None and left > 0:  # try again the moment the lease read runs out
+                interval = min(interval, left + 0.05)
             try:
                 await asyncio.wait_for(self._stopping.wait(), interval)
             except TimeoutError:
@@ -78,8 +89,11 @@ class Leadership:
             self.pool, scope=self.scope, holder=self.holder, grpc_addr=self.grpc_addr, ttl_s=s.leader_ttl_s
         )
         if epoch is None:
-            self.leader_grpc_addr = await rows.leader_grpc_addr(self.pool, self.scope)
+            lease = await rows.leader_lease(self.pool, self.scope)
+            self._leader_addr = lease.grpc_addr if lease is not None else ""
+            self._leader_expires_at = time.monotonic() + (lease.expires_in_s if lease is not None else 0.0)
             return
+        self._leader_addr = ""
         self._last_renew = time.monotonic()
         log.info("control %s takes leadership with epoch %d", self.holder, epoch)
         try:
@@ -88,6 +102,19 @@ class Leadership:
             await rows.resign_leadership(self.pool, scope=self.scope, holder=self.holder, epoch=epoch)
             raise
         self.epoch = epoch
+
+    @property
+    def leader_grpc_addr(self) -> str:
+        """Where a follower sends agents: the leader's address while its lease looks kept; "" when
+        none is recorded or the leader has not renewed for two renewal intervals (it may be frozen
+        or gone; it is replaced once the lease runs out)."""
+        s = self.settings
+        if not self._leader_addr:
+            return ""
+        left = self._leader_expires_at - time.monotonic()
+        if left < max(0.0, s.leader_ttl_s - 2 * s.leader_renew_s - STALE_SLACK_S):
+            return ""
+        return self._leader_addr
 
     async def _renew(self) -> None:
         assert self.epoch is not None

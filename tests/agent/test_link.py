@@ -39,10 +39,11 @@ async def agent(settings, control):
 async def test_heartbeats_carry_the_design_fields_and_acks_confirm_leases(agent, control, tmp_path):
     node = agent.nodes["node-a"]
     res = await node.start_task(start_task("node-a", "lease-hb", script(tmp_path, "s.py", SLEEPER), gpus=(1, 3)))
+    started_ms = int(time.time() * 1000)  # heartbeat seqs are ms-based: the first one built after the start
 
     def running():
         e = control.server.table.get("node-a")
-        return e is not None and e.lease_ids == ["lease-hb"] and e
+        return e is not None and e.seq > started_ms and e.lease_ids == ["lease-hb"] and e
 
     entry = await wait_for(running, what="lease in a heartbeat")
     r = entry.report()
@@ -160,8 +161,10 @@ async def test_non_leaders_redirect_agents_to_the_leader(settings, control, tmp_
                      control_addresses=[follower.server.address, control.server.address])  # fmt: skip
     await a.start()
     try:
-        await wait_for(lambda: control.server.table.get("node-e"), what="heartbeat at the leader")
-        assert a.links["node-e"].connected_to == control.server.address
+        # the leader records the heartbeat before its acknowledgement reaches the agent
+        link = a.links["node-e"]
+        await wait_for(lambda: control.server.table.get("node-e") and link.connected_to == control.server.address,
+                       what="heartbeat at the leader, acknowledged")  # fmt: skip
         assert follower.server.table.get("node-e") is None and follower.server.counters["redirects"] >= 1
         # leadership moves: the old leader now redirects to the follower, which leads
         follower.server.leader_address = None

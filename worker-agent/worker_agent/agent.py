@@ -20,13 +20,17 @@ Per node: a ``NodeAgent`` (state dir, supervisors, epochs), a ``ControlLink``
 
 Temporal being unreachable never stops the node: ranks keep running, heartbeats
 and reports keep flowing over gRPC, and the workers are rebuilt when it is back.
+
+``simulated_ranks=True`` (benchmarks and tests only; no setting turns it on) hosts ranks
+without processes (``worker_agent.node``, "Simulated ranks"): how ``bench/takeover.py`` runs
+hundreds of jobs on thousands of simulated nodes on one machine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from common.temporal import connect, make_worker
 from worker_agent.link import ControlLink
@@ -50,6 +54,8 @@ class AgentProcess:
         temporal_address: str | None = None,
         control_addresses: list[str] | None = None,
         listen: str | None = None,
+        simulated_ranks: bool = False,
+        link_spread_s: float = 0.0,
     ) -> None:
         if not node_ids:
             raise ValueError("no nodes to host")
@@ -63,6 +69,10 @@ class AgentProcess:
         self.temporal_address = temporal_address
         self.control_addresses = control_addresses
         self.listen = listen
+        self.simulated_ranks = simulated_ranks
+        # benchmarks: the links start spread over this long, as a fleet's hosts come up over
+        # time, not all in the same instant (a leader change is what they measure)
+        self.link_spread_s = link_spread_s
         self.nodes: dict[str, NodeAgent] = {}
         self.links: dict[str, ControlLink] = {}
         self.http_log_addr = ""  # the API's HTTP log contract; advertised in heartbeats as agent_addr
@@ -76,20 +86,24 @@ class AgentProcess:
         s = self.settings
         if self.backend_kind == "real" and len(self.node_ids) > 1:
             raise ValueError("the real NVML backend hosts exactly one node per process")
+        if self.simulated_ranks and self.backend_kind == "real":
+            raise ValueError("simulated ranks run on simulated nodes only")
         self._http_log_server = LogHttpServer(s, self.nodes)
         self.http_log_addr = await self._http_log_server.start(self.listen or s.agent_http_listen)
         runtime = make_runtime(s)
         for node_id in self.node_ids:
             backend = make_backend(s, node_id, self.backend_kind)  # NvmlUnavailable: a clear error
             node = NodeAgent(
-                s, node_id, backend=backend, runtime=runtime, boot_id=self.boot_id, agent_addr=self.http_log_addr
-            )
+                s, node_id, backend=backend, runtime=runtime, boot_id=self.boot_id, agent_addr=self.http_log_addr,
+                simulated_ranks=self.simulated_ranks,
+            )  # fmt: skip
             await node.start()
             self.nodes[node_id] = node
-        for node_id, node in self.nodes.items():
+        for i, (node_id, node) in enumerate(self.nodes.items()):
             link = ControlLink(s, node, self.control_addresses)
             self.links[node_id] = link
-            self._tasks.append(asyncio.create_task(link.run(), name=f"link-{node_id}"))
+            delay = self.link_spread_s * i / len(self.nodes)
+            self._tasks.append(asyncio.create_task(_after(delay, link.run), name=f"link-{node_id}"))
         if self.temporal:
             self._tasks.append(asyncio.create_task(self._temporal_loop(), name="agent-temporal"))
         log.info(
@@ -156,6 +170,12 @@ class AgentProcess:
         if self._http_log_server is not None:
             await self._http_log_server.stop()
             self._http_log_server = None
+
+
+async def _after(delay: float, run: Callable[[], Awaitable[None]]) -> None:
+    if delay > 0:
+        await asyncio.sleep(delay)
+    await run()
 
 
 async def run_agent(settings, node_ids: Sequence[str], *, stop: asyncio.Event | None = None, **kwargs) -> None:

@@ -23,6 +23,16 @@ Rules it keeps:
   the exits it missed, and reports ranks of a previous boot as LOST;
 * TaskStatus reports wait in an outbox until the leader acknowledges them
   (``worker_agent.link`` retries them across reconnects).
+
+**Simulated ranks** (``NodeAgent(..., simulated_ranks=True)``; benchmarks and tests only,
+never a setting): ``start_task`` keeps every check above (epochs, GPUs, duplicates) but
+starts no process. The rank "runs" in this agent's memory until a StopTask (STOPPED, exit
+code 143) or until its lease has gone unconfirmed for ``unconfirmed_kill_s`` (FENCED, as its
+supervisor would kill it); heartbeats report it as running, so the leader confirms its lease
+and reconciliation sees it. It reports no steps (never a hang), writes no logs, and is not
+re-adopted by a restarted agent. It lets one machine host hundreds of running jobs on
+thousands of simulated nodes (``bench/takeover.py``), where a Python supervisor per rank
+would not fit.
 """
 
 from __future__ import annotations
@@ -96,6 +106,7 @@ class Lease:
     progress: Path | None = None  # the rank's progress file (in its work dir)
     reported: bool = False
     starting: bool = False  # start_task is bringing it up: the watcher keeps off
+    simulated: bool = False  # a simulated rank: no process, lives in memory (NodeAgent simulated_ranks)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -124,8 +135,10 @@ class NodeAgent:
         boot_id: str | None = None,
         agent_addr: str = "",
         host_env: dict[str, str] | None = None,
+        simulated_ranks: bool = False,
     ) -> None:
         self.settings = settings
+        self.simulated_ranks = simulated_ranks  # benchmarks and tests only (module docstring)
         self.node_id = node_id
         self.backend = backend
         self.runtime = runtime or ProcessRuntime()
@@ -341,6 +354,8 @@ class NodeAgent:
             clash = {g: busy[g] for g in req.gpu_indices if g in busy}
             if clash:
                 return refuse(f"GPUs busy: {clash}")
+            if self.simulated_ranks:
+                return self._start_simulated(req)
             d = self.leases_dir / req.lease_id
             d.mkdir(parents=True, exist_ok=True)
             user = self.rank_user(req.team)
@@ -397,6 +412,22 @@ class NodeAgent:
             self._update_busy()
             return StartTaskResult(lease_id=req.lease_id, epoch=req.epoch, accepted=True, pid=st.pid)
 
+    def _start_simulated(self, req: StartTask) -> StartTaskResult:
+        """A simulated rank (benchmarks and tests): running from now on, in memory only."""
+        now = sf.boot_clock()
+        st = Lease(task=req, dir=self.leases_dir / req.lease_id, epoch=req.epoch, started_clock=now,
+                   confirmed_clock=now, simulated=True)  # fmt: skip
+        self.leases[req.lease_id] = st
+        log.debug("%s: simulated rank of lease %s (job %s rank %s)", self.node_id, req.lease_id, req.job_id, req.rank)
+        self._emit(st, TaskState.STARTED)
+        self._update_busy()
+        return StartTaskResult(lease_id=req.lease_id, epoch=req.epoch, accepted=True, pid=None)
+
+    def _end_simulated(self, st: Lease, state: TaskState, reason: str, exit_code: int | None) -> None:
+        rec = {"state": state.value, "exit_code": exit_code, "signal": None, "reason": reason,
+               "finished_at": time.time(), "boot_id": self.boot_id, "by": "agent (simulated rank)"}  # fmt: skip
+        self._finish(st, rec)
+
     async def _await_rank(self, st: Lease) -> None:
         """Until the supervisor has recorded the rank's pid, or an exit, or the start deadline."""
         d = st.dir
@@ -434,7 +465,9 @@ class NodeAgent:
                 )
             self._record_epoch(req.lease_id, req.epoch)
             st.epoch = max(st.epoch, req.epoch)
-            if st.live and not (st.dir / sf.STOP).exists():
+            if st.live and st.simulated:
+                self._end_simulated(st, TaskState.STOPPED, req.reason or "stopped", 143)
+            elif st.live and not (st.dir / sf.STOP).exists():
                 grace = max(0.0, float(req.grace_seconds))
                 sf.write_json_atomic(
                     st.dir / sf.STOP,
@@ -452,6 +485,7 @@ class NodeAgent:
             exit_code=rec.get("exit_code"),
             checkpoint_uri=rec.get("checkpoint_uri") or st.checkpoint_uri,
             reason=f"{st.state.value}" + (f": {rec['reason']}" if rec.get("reason") else ""),
+            state=rec.get("state"),
         )
 
     async def _wait_stopped(self, st: Lease, grace: float) -> None:
@@ -491,6 +525,8 @@ class NodeAgent:
             if st is None or not st.live:
                 continue
             st.confirmed_clock = now
+            if st.simulated:
+                continue  # no supervisor reads the file
             try:
                 sf.write_json_atomic(st.dir / sf.CONFIRMED, {"clock": now, "boot_id": self.boot_id, "at": time.time()})
             except OSError as e:
@@ -676,6 +712,11 @@ class NodeAgent:
     def _check(self, st: Lease) -> None:
         """Look at one live rank's files: exit, progress, supervisor liveness."""
         if not st.live or st.starting:
+            return
+        if st.simulated:  # no files: only the self-fence its supervisor would carry out
+            unconfirmed = sf.boot_clock() - st.confirmed_clock
+            if unconfirmed > float(self.settings.unconfirmed_kill_s):
+                self._end_simulated(st, TaskState.FENCED, f"lease unconfirmed for {unconfirmed:.0f}s", None)
             return
         rec = sf.read_json(st.dir / sf.EXIT)
         if rec is not None:
