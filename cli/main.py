@@ -35,6 +35,10 @@ from cli.sim_cmd import sim as _sim  # noqa: E402  (imports sim/ lazily inside)
 
 app.command("sim")(_sim)
 
+from cli.chaos_cmd import chaos as _chaos  # noqa: E402  (imports chaos/ lazily inside)
+
+app.command("chaos")(_chaos)
+
 
 def _call(module: str, func: str, **kwargs: Any) -> Any:
     return getattr(importlib.import_module(module), func)(**kwargs)
@@ -235,6 +239,43 @@ def bench_e2e(
     )  # fmt: skip
     _print_result(result, as_json)
     hard_exit(0)
+
+
+@bench_app.command("takeover")
+def bench_takeover(
+    blocks: int = typer.Option(94, min=1, help="blocks of simulated nodes"),
+    nodes_per_block: int = typer.Option(32, min=1, help="simulated nodes (8 GPUs each) per block"),
+    jobs: int = typer.Option(300, min=0, help="running jobs besides the gang (1 GPU, 1 node, 2-node gangs)"),
+    gang_gpus: int = typer.Option(1024, min=0, help="GPUs of the one large gang (0: none)"),
+    freeze_s: float = typer.Option(30.0, min=0, help="how long the leader is frozen (SIGSTOP) before it is killed"),
+    observe_s: float = typer.Option(60.0, min=0, help="look on this long after the takeover"),
+    agent_procs: int = typer.Option(4, min=1, help="agent processes the nodes are spread over"),
+    setting: list[str] = typer.Option(
+        [], "--setting", help="KEY=VALUE (JSON or text) for a setting of the stack; repeatable"
+    ),
+    keep: bool = typer.Option(False, help="keep the state dir and logs (their path is in the result)"),
+    as_json: bool = typer.Option(
+        True, "--json/--no-json", help="one JSON object (default), or a table of every figure"
+    ),
+) -> None:
+    """A leader frozen then killed under a loaded cluster: takeover, re-linking, and nothing restarted."""
+    from common.temporal import hard_exit
+
+    overrides: dict[str, Any] = {}
+    for kv in setting:
+        key, sep, value = kv.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"{kv!r}: expected KEY=VALUE", param_hint="--setting")
+        try:
+            overrides[key.strip()] = json.loads(value)
+        except ValueError:
+            overrides[key.strip()] = value
+    result = _call(
+        "bench.takeover", "run", blocks=blocks, nodes_per_block=nodes_per_block, jobs=jobs, gang_gpus=gang_gpus,
+        freeze_s=freeze_s, observe_s=observe_s, agent_procs=agent_procs, overrides=overrides, keep=keep,
+    )  # fmt: skip
+    _print_result(result, as_json)
+    hard_exit(0 if result["jobs_restarted"] == 0 and result["nodes_marked_down"] == 0 else 1)
 
 
 def main() -> None:

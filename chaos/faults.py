@@ -1,0 +1,178 @@
+"""Injects a planned schedule (``chaos.schedule``) into a running ``ChaosStack``, one fault
+after another, and records each as a ``chaos.timeline.Fault`` (when it began, when the
+harness undid it, what it hit):
+
+* ``agent_kill``: SIGKILL an agent process (its ranks live on under their supervisors),
+  start it again after ``down_s``;
+* ``leader_stop``: SIGSTOP the leading control process past its lease, then SIGCONT;
+* ``leader_kill``: SIGKILL the leading control process, start it again after ``down_s``;
+* ``temporal_restart``: stop the Temporal dev server (SIGTERM, or SIGKILL when ``hard``) while
+  the workload submits a burst, and start it again on the same port and database file;
+* ``postgres_restart``: stop Postgres (fast, or immediate when ``hard``), start it again;
+* ``xid``: a fatal Xid (79) on a GPU of a running rank (simulated NVML); the GPU is repaired
+  (its faults cleared) after ``down_s``, so the node can burn in and return;
+* ``rank_hang``: the GPUs of a running training rank hang (utilization 0, its step counter
+  frozen in heartbeats) until cleared after ``down_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import asyncpg
+
+from chaos.schedule import PlannedFault
+from chaos.stack import ChaosStack
+from chaos.timeline import Fault
+from worker_agent.nvml import write_fault
+
+FATAL_XID = 79  # fallen off the bus
+
+
+class FaultInjector:
+    def __init__(
+        self,
+        stack: ChaosStack,
+        *,
+        burst: Callable[[int], Awaitable[None]] | None = None,
+        log: Callable[[str], None] = lambda _msg: None,
+    ) -> None:
+        self.stack = stack
+        self.burst = burst  # the workload submits n jobs now (while Temporal goes down)
+        self.log = log
+        self.faults: list[Fault] = []
+
+    async def run(self, plan: list[PlannedFault], t0: float) -> list[Fault]:
+        """Inject every planned fault at its time (or as soon as the previous one is undone)."""
+        for pf in plan:
+            delay = t0 + pf.at_s - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            fault = await self.inject(pf)
+            self.faults.append(fault)
+            self.log(f"fault {fault.kind} on {fault.target}: {fault.ended_at - fault.started_at:.1f}s")
+        return self.faults
+
+    async def inject(self, pf: PlannedFault) -> Fault:
+        kinds: dict[str, Callable[[PlannedFault], Awaitable[Fault]]] = {
+            "agent_kill": self.agent_kill,
+            "leader_stop": self.leader_stop,
+            "leader_kill": self.leader_kill,
+            "temporal_restart": self.temporal_restart,
+            "postgres_restart": self.postgres_restart,
+            "xid": self.xid,
+            "rank_hang": self.rank_hang,
+        }
+        return await kinds[pf.kind](pf)
+
+    # ------------------------------------------------------------------ processes
+
+    async def agent_kill(self, pf: PlannedFault) -> Fault:
+        agents = sorted(self.stack.agent_nodes)
+        name = agents[pf.pick % len(agents)]
+        t = time.time()
+        self.stack.kill(name)
+        await asyncio.sleep(pf.down_s)
+        self.stack.spawn(name)
+        return Fault("agent_kill", t, time.time(), name, tuple(self.stack.agent_nodes[name]), {"down_s": pf.down_s})
+
+    async def _leader(self, pf: PlannedFault) -> tuple[str, bool]:
+        """The leading control (True), or one picked when no one leads now (False)."""
+        try:
+            holder = await self.stack.leader_holder()
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+            holder = None
+        if holder in self.stack.commands:
+            return str(holder), True
+        controls = list(self.stack.layout.controls)
+        return controls[pf.pick % len(controls)], False
+
+    async def leader_stop(self, pf: PlannedFault) -> Fault:
+        name, leading = await self._leader(pf)
+        t = time.time()
+        self.stack.signal(name, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(pf.down_s)
+        finally:
+            self.stack.signal(name, signal.SIGCONT)
+        return Fault("leader_stop", t, time.time(), name, (), {"stopped_s": pf.down_s, "was_leading": leading})
+
+    async def leader_kill(self, pf: PlannedFault) -> Fault:
+        name, leading = await self._leader(pf)
+        t = time.time()
+        self.stack.kill(name)
+        await asyncio.sleep(pf.down_s)
+        self.stack.spawn(name)
+        return Fault("leader_kill", t, time.time(), name, (), {"down_s": pf.down_s, "was_leading": leading})
+
+    # ------------------------------------------------------------------ servers
+
+    async def temporal_restart(self, pf: PlannedFault) -> Fault:
+        burst: asyncio.Future[None] | None = None
+        if self.burst is not None:  # jobs being submitted and placed while the server goes
+            burst = asyncio.ensure_future(self.burst(3 + pf.pick % 3))
+            await asyncio.sleep(0.3)
+        t = time.time()
+        await self.stack.restart_temporal(pf.down_s, hard=pf.hard)
+        end = time.time()
+        if burst is not None:
+            await burst
+        return Fault("temporal_restart", t, end, "temporal", (), {"down_s": pf.down_s, "kill": pf.hard})
+
+    async def postgres_restart(self, pf: PlannedFault) -> Fault:
+        t = time.time()
+        await self.stack.restart_postgres(pf.down_s, immediate=pf.hard)
+        return Fault("postgres_restart", t, time.time(), "postgres", (), {"down_s": pf.down_s, "immediate": pf.hard})
+
+    # ------------------------------------------------------------------ GPUs
+
+    async def _running_leases(self, *, training: bool) -> list[dict[str, Any]]:
+        """Live leases of RUNNING jobs whose agents are up (training ranks only: they report steps)."""
+        assert self.stack.pool is not None
+        try:
+            rows = await self.stack.pool.fetch(
+                "SELECT l.lease_id, l.node_id, l.gpu_indices, j.spec::text AS spec FROM leases l"
+                " JOIN jobs j USING (job_id) WHERE l.state = 'live' AND j.state = 'RUNNING' ORDER BY l.lease_id"
+            )
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+            return []
+        up = {n for a, nodes in self.stack.agent_nodes.items() if self.stack.alive(a) for n in nodes}
+        return [
+            dict(r) for r in rows if r["node_id"] in up and (not training or "train_counter" in r["spec"])
+        ]  # fmt: skip
+
+    async def _target(self, pf: PlannedFault, *, training: bool) -> tuple[str, list[int], str]:
+        """(node, GPUs, what) of a running rank; waits a little for one, else any node's GPU 0."""
+        deadline = time.monotonic() + 15
+        while True:
+            leases = await self._running_leases(training=training)
+            if leases:
+                lz = leases[pf.pick % len(leases)]
+                return lz["node_id"], list(lz["gpu_indices"]), f"lease {lz['lease_id']}"
+            if time.monotonic() > deadline:
+                nodes = self.stack.nodes
+                return nodes[pf.pick % len(nodes)], [0], "no running rank: an idle GPU"
+            await asyncio.sleep(1.0)
+
+    async def xid(self, pf: PlannedFault) -> Fault:
+        node, gpus, what = await self._target(pf, training=False)
+        gpu = gpus[pf.pick % len(gpus)]
+        t = time.time()
+        write_fault(self.stack.state, node, gpu=gpu, xid=FATAL_XID)
+        await asyncio.sleep(pf.down_s)
+        write_fault(self.stack.state, node, gpu=gpu, clear=True)  # repaired: it may burn in and return
+        return Fault("xid", t, time.time(), f"{node} GPU {gpu}", (node,), {"xid": FATAL_XID, "hit": what})
+
+    async def rank_hang(self, pf: PlannedFault) -> Fault:
+        node, gpus, what = await self._target(pf, training=True)
+        t = time.time()
+        for g in gpus:
+            write_fault(self.stack.state, node, gpu=g, hang=True)
+        await asyncio.sleep(pf.down_s)
+        for g in gpus:
+            write_fault(self.stack.state, node, gpu=g, clear=True)
+        return Fault("rank_hang", t, time.time(), f"{node} GPUs {gpus}", (node,), {"hit": what})
