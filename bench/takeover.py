@@ -123,10 +123,10 @@ class _Agents:
         self.ready = 0
         self._readers: list[asyncio.Task] = []
 
-    async def start(self, settings: Any, nodes_file: Path, queue: str, log_dir: Path) -> None:
+    async def start(self, settings: Any, nodes_file: Path, queue: str, log_dir: Path, links: str = "own") -> None:
         with open(log_dir / f"agent-{len(self.procs)}.log", "ab") as log:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "bench.takeover", "agent", str(nodes_file), queue,
+                sys.executable, "-m", "bench.takeover", "agent", str(nodes_file), queue, links,
                 env=settings.to_env(), stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True,
             )  # fmt: skip
         self.procs.append(proc)
@@ -186,6 +186,7 @@ async def _bench(
     settle_s: float,
     agent_procs: int,
     overrides: dict[str, Any],
+    links: str = "own",
 ) -> dict[str, Any]:
     import httpx
 
@@ -256,7 +257,7 @@ async def _bench(
         for k, (group, queue) in enumerate(zip(groups, queues, strict=True)):
             nodes_file = root / f"nodes-{k}.txt"
             nodes_file.write_text("\n".join(group))
-            await agents.start(settings, nodes_file, queue, log_dir)
+            await agents.start(settings, nodes_file, queue, log_dir, links)
         await _until(leader, 180, "c1 leads")  # the agent processes start meanwhile
         c2 = _Control(settings, "c2", ports[1], log_dir)
         controls.append(c2)
@@ -404,6 +405,8 @@ async def _bench(
             "nodes_per_block": nodes_per_block,
             "gpus": total,
             "agent_processes": agent_procs,
+            # own: one connection per node, as real agents; shared: one per agent process and address
+            "agent_links": links,
             "running_jobs_before": len(before),
             "gang_gpus": gang_gpus if gang_id else 0,
             "gang_blocks_after": gang_blocks,
@@ -464,6 +467,7 @@ def run(
     agent_procs: int = 4,
     overrides: dict[str, Any] | None = None,
     keep: bool = False,
+    shared_connections: bool = False,
 ) -> dict[str, Any]:
     """Run the benchmark once on a fresh stack (see the module docstring); ``overrides`` are
     settings (tests scale the timings down); ``keep`` keeps the logs and state dir."""
@@ -480,7 +484,7 @@ def run(
             _bench(
                 root, log_dir, blocks=blocks, nodes_per_block=nodes_per_block, jobs=jobs, gang_gpus=gang_gpus,
                 freeze_s=freeze_s, observe_s=observe_s, settle_s=settle_s, agent_procs=max(1, min(agent_procs, blocks * nodes_per_block)),
-                overrides=dict(overrides or {}),
+                overrides=dict(overrides or {}), links="shared" if shared_connections else "own",
             )
         )  # fmt: skip
         result["logs"] = str(log_dir) if keep else None
@@ -493,7 +497,7 @@ def run(
 # ---------------------------------------------------------------------- the agent process
 
 
-async def _agent_main(nodes_file: str, queue: str) -> None:
+async def _agent_main(nodes_file: str, queue: str, links: str = "own") -> None:
     """Host the nodes of ``nodes_file`` with simulated ranks, serving their activities on
     ``queue``; print ``ready``, then a ``linked NODE ADDR WALLTIME`` line whenever a node's
     stream is acknowledged by another control address than before (WALLTIME: its latest
@@ -507,7 +511,7 @@ async def _agent_main(nodes_file: str, queue: str) -> None:
     node_ids = [n for n in Path(nodes_file).read_text().split() if n]
     # the links come up over a few seconds (about 100 a second), as a running fleet's did
     agent = AgentProcess(settings, node_ids, backend="simulated", temporal=False, simulated_ranks=True,
-                         link_spread_s=len(node_ids) / 100)  # fmt: skip
+                         link_spread_s=len(node_ids) / 100, link_own_connection=links == "own")  # fmt: skip
     await agent.start()
     client = await connect(settings)
     worker = make_worker(client, queue, activities=FleetActivities(agent.nodes).activities())
@@ -535,7 +539,7 @@ async def _agent_main(nodes_file: str, queue: str) -> None:
 if __name__ == "__main__":  # python -m bench.takeover agent NODES_FILE TASK_QUEUE (the bench's agent process)
     import logging
 
-    if sys.argv[1:2] != ["agent"] or len(sys.argv) != 4:
+    if sys.argv[1:2] != ["agent"] or len(sys.argv) not in (4, 5):
         sys.exit("usage: python -m bench.takeover agent NODES_FILE TASK_QUEUE")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_agent_main(sys.argv[2], sys.argv[3]))
+    asyncio.run(_agent_main(*sys.argv[2:]))

@@ -254,6 +254,9 @@ def bench_takeover(
         [], "--setting", help="KEY=VALUE (JSON or text) for a setting of the stack; repeatable"
     ),
     keep: bool = typer.Option(False, help="keep the state dir and logs (their path is in the result)"),
+    shared_connections: bool = typer.Option(
+        False, help="the simulated nodes of one agent process share a connection to each control (not one each)"
+    ),
     as_json: bool = typer.Option(
         True, "--json/--no-json", help="one JSON object (default), or a table of every figure"
     ),
@@ -273,6 +276,7 @@ def bench_takeover(
     result = _call(
         "bench.takeover", "run", blocks=blocks, nodes_per_block=nodes_per_block, jobs=jobs, gang_gpus=gang_gpus,
         freeze_s=freeze_s, observe_s=observe_s, agent_procs=agent_procs, overrides=overrides, keep=keep,
+        shared_connections=shared_connections,
     )  # fmt: skip
     _print_result(result, as_json)
     hard_exit(0 if result["jobs_restarted"] == 0 and result["nodes_marked_down"] == 0 else 1)

@@ -186,6 +186,10 @@ def test_the_link_has_its_own_connection_and_keepalive_with_a_deadline(settings)
     assert opts["grpc.use_local_subchannel_pool"] == 1
     assert opts["grpc.keepalive_timeout_ms"] == int(ACK_S * 1000)
     assert 0 < opts["grpc.keepalive_time_ms"] <= 30_000
+    # a benchmark may let one process's simulated nodes share a connection; keepalive stays
+    shared = dict(channel_options(settings, own_connection=False))
+    assert "grpc.use_local_subchannel_pool" not in shared
+    assert shared["grpc.keepalive_timeout_ms"] == opts["grpc.keepalive_timeout_ms"]
 
 
 def test_a_failed_address_sits_out_a_lease_lifetime_of_the_rotation_while_another_answers(settings):

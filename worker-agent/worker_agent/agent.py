@@ -56,6 +56,7 @@ class AgentProcess:
         listen: str | None = None,
         simulated_ranks: bool = False,
         link_spread_s: float = 0.0,
+        link_own_connection: bool = True,
     ) -> None:
         if not node_ids:
             raise ValueError("no nodes to host")
@@ -73,6 +74,7 @@ class AgentProcess:
         # benchmarks: the links start spread over this long, as a fleet's hosts come up over
         # time, not all in the same instant (a leader change is what they measure)
         self.link_spread_s = link_spread_s
+        self.link_own_connection = link_own_connection  # benchmarks only (worker_agent.link.channel_options)
         self.nodes: dict[str, NodeAgent] = {}
         self.links: dict[str, ControlLink] = {}
         self.http_log_addr = ""  # the API's HTTP log contract; advertised in heartbeats as agent_addr
@@ -100,7 +102,7 @@ class AgentProcess:
             await node.start()
             self.nodes[node_id] = node
         for i, (node_id, node) in enumerate(self.nodes.items()):
-            link = ControlLink(s, node, self.control_addresses)
+            link = ControlLink(s, node, self.control_addresses, own_connection=self.link_own_connection)
             self.links[node_id] = link
             delay = self.link_spread_s * i / len(self.nodes)
             self._tasks.append(asyncio.create_task(_after(delay, link.run), name=f"link-{node_id}"))

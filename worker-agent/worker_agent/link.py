@@ -61,10 +61,12 @@ MAX_REDIRECT_HOPS = 3
 MAX_PENALTY_DOUBLINGS = 3  # an address failing again and again is skipped for at most 8 x the ack timeout
 
 
-def channel_options(settings) -> list[tuple[str, int]]:
-    """gRPC options of one link's channel: keepalive with a deadline, its own connection."""
+def channel_options(settings, *, own_connection: bool = True) -> list[tuple[str, int]]:
+    """gRPC options of one link's channel: keepalive with a deadline, its own connection
+    (``own_connection=False``: the links of one process to one address share a connection,
+    as a benchmark hosting thousands of simulated nodes in a few processes may want)."""
     interval = float(settings.heartbeat_interval_s)
-    return [
+    options = [
         ("grpc.keepalive_time_ms", int(1000 * min(30.0, max(2.0, 2 * interval)))),
         ("grpc.keepalive_timeout_ms", int(1000 * float(settings.agent_ack_timeout_s))),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -72,9 +74,10 @@ def channel_options(settings) -> list[tuple[str, int]]:
         ("grpc.enable_retries", 0),
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2_000),
-        # one connection per link: a dead connection is never shared by other nodes' streams
-        ("grpc.use_local_subchannel_pool", 1),
     ]
+    if own_connection:  # one connection per link: a dead connection is never shared by other nodes' streams
+        options.append(("grpc.use_local_subchannel_pool", 1))
+    return options
 
 
 class _Redirected(Exception):
@@ -84,7 +87,9 @@ class _Redirected(Exception):
 
 
 class ControlLink:
-    def __init__(self, settings, node: NodeAgent, addresses: list[str] | None = None) -> None:
+    def __init__(
+        self, settings, node: NodeAgent, addresses: list[str] | None = None, *, own_connection: bool = True
+    ) -> None:
         self.settings = settings
         self.node = node
         self.addresses = list(dict.fromkeys(addresses or settings.control_addresses))  # configured, then learned
@@ -99,7 +104,7 @@ class ControlLink:
         self.connect_timeout = float(settings.agent_connect_timeout_s)
         # the rotation skips a failed address this long at least: a leader's lease lifetime
         self.lease_s = float(settings.leader_ttl_s)
-        self.options = channel_options(settings)
+        self.options = channel_options(settings, own_connection=own_connection)
         self.connected_to: str | None = None  # the leader we are streaming to, when acknowledged
         self.acks = 0
         self.last_ack_at: float | None = None
