@@ -26,10 +26,6 @@ from store.tx import Pool
 log = logging.getLogger("gpufleet.control.auth")
 
 OWNERS_KEPT = 200_000
-# an unknown node makes the table be read again at once (issued a moment ago?), but not more
-# often than this: after a leader change every agent re-links at once, and in dev most
-# nodes have no issued credential, so one read per stream would be thousands of reads
-FORCED_REFRESH_MIN_S = 1.0
 
 
 class NodeAuth:
@@ -42,12 +38,21 @@ class NodeAuth:
         self._owners: dict[str, str] = {}  # lease -> node, as the store has it (a lease never moves)
 
     async def _refresh(self, force: bool = False) -> None:
-        age = time.monotonic() - self._loaded_at
-        if age < (FORCED_REFRESH_MIN_S if force else self.settings.node_credentials_refresh_s):
+        """Read the table when it is older than the refresh interval, or (``force``: an unknown
+        node, issued a moment ago?) when no read has started since this call. Callers share
+        reads: after a leader change every agent re-links at once, and in dev most nodes have
+        no issued credential, so one read per stream would be thousands of reads."""
+        asked_at = time.monotonic()
+        if not force and asked_at - self._loaded_at < self.settings.node_credentials_refresh_s:
             return
-        if self._reading is None or self._reading.done():
-            self._reading = asyncio.create_task(self._read())
-        await asyncio.shield(self._reading)
+        while self._loaded_at < asked_at:
+            if self._reading is None or self._reading.done():
+                self._reading = asyncio.create_task(self._read())
+            reading = self._reading
+            await asyncio.shield(reading)
+            if self._reading is reading and self._loaded_at < asked_at:
+                # the read we waited for had started before we asked: start one now
+                self._reading = None
 
     async def _read(self) -> None:
         started = time.monotonic()
