@@ -233,6 +233,24 @@ class Settings(BaseSettings):
         0.1, description="least time between two placement cycles (a burst of changes runs one cycle)"
     )
 
+    # --- observability (docs/design.md, Observability) ---------------------------
+    control_metrics_listen: str = Field(
+        "127.0.0.1:9101",
+        description="where a control process serves Prometheus /metrics (host:port; port 0 = any free port)",
+    )
+    gpu_hour_usd: float = Field(
+        2.08, ge=0, description="what one GPU-hour costs, for the idle-cost metrics ($1.2M/day over 24,000 GPUs)"
+    )
+    idle_gpu_util_pct: float = Field(
+        5.0, ge=0, le=100, description="a lease whose GPUs' mean SM use stays below this is idle"
+    )
+    idle_gpu_after_s: float = Field(
+        600.0, gt=0, description="below idle_gpu_util_pct this long: the lease is allocated-but-idle"
+    )
+    gpu_use_flush_s: float = Field(
+        15.0, gt=0, description="how often the leader writes the leases' GPU use and idle marks to Postgres"
+    )
+
     # --- health (docs/design.md, Health) -----------------------------------------
     heartbeat_interval_s: float = Field(5.0, description="agent heartbeat interval")
     suspect_after_s: float = Field(30.0, description="no heartbeat this long: node suspect")
