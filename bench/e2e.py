@@ -270,6 +270,7 @@ async def _bench(
             database_url=dsn,
             temporal_address=address,
             control_grpc_port=_free_port(),
+            control_metrics_listen="127.0.0.1:0",
             agent_task_queue_mode="shared",
             api_tokens={token: Principal(name="bench", team="bench")},
             max_queued_per_team=max(5000, jobs),

@@ -93,6 +93,7 @@ class _Control:
         self.addr = f"127.0.0.1:{port}"
         env = settings.to_env()
         env["GPUFLEET_CONTROL_GRPC_PORT"] = str(port)
+        env["GPUFLEET_CONTROL_METRICS_LISTEN"] = "127.0.0.1:0"  # several controls on one host
         with open(log_dir / f"{holder}.log", "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "cli.main", "control", "--holder", holder, "--log-level", "WARNING"],

@@ -158,6 +158,7 @@ class ChaosStack:
             api_port=api_port,
             control_grpc_host="127.0.0.1",
             control_grpc_port=grpc_ports[0],
+            control_metrics_listen="127.0.0.1:0",  # several controls on one host
             control_addresses=[f"127.0.0.1:{p}" for p in grpc_ports],
             control_job_workers=self.layout.job_workers,
             agent_rank_isolation=False,  # ranks run this venv's python

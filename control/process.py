@@ -45,9 +45,11 @@ from control.health.monitor import HealthMonitor
 from control.job_workers import JobWorkerChildren, control_queue_worker
 from control.leader.cycle import PlacementCycles
 from control.leader.leadership import Leadership
+from control.leader.metrics import ControlMetrics
 from control.leader.signals import JobSignals
 from control.leader.state import LeaderState
 from control.leader.workflows import WorkflowOwnership
+from control.metrics_http import MetricsServer
 from control.node_auth import NodeAuth
 from control.report_delivery import ReportDelivery
 from store import leadership as leadership_rows
@@ -95,6 +97,9 @@ class ControlProcess:
         self.node_auth: NodeAuth | None = None
         self.health: HealthMonitor | None = None
         self.job_workers: JobWorkerChildren | None = None
+        self.metrics: ControlMetrics | None = None
+        self.metrics_server: MetricsServer | None = None
+        self.metrics_url = ""
         self._workers: list[Any] = []
         self._tasks: list[asyncio.Task] = []
         self._cycle_task: asyncio.Task | None = None
@@ -134,7 +139,10 @@ class ControlProcess:
             self._client = await connect(s)
         self.signals = JobSignals(self.pool, self.client, s)
         self.leader = LeaderState(self.pool, s, self.signals)
-        self.cycles = PlacementCycles(self.leader, self.signals, self.client, actor=f"placement:{self.holder}")
+        self.metrics = ControlMetrics(self.holder, s.gpu_hour_usd)
+        self.cycles = PlacementCycles(
+            self.leader, self.signals, self.client, actor=f"placement:{self.holder}", metrics=self.metrics
+        )
         self.reports = ReportDelivery(self.pool, self.client, s)
         self.ownership = WorkflowOwnership(self.pool, self.client, s, actor=f"control:{self.holder}")
         self.node_auth = NodeAuth(self.pool, s)
@@ -146,6 +154,8 @@ class ControlProcess:
             table=lambda: self.heartbeats.table if self.heartbeats is not None else None,
             forward_status=self.reports.submit,
             actor=f"health:{self.holder}",
+            metrics=self.metrics,
+            idle_victims_first=self.cycles.policy.idle_victims_first,
         )
         if self.grpc:
             from control.heartbeat_server import HeartbeatServer
@@ -176,12 +186,15 @@ class ControlProcess:
         leading = lambda: self.is_leader  # noqa: E731
         self._tasks.append(asyncio.create_task(self.reports.run(leading), name="report-delivery"))
         self._tasks.append(asyncio.create_task(self.ownership.run(leading), name="workflow-ownership"))
+        if s.control_metrics_listen:
+            self.metrics_server = MetricsServer(self.metrics.registry, s.control_metrics_listen)
+            self.metrics_url = self.metrics_server.start()
         await self._listen()
         self.leadership = Leadership(
             self.pool, s, holder=self.holder, grpc_addr=self.grpc_addr, on_acquire=self._take_over, on_lose=self._lose
         )
         self._tasks.append(asyncio.create_task(self.leadership.run(), name="leadership"))
-        log.info("control %s up (gRPC %s)", self.holder, self.grpc_addr or "-")
+        log.info("control %s up (gRPC %s, metrics %s)", self.holder, self.grpc_addr or "-", self.metrics_url or "-")
 
     async def stop(self, *, resign: bool = True) -> None:
         """Stop cleanly: resign leadership (a successor need not wait for expiry), stop
@@ -208,6 +221,9 @@ class ControlProcess:
             if not t.done():
                 t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+            self.metrics_server = None
         if self._own_pool and self._pool is not None:
             await self._pool.close()
 
@@ -220,17 +236,21 @@ class ControlProcess:
     async def _take_over(self, epoch: int) -> None:
         """Runs before the epoch is claimed; an exception resigns it (Leadership)."""
         assert self.leader is not None and self.cycles is not None and self.health is not None
+        assert self.metrics is not None
         try:
             await self.leader.take_over(epoch)
         except Exception:
             self.leader.drop()
             raise
         self.cycles.forget_publications()
+        self.metrics.took_over(epoch)
         await self.health.take_over(epoch)  # its quiet period starts now
         self._cycle_task = asyncio.create_task(self.cycles.run(epoch), name="placement-cycles")
         self._tasks.append(asyncio.create_task(self._retire_placement_workflow(), name="retire-placement-workflow"))
 
     def _lose(self, why: str) -> None:
+        if self.metrics is not None:
+            self.metrics.lost()
         if self._cycle_task is not None:
             self._cycle_task.cancel()
             self._cycle_task = None

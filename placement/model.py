@@ -275,6 +275,10 @@ class Policy:
       this long since submit may also reclaim other teams' borrowed jobs of *higher* classes
       (never prod-serving) smaller than ``reserve_min_gpus``. None: only borrowed work of its
       own class and lower classes (docs/design.md's victims).
+    * ``idle_victims_first``: a borrowed job whose GPUs the agents read idle (below
+      ``idle_gpu_util_pct`` for ``idle_gpu_after_s``) is the cheapest victim: it does no work
+      to lose. The driver marks such jobs (``ClusterState.set_idle``) only under this field;
+      the simulator has no GPU readings, so it never does.
     """
 
     lookahead: int = 2000
@@ -305,6 +309,7 @@ class Policy:
     guaranteed_gangs_reserve_first: bool = True
     claim_borrowed_reservations_after_s: float | None = 300.0
     reclaim_small_borrowed_after_s: float | None = 300.0
+    idle_victims_first: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):

@@ -143,6 +143,7 @@ class RunningJob:
         "borrowed",
         "charge",
         "held",
+        "idle",
         "last_checkpoint_at",
         "preempting_for",
         "slots",
@@ -168,6 +169,7 @@ class RunningJob:
         self.vkey: tuple[float, str] | None = None  # its key in the victim list, when listed
         self.vcat: tuple[int, bool] | None = None  # its victim category, when counted
         self.young = False  # still protected: counted, not listed yet
+        self.idle = False  # its GPUs sit idle (agents' readings; Policy.idle_victims_first)
 
     @property
     def job_id(self) -> str:
@@ -191,7 +193,11 @@ class RunningJob:
 
     @property
     def lost_since(self) -> float:
-        """Work since this time is lost if preempted now (last checkpoint, or start)."""
+        """Work since this time is lost if preempted now (last checkpoint, or start).
+
+        A borrowed job whose GPUs sit idle does no work to lose: it is the cheapest victim."""
+        if self.idle and self.borrowed:
+            return math.inf
         if self.spec.preemptible and self.last_checkpoint_at is not None:
             return max(self.last_checkpoint_at, self.started_at)
         return self.started_at
@@ -796,6 +802,19 @@ class ClusterState:
     def _restore_ckpt(self, rj: RunningJob, at: float | None) -> None:
         self._victim_remove(rj)
         rj.last_checkpoint_at = at
+        self._victim_add(rj)
+
+    def set_idle(self, job_id: str, idle: bool) -> None:
+        """The job's GPUs sit idle, or are in use again (the leader's reading of the agents)."""
+        rj = self.running(job_id)
+        if rj.idle == idle:
+            return
+        self._flip_idle(rj)
+        self._log(self._flip_idle, rj)
+
+    def _flip_idle(self, rj: RunningJob) -> None:
+        self._victim_remove(rj)
+        rj.idle = not rj.idle
         self._victim_add(rj)
 
     def set_borrowed(self, job_id: str, borrowed: bool) -> None:

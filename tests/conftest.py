@@ -28,6 +28,8 @@ hypothesis_settings.load_profile(os.environ.get("GPUFLEET_HYPOTHESIS_PROFILE", "
 os.environ.setdefault("GPUFLEET_STRICT_JOB_TRANSITIONS", "true")
 # the tests run a dev platform (dev secrets allowed); tests of a production start say so
 os.environ.setdefault("GPUFLEET_ENV", "dev")
+# many control processes per test session: each serves /metrics on a free port
+os.environ.setdefault("GPUFLEET_CONTROL_METRICS_LISTEN", "127.0.0.1:0")
 # the tests' ranks run this venv's interpreter, which an unprivileged user may not reach (CI
 # keeps it under /root): ranks run as the agent's user; tests/security turns isolation on
 os.environ.setdefault("GPUFLEET_AGENT_RANK_ISOLATION", "false")

@@ -38,6 +38,7 @@ from temporalio.client import Client
 from common.contracts import TaskStatus
 from common.settings import Settings
 from control.health.burn_in import BurnIns, is_burn_in
+from control.health.gpu_use import GpuUse
 from control.health.metrics import HEALTH_GUARD, HOT_SPARES, NODE_TRANSITIONS, NODES, SILENT_NODES
 from control.health.node_states import (
     Action,
@@ -53,6 +54,7 @@ from control.health.node_states import (
 from control.health.reconcile import Reconciler, rank_views
 from control.health.recovery import Recoveries
 from control.health.silence_guard import GuardVerdict, SilenceCensus, count_silence, hold, judge
+from control.leader.metrics import ControlMetrics
 from control.leader.state import LeaderState
 from store import nodes
 from store.audit import write_audit
@@ -92,6 +94,8 @@ class HealthMonitor:
         table: Callable[[], Any],  # -> control.agent_link.HeartbeatTable | None
         forward_status: Callable[[TaskStatus], None] | None = None,
         actor: str = "health",
+        metrics: ControlMetrics | None = None,
+        idle_victims_first: bool = True,
     ) -> None:
         self.pool = pool
         self.client = client
@@ -122,7 +126,9 @@ class HealthMonitor:
         self.burn_ins = BurnIns(
             client, settings, self.params, node_info=state.nodes.get, kick=self.kick, spawn=self._spawn
         )
-        self.recoveries = Recoveries(pool, client, settings, actor=actor)
+        self.metrics = metrics
+        self.recoveries = Recoveries(pool, client, settings, actor=actor, on_failure=self._failure_lost)
+        self.gpu_use = GpuUse(pool, settings, state, table, metrics=metrics, idle_victims_first=idle_victims_first)
         self.reconciler = Reconciler(
             pool, settings, state, self.burn_ins, actor=actor, forward_status=forward_status, spawn=self._spawn
         )
@@ -165,6 +171,7 @@ class HealthMonitor:
         self.burn_ins.drop()
         self.recoveries.drop()
         self.reconciler.drop()
+        self.gpu_use.drop()
 
     async def stop(self) -> None:
         task = self._task
@@ -235,6 +242,7 @@ class HealthMonitor:
             await self._resignal_recoveries()
             await self.recoveries.measure_restarts()
             await self._evict_drained(epoch)
+            await self.gpu_use.pass_(self.took_over_at)
             self._gauges()
 
     async def _read_admin_changes(self) -> None:
@@ -448,6 +456,13 @@ class HealthMonitor:
         cluster = self.state.cluster
         if cluster is not None:
             HOT_SPARES.set(sum(len(cluster.spares(j)) for j in cluster.spare_owners()))
+
+    def _failure_lost(self, cause: str, job_id: str, failed_at: float) -> None:
+        """Count the work a node failure threw away: the job's GPUs since its last checkpoint."""
+        cluster = self.state.cluster
+        rj = cluster.get_running(job_id) if cluster is not None else None
+        if rj is not None and self.metrics is not None:
+            self.metrics.failed(cause, rj.charge * max(0.0, failed_at - rj.lost_since))
 
     def _spawn(self, coro: Any) -> None:
         t = asyncio.create_task(coro)

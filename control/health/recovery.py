@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from temporalio.client import Client
@@ -57,8 +57,17 @@ class RestartSample:
 class Recoveries:
     """The jobs this leader is recovering from node failures, and the drains it evicts."""
 
-    def __init__(self, pool: Pool, client: Client, settings: Settings, *, actor: str) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        client: Client,
+        settings: Settings,
+        *,
+        actor: str,
+        on_failure: Callable[[str, str, float], None] = lambda cause, job_id, failed_at: None,
+    ) -> None:
         self.pool = pool
+        self.on_failure = on_failure  # (cause, job id, failed at): counts the work it lost
         self.client = client
         self.settings = settings
         self.actor = actor
@@ -83,6 +92,7 @@ class Recoveries:
                 rec = _Recovery(lz.job_id, lz.attempt, node_id, cause, failed_at)
                 self.recovering[key] = rec
                 RECOVERIES.labels(cause).inc()
+                self.on_failure(cause, lz.job_id, failed_at)
                 log.warning(
                     "recovering job %s attempt %d: node %s %s (%s)", lz.job_id, lz.attempt, node_id, cause, d.detail
                 )

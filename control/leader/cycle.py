@@ -35,6 +35,7 @@ from typing import Any
 from temporalio.client import Client
 
 import placement as engine
+from control.leader.metrics import ControlMetrics
 from control.leader.signals import JobSignals
 from control.leader.state import LeaderState, policy_from_settings
 from placement import Placement, Plan, Policy, iter_order
@@ -84,6 +85,7 @@ class PlacementCycles:
         actor: str = "placement",
         policy: Policy | None = None,
         on_cycle: Callable[[CycleStats], None] = lambda _: None,
+        metrics: ControlMetrics | None = None,
     ) -> None:
         self.state = state
         self.signals = signals
@@ -94,6 +96,7 @@ class PlacementCycles:
         self.scope = self.settings.leader_scope
         self.actor = actor
         self.on_cycle = on_cycle
+        self.metrics = metrics
         self.cycles = 0
         self.last: CycleStats | None = None
         self._wake = asyncio.Event()
@@ -155,6 +158,8 @@ class PlacementCycles:
             stats.duration_ms = (time.perf_counter() - t0) * 1000
             stats.queued = len(state.queue)
             self.last = stats
+            if self.metrics is not None and state.cluster is not None:
+                self.metrics.observe_cycle(state.cluster, state.queue, stats.duration_ms / 1000, time.time())
         self.on_cycle(stats)
         return stats
 
@@ -192,11 +197,17 @@ class PlacementCycles:
             if res is not None:
                 committed.add(res.job_id)
                 allocated.append(res)
+        if self.metrics is not None:
+            backfill = {p.job_id: p.backfill for p in plan.placements}
+            for a in allocated:
+                self.metrics.placed(state.jobs[a.job_id].spec, backfill.get(a.job_id, False), now)
         preempts: list[m.PreemptRequest] = []
         for pr in plan.preemptions:
             job = state.jobs.get(pr.victim)
             if job is None:
                 continue
+            victim = cluster.get_running(pr.victim)
+            lost_gpu_s = victim.charge * max(0.0, now - victim.lost_since) if victim is not None else 0.0
             o = await job_states.mark_preempting(
                 self.pool,
                 scope=self.scope,
@@ -209,6 +220,8 @@ class PlacementCycles:
             if o.applied:
                 committed.add(pr.victim)
                 job.state = JobState.PREEMPTING
+                if self.metrics is not None:
+                    self.metrics.preempted(pr.reason.value, job.spec, lost_gpu_s, pr.beneficiary, now)
                 preempts.append(m.PreemptRequest(pr.victim, job.attempt, epoch, f"{pr.reason.value}", pr.beneficiary))
         try:
             engine.apply(cluster, plan, state.queue, now, committed=committed)
