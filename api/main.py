@@ -17,12 +17,13 @@ import asyncpg
 from fastapi import FastAPI
 from temporalio.client import Client
 
+from api import metrics
 from api.auth import TokenTable
 from api.errors import install_error_handlers
 from api.gateway import TemporalGateway
 from api.middleware import EdgeMiddleware
 from api.rate_limits import EdgeLimits
-from api.routes import jobs, nodes, system, teams
+from api.routes import cluster, jobs, nodes, system, teams
 from common.db import create_pool
 from common.settings import Settings
 
@@ -68,11 +69,15 @@ def create_app(
     app.state.limits = EdgeLimits(settings)
     install_error_handlers(app)
     app.add_middleware(EdgeMiddleware, max_request_bytes=settings.max_request_bytes)
+    app.state.metrics = metrics.ApiMetrics()
+    app.add_middleware(metrics.MetricsMiddleware, metrics=app.state.metrics)  # outermost: sees every status
     app.include_router(system.public)
     app.include_router(system.router)
     app.include_router(jobs.router)
     app.include_router(teams.router)
     app.include_router(nodes.router)
+    app.include_router(cluster.router)
+    app.include_router(metrics.router)
     return app
 
 

@@ -35,6 +35,7 @@ MATRIX: dict[tuple[str, str], dict[str, int]] = {
     ("GET", "/docs/oauth2-redirect"): PUBLIC,
     ("GET", "/redoc"): PUBLIC,
     ("GET", "/healthz"): PUBLIC,
+    ("GET", "/metrics"): PUBLIC,  # Prometheus scrapes it: aggregate counts only
     ("GET", "/v1/me"): ANY_MEMBER,
     ("POST", "/v1/jobs"): expect(other=403, own=202, admin=202),
     ("GET", "/v1/jobs"): TEAM_READ,
@@ -53,6 +54,7 @@ MATRIX: dict[tuple[str, str], dict[str, int]] = {
     ("POST", "/v1/nodes/{node_id}:return"): expect(other=403, own=403, admin=202),
     ("POST", "/v1/nodes/{node_id}:issue-credential"): expect(other=403, own=403, admin=201),
     ("POST", "/v1/nodes/{node_id}:revoke-credential"): expect(other=403, own=403, admin=200),
+    ("GET", "/v1/cluster"): ANY_MEMBER,  # the whole map; other teams' job ids and reasons redacted
 }
 
 
