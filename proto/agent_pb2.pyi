@@ -82,7 +82,7 @@ class GpuStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., health: _Optional[_Union[GpuHealth, str]] = ..., sm_util: _Optional[float] = ..., mem_util: _Optional[float] = ..., mem_used: _Optional[int] = ..., mem_total: _Optional[int] = ..., temperature_c: _Optional[float] = ..., ecc_sbe: _Optional[int] = ..., ecc_dbe: _Optional[int] = ..., xids: _Optional[_Iterable[int]] = ..., faults: _Optional[_Iterable[str]] = ..., uuid: _Optional[str] = ...) -> None: ...
 
 class RunningLease(_message.Message):
-    __slots__ = ("lease_id", "job_id", "epoch", "step", "attempt", "rank", "pid", "checkpoint_uri", "checkpoint_step", "step_age_s", "gpu_indices", "unconfirmed_s")
+    __slots__ = ("lease_id", "job_id", "epoch", "step", "attempt", "rank", "pid", "checkpoint_uri", "checkpoint_step", "step_age_s", "gpu_indices", "unconfirmed_s", "gpu_util")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class RunningLease(_message.Message):
     STEP_AGE_S_FIELD_NUMBER: _ClassVar[int]
     GPU_INDICES_FIELD_NUMBER: _ClassVar[int]
     UNCONFIRMED_S_FIELD_NUMBER: _ClassVar[int]
+    GPU_UTIL_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     job_id: str
     epoch: int
@@ -107,7 +108,8 @@ class RunningLease(_message.Message):
     step_age_s: float
     gpu_indices: _containers.RepeatedScalarFieldContainer[int]
     unconfirmed_s: float
-    def __init__(self, lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., checkpoint_uri: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., step_age_s: _Optional[float] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., unconfirmed_s: _Optional[float] = ...) -> None: ...
+    gpu_util: float
+    def __init__(self, lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., checkpoint_uri: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., step_age_s: _Optional[float] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., unconfirmed_s: _Optional[float] = ..., gpu_util: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("node_id", "boot_id", "seq", "sent_at", "gpus", "running", "free_disk_bytes", "cached_images", "agent_addr", "agent_version")

@@ -22,6 +22,7 @@ from worker_agent.agent import AgentProcess
 from worker_agent.nvml import write_fault
 
 SLEEPER = "import time\nprint('hello from the rank', flush=True)\nwhile True:\n    time.sleep(0.05)\n"
+SPINNER = "print('hello from the rank', flush=True)\nwhile True:\n    pass\n"  # one core busy: GPUs in use
 
 
 @pytest.fixture
@@ -38,14 +39,16 @@ async def agent(settings, control):
 
 async def test_heartbeats_carry_the_design_fields_and_acks_confirm_leases(agent, control, tmp_path):
     node = agent.nodes["node-a"]
-    res = await node.start_task(start_task("node-a", "lease-hb", script(tmp_path, "s.py", SLEEPER), gpus=(1, 3)))
+    res = await node.start_task(start_task("node-a", "lease-hb", script(tmp_path, "s.py", SPINNER), gpus=(1, 3)))
     started_ms = int(time.time() * 1000)  # heartbeat seqs are ms-based: the first one built after the start
 
     def running():
         e = control.server.table.get("node-a")
-        return e is not None and e.seq > started_ms and e.lease_ids == ["lease-hb"] and e
+        # the rank's use shows once the backend has measured it over a window (CPU_WINDOW_S)
+        busy = e is not None and e.report().gpus[1].sm_util > 50
+        return e is not None and e.seq > started_ms and e.lease_ids == ["lease-hb"] and busy and e
 
-    entry = await wait_for(running, what="lease in a heartbeat")
+    entry = await wait_for(running, timeout=20, what="the busy lease in a heartbeat")
     r = entry.report()
     assert r.boot_id == node.boot_id and r.free_disk_bytes > 0 and r.agent_addr == agent.http_log_addr
     assert [g.index for g in r.gpus] == list(range(8)) and all(g.health == "ok" for g in r.gpus)

@@ -219,7 +219,13 @@ def test_simulated_backend_faults(tmp_path):
     s = make_settings(tmp_path)
     b = make_backend(s, "sim-1", "simulated")
     assert isinstance(b, SimulatedBackend) and b.gpu_count() == 8
-    b.set_busy({0})
+    # a rank (pid 4242) that spends 0.9 CPU seconds per second, on a clock the test moves
+    clock = {"t": 0.0}
+    b._clock = lambda: clock["t"]
+    b._cpu_reader = lambda pid: (1, 0.9 * clock["t"]) if pid == 4242 else None
+    b.set_ranks({0: [4242]})
+    b.sample()  # the baseline
+    clock["t"] = 2.0
     base = b.sample()
     assert base[0].sm_util > 80 and base[1].sm_util == 0 and all(g.health == "ok" for g in base)
     write_fault(s.state_dir, "sim-1", gpu=0, hang=True)

@@ -67,7 +67,7 @@ from proto import agent_pb2 as pb
 from proto.convert import HEALTH_TO_PB, task_status_to_pb
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within, local_path
-from worker_agent.nvml import GpuBackend
+from worker_agent.nvml import GpuBackend, GpuSample
 from worker_agent.rank_access import RankAccessError, require_reachable
 from worker_agent.runtime import ContainerRuntime, ProcessRuntime
 
@@ -165,6 +165,10 @@ class NodeAgent:
         self._gc_at = 0.0
         self._bg: set[asyncio.Task] = set()
         self._heartbeat_requested = False
+        # the latest GPU samples (heartbeats take them; /metrics reads them) and when (monotonic)
+        self.samples: list[GpuSample] = []
+        self.samples_at = -1e18
+        self._sample_lock = asyncio.Lock()  # one sample at a time: the backends keep state between samples
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -619,11 +623,23 @@ class NodeAgent:
                 pass
 
     # ------------------------------------------------------------------ heartbeat
+    async def sample_gpus(self) -> list[GpuSample]:
+        """Sample every GPU now (the latest samples stay in ``samples`` for /metrics)."""
+        async with self._sample_lock:
+            self._update_busy()  # a rank's pid may have been learnt since its start (adoption)
+            if self.backend.name == "real":
+                samples = await asyncio.to_thread(self.backend.sample)
+            else:
+                samples = self.backend.sample()
+            self.samples, self.samples_at = samples, time.monotonic()
+            return samples
+
+    def allocated_gpus(self) -> set[int]:
+        return {g for st in self.leases.values() if st.live for g in st.task.gpu_indices}
+
     async def heartbeat(self) -> pb.Heartbeat:
-        if self.backend.name == "real":
-            samples = await asyncio.to_thread(self.backend.sample)
-        else:
-            samples = self.backend.sample()
+        samples = await self.sample_gpus()
+        util = {s.index: s.sm_util for s in samples if s.sm_util is not None}
         hb = pb.Heartbeat(
             node_id=self.node_id,
             boot_id=self.boot_id,
@@ -652,7 +668,7 @@ class NodeAgent:
                 step, step_clock = st.frozen
             else:
                 st.frozen = None
-            hb.running.add(
+            lease = hb.running.add(
                 lease_id=st.lease_id,
                 job_id=st.task.job_id,
                 epoch=st.epoch,
@@ -666,6 +682,9 @@ class NodeAgent:
                 gpu_indices=st.task.gpu_indices,
                 unconfirmed_s=max(0.0, now - st.confirmed_clock),
             )
+            used = [util[g] for g in st.task.gpu_indices if g in util]
+            if used:
+                lease.gpu_util = sum(used) / len(used)
         try:
             hb.free_disk_bytes = shutil.disk_usage(self.dir).free
         except OSError:
@@ -702,6 +721,9 @@ class NodeAgent:
                         self._check(st)
                 if self.backend.poll_faults():
                     self.request_heartbeat()  # a new fault is reported now, not at the next interval
+                if time.monotonic() - self.samples_at > 2 * float(self.settings.heartbeat_interval_s):
+                    # no heartbeat sampled lately (the leader is unreachable): /metrics stays current
+                    await self.sample_gpus()
                 if time.monotonic() - self._gc_at > 60.0:
                     self._gc_at = time.monotonic()
                     self._gc()
@@ -825,7 +847,14 @@ class NodeAgent:
             self._update_busy()
 
     def _update_busy(self) -> None:
-        self.backend.set_busy({g for st in self.leases.values() if st.live for g in st.task.gpu_indices})
+        """Tell the backend which rank processes sit on which GPUs (the simulated one measures them).
+        A simulated rank has no process: its GPUs read idle."""
+        ranks: dict[int, list[int]] = {}
+        for st in self.leases.values():
+            if st.live and st.pid and not st.simulated:
+                for g in st.task.gpu_indices:
+                    ranks.setdefault(g, []).append(st.pid)
+        self.backend.set_ranks(ranks)
 
     def _gc(self) -> None:
         cutoff = time.time() - FINISHED_RETENTION_S

@@ -13,8 +13,13 @@ Real backend (``NvmlBackend``, nvidia-ml-py's ``pynvml``):
     thermal throttling or a pending row remap; OK otherwise;
   * Xid and ECC events come from an NVML event set read by a background thread.
 
-Simulated backend (``SimulatedBackend``): utilization follows the ranks the agent
-runs on each GPU; faults are injected in-process (``inject``) or by appending JSON
+Readings per GPU: utilization (NVML's "a kernel ran" share of time), SM activity (the
+share of SMs busy, from GPU performance monitoring where the GPU has it: Hopper and later),
+memory, temperature, power, ECC counts, Xids.
+
+Simulated backend (``SimulatedBackend``): a GPU's utilization follows the CPU time its
+ranks' processes (and their children) really spend, measured between samples (one busy core
+reads 100%); memory, temperature and power follow it; faults are injected in-process (``inject``) or by appending JSON
 lines to the node's ``faults.jsonl`` (``write_fault``, used by
 ``gpufleet agent inject-fault``): ``xid``, ``ecc`` ("sbe" | "dbe"), ``hang``
 (utilization 0 and the ranks' steps freeze), ``slow`` (a factor < 1), ``link``
@@ -57,9 +62,12 @@ class GpuSample:
     mem_used: int | None = None
     mem_total: int | None = None
     temperature_c: float | None = None
+    power_w: float | None = None
+    sm_active: float | None = None  # % of SMs busy (GPM); None where the GPU cannot say
     ecc_sbe: int | None = None
     ecc_dbe: int | None = None
-    xids: list[int] = field(default_factory=list)
+    xids: list[int] = field(default_factory=list)  # the latest XID_HISTORY Xids
+    xid_count: int = 0  # every Xid seen since the backend started (the history above is capped)
     faults: list[str] = field(default_factory=list)
 
 
@@ -84,7 +92,8 @@ class GpuBackend(Protocol):
 
     def gpu_count(self) -> int: ...
     def sample(self) -> list[GpuSample]: ...
-    def set_busy(self, gpus: set[int]) -> None: ...
+    # the pids of the rank processes on each GPU (GPU index -> pids), as of now
+    def set_ranks(self, ranks: dict[int, list[int]]) -> None: ...
     def hung_gpus(self) -> set[int]: ...
     def poll_faults(self) -> bool: ...
     def close(self) -> None: ...
@@ -139,6 +148,11 @@ class NvmlBackend:
             (self._field(functools.partial(_uuid, nv, h), []) or "") if h is not None else "" for h in self.handles
         ]
         self._xids: list[deque[int]] = [deque(maxlen=XID_HISTORY) for _ in self.handles]
+        self._xid_counts = [0 for _ in self.handles]
+        # SM activity needs two GPM samples: the previous one per GPU (None: none yet or no GPM)
+        self._gpm = [self._gpm_supported(h) if h is not None else False for h in self.handles]
+        self._gpm_prev: list[Any] = [None for _ in self.handles]
+        self._gpm_lock = threading.Lock()  # the previous-sample slots are shared by concurrent samples
         self._links_up: list[list[int]] = [self._active_links(h) if h is not None else [] for h in self.handles]
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -172,6 +186,52 @@ class NvmlBackend:
             except nv.NVMLError:
                 continue
         return up
+
+    def _gpm_supported(self, h) -> bool:
+        try:
+            support = self._field(lambda: self.nv.nvmlGpmQueryDeviceSupport(h), [])
+        except self.nv.NVMLError:  # a GPU lost already: its samples say so
+            return False
+        return bool(getattr(support, "isSupportedDevice", 0))
+
+    def _gpm_free(self, sample: Any) -> None:
+        try:
+            self.nv.nvmlGpmSampleFree(sample)
+        except (self.nv.NVMLError, AttributeError):
+            pass
+
+    def _sm_active(self, i: int, h, errors: list[str]) -> float | None:
+        """SM activity (%) between the previous GPM sample of this GPU and one taken now."""
+        nv = self.nv
+        if not self._gpm[i]:
+            return None
+        with self._gpm_lock:
+            new = self._field(lambda: nv.nvmlGpmSampleAlloc(), errors, "gpm_alloc")
+            if new is None:
+                return None
+            try:
+                got = self._field(lambda: nv.nvmlGpmSampleGet(h, new), errors, "gpm_sample")
+            except nv.NVMLError:  # the GPU is lost: the caller reports it
+                self._gpm_free(new)
+                raise
+            if got is None:
+                self._gpm_free(new)
+                return None
+            prev, self._gpm_prev[i] = self._gpm_prev[i], new
+        if prev is None:
+            return None  # the first sample: no interval yet
+        try:
+            req = nv.c_nvmlGpmMetricsGet_t()
+            req.version = nv.NVML_GPM_METRICS_GET_VERSION
+            req.numMetrics = 1
+            req.sample1, req.sample2 = prev, new
+            req.metrics[0].metricId = nv.NVML_GPM_METRIC_SM_UTIL
+            res = self._field(lambda: nv.nvmlGpmMetricsGet(req), errors, "gpm_metrics")
+            if res is None or res.metrics[0].nvmlReturn != getattr(nv, "NVML_SUCCESS", 0):
+                return None
+            return max(0.0, min(100.0, float(res.metrics[0].value)))
+        finally:
+            self._gpm_free(prev)
 
     def _start_events(self) -> None:
         nv = self.nv
@@ -229,6 +289,7 @@ class NvmlBackend:
             if data.eventType & xid_type and 0 <= idx < len(self._xids):
                 with self._lock:
                     self._xids[idx].append(int(data.eventData))
+                    self._xid_counts[idx] += 1
                 log.error("GPU %d: Xid %d", idx, data.eventData)
 
     # -- GpuBackend
@@ -257,6 +318,9 @@ class NvmlBackend:
             t = self._field(lambda: temp_fn(h, nv.NVML_TEMPERATURE_GPU), errors, "temperature")
             t = getattr(t, "temperature", t)  # nvmlDeviceGetTemperatureV returns a struct
             s.temperature_c = None if t is None else float(t)
+            mw = self._field(lambda: nv.nvmlDeviceGetPowerUsage(h), errors, "power")
+            s.power_w = None if mw is None else float(mw) / 1000.0
+            s.sm_active = self._sm_active(i, h, errors)
             s.ecc_dbe = self._field(
                 lambda: int(
                     nv.nvmlDeviceGetTotalEccErrors(h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
@@ -300,12 +364,13 @@ class NvmlBackend:
             failed.append(f"gpu-lost:{e}")
         with self._lock:
             s.xids = list(self._xids[i])
+            s.xid_count = self._xid_counts[i]
         classify(s, self.fatal_xids, failed=failed, degraded=degraded)
         s.faults += errors  # informational: a field failed to read
         return s
 
-    def set_busy(self, gpus: set[int]) -> None:
-        pass
+    def set_ranks(self, ranks: dict[int, list[int]]) -> None:
+        pass  # NVML measures the GPUs themselves
 
     def hung_gpus(self) -> set[int]:
         return set()
@@ -317,6 +382,11 @@ class NvmlBackend:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
+        with self._gpm_lock:
+            for i, prev in enumerate(self._gpm_prev):
+                if prev is not None:
+                    self._gpm_free(prev)
+                    self._gpm_prev[i] = None
         if self._event_set is not None:
             try:
                 self.nv.nvmlEventSetFree(self._event_set)
@@ -339,9 +409,78 @@ def _uuid(nv: Any, handle: Any) -> str:
 # ---------------------------------------------------------------------- simulated
 
 
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+CPU_WINDOW_S = 1.0  # the least time a CPU-use rate is measured over (clock ticks are 10 ms)
+SIM_MEM_TOTAL = 80 * 2**30
+SIM_MEM_IDLE = 512 * 2**20
+SIM_POWER_IDLE_W, SIM_POWER_MAX_W = 70.0, 700.0  # an H100 SXM at idle and at its board limit
+SIM_TEMP_IDLE_C, SIM_TEMP_MAX_C = 34.0, 70.0
+
+
+def _proc_cpu(pid: int) -> tuple[int, float] | None:
+    """(start ticks, CPU seconds of the process and of its children it has reaped); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    rest = raw[raw.rfind(b")") + 2 :].split()  # comm may hold spaces and parentheses
+    try:
+        utime, stime, cutime, cstime = (int(x) for x in rest[11:15])  # fields 14-17
+        return int(rest[19]), (utime + stime + cutime + cstime) * _TICK_S
+    except (IndexError, ValueError):
+        return None
+
+
+def _proc_children(pid: int) -> list[int]:
+    """Live children of ``pid`` (each thread lists those it forked; needs CONFIG_PROC_CHILDREN)."""
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def process_tree_cpu(pid: int) -> tuple[int, float] | None:
+    """CPU seconds spent by ``pid`` and every descendant, live or reaped, with ``pid``'s start
+    ticks (a reused pid is another process); None if ``pid`` is gone."""
+    top = _proc_cpu(pid)
+    if top is None:
+        return None
+    total = top[1]
+    seen = {pid}
+    todo = _proc_children(pid)
+    while todo:
+        c = todo.pop()
+        if c in seen:
+            continue
+        seen.add(c)
+        got = _proc_cpu(c)
+        if got is not None:
+            total += got[1]
+            todo.extend(_proc_children(c))
+    return top[0], total
+
+
+@dataclass
+class _CpuMark:
+    start: int
+    cpu_s: float
+    at: float
+    rate: float = 0.0  # CPU seconds per second over the latest window (1.0: one core busy)
+
+
 @dataclass
 class _SimGpu:
     xids: deque = field(default_factory=lambda: deque(maxlen=XID_HISTORY))
+    xid_count: int = 0
     sbe: int = 0
     dbe: int = 0
     hang: bool = False
@@ -350,12 +489,24 @@ class _SimGpu:
 
 
 class SimulatedBackend:
-    """A node's GPUs without hardware: deterministic utilization, injectable faults."""
+    """A node's GPUs without hardware: use measured from the ranks' CPU time, injectable faults.
+
+    Each GPU's utilization is the CPU use of the rank processes on it (``set_ranks``), one
+    busy core being 100%: a rank that sleeps reads about 0, one that computes reads busy, so
+    what operators see (and what idle and hang detection judge) follows what the rank does.
+    """
 
     name = "simulated"
 
     def __init__(
-        self, n_gpus: int = 8, *, fatal_xids: Iterable[int] = (), fault_file: Path | None = None, node_id: str = "sim"
+        self,
+        n_gpus: int = 8,
+        *,
+        fatal_xids: Iterable[int] = (),
+        fault_file: Path | None = None,
+        node_id: str = "sim",
+        cpu_reader: Callable[[int], tuple[int, float] | None] = process_tree_cpu,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.n = n_gpus
         self.node_id = node_id
@@ -363,9 +514,12 @@ class SimulatedBackend:
         self.fault_file = fault_file
         self._offset = 0
         self._gpus = [_SimGpu() for _ in range(n_gpus)]
-        self._busy: set[int] = set()
+        self._ranks: dict[int, list[int]] = {}
+        self._cpu: dict[int, _CpuMark] = {}
+        self._cpu_reader = cpu_reader
+        self._clock = clock
         self._lock = threading.Lock()
-        self._t0 = time.monotonic()
+        self._sample_lock = threading.Lock()  # the CPU marks: one sample at a time
         if fault_file is not None and fault_file.exists():
             self.poll_faults()  # faults injected before we started still apply
 
@@ -382,6 +536,7 @@ class SimulatedBackend:
                     continue
                 if xid is not None:
                     sim.xids.append(int(xid))
+                    sim.xid_count += 1
                 if ecc == "sbe":
                     sim.sbe += 1
                 elif ecc == "dbe":
@@ -431,40 +586,75 @@ class SimulatedBackend:
     def gpu_count(self) -> int:
         return self.n
 
-    def set_busy(self, gpus: set[int]) -> None:
+    def set_ranks(self, ranks: dict[int, list[int]]) -> None:
         with self._lock:
-            self._busy = set(gpus)
+            self._ranks = {g: list(pids) for g, pids in ranks.items() if 0 <= g < self.n}
 
     def hung_gpus(self) -> set[int]:
         with self._lock:
             return {i for i, g in enumerate(self._gpus) if g.hang}
 
+    def _cpu_rates(self, pids: set[int]) -> dict[int, float]:
+        """Each pid's CPU use (cores) over its latest window of at least CPU_WINDOW_S.
+
+        A pid seen for the first time reads 0 until a window has passed: its first mark is
+        only a baseline."""
+        now = self._clock()
+        with self._sample_lock:
+            for pid in set(self._cpu) - pids:
+                del self._cpu[pid]
+            out = {}
+            for pid in pids:
+                got = self._cpu_reader(pid)
+                if got is None:
+                    self._cpu.pop(pid, None)
+                    out[pid] = 0.0
+                    continue
+                start, cpu_s = got
+                m = self._cpu.get(pid)
+                if m is None or m.start != start:
+                    self._cpu[pid] = _CpuMark(start, cpu_s, now)
+                    out[pid] = 0.0
+                    continue
+                if now - m.at >= CPU_WINDOW_S:
+                    m.rate = max(0.0, (cpu_s - m.cpu_s) / (now - m.at))
+                    m.cpu_s, m.at = cpu_s, now
+                out[pid] = m.rate
+            return out
+
     def sample(self) -> list[GpuSample]:
         self.poll_faults()
+        with self._lock:
+            ranks = {g: list(p) for g, p in self._ranks.items()}
+        rates = self._cpu_rates({p for pids in ranks.values() for p in pids})
         out = []
-        tick = int((time.monotonic() - self._t0) / 5)
-        total = 80 * 2**30
         with self._lock:
             for i, g in enumerate(self._gpus):
-                busy = i in self._busy
-                util = float(90 + (i * 7 + tick) % 9) if busy else 0.0
+                util = min(100.0, 100.0 * sum(rates.get(p, 0.0) for p in ranks.get(i, ())))
                 degraded = []
                 if g.slow is not None:
-                    util = round(util * g.slow, 1)
+                    util *= g.slow
                     degraded.append(f"slow:{g.slow}")
                 if g.hang:
                     util = 0.0
+                util = round(util, 1)
+                load = util / 100.0
+                used = SIM_MEM_IDLE + int((0.7 * SIM_MEM_TOTAL - SIM_MEM_IDLE) * load)
                 s = GpuSample(
                     index=i,
                     uuid=f"GPU-sim-{self.node_id}-{i}",
                     sm_util=util,
+                    sm_active=round(util * 0.8, 1),  # SMs are not all busy while a kernel runs
                     mem_util=round(util * 0.6, 1),
-                    mem_used=int(total * 0.7) if busy else 512 * 2**20,
-                    mem_total=total,
-                    temperature_c=(66.0 if busy else 34.0) + (12.0 if g.slow is not None else 0.0),
+                    mem_used=used,
+                    mem_total=SIM_MEM_TOTAL,
+                    temperature_c=round(SIM_TEMP_IDLE_C + (SIM_TEMP_MAX_C - SIM_TEMP_IDLE_C) * load, 1)
+                    + (12.0 if g.slow is not None else 0.0),
+                    power_w=round(SIM_POWER_IDLE_W + (SIM_POWER_MAX_W - SIM_POWER_IDLE_W) * load, 1),
                     ecc_sbe=g.sbe,
                     ecc_dbe=g.dbe,
                     xids=list(g.xids),
+                    xid_count=g.xid_count,
                 )
                 failed = [f"nvlink:{link}:down" for link in sorted(g.links_down)]
                 if g.sbe >= 100:

@@ -8,8 +8,14 @@ resumed run prints the same final line as an uninterrupted one:
 
     RESULT steps=<N> value=<V>
 
-Usage: python train_counter.py [--steps N] [--step-time S] [--checkpoint-every K]
-(defaults from TRAIN_STEPS, TRAIN_STEP_TIME, TRAIN_CHECKPOINT_EVERY, else 200 / 0.02 / 20)
+Each step may also compute for ``--compute-time`` seconds (small matrix products in pure
+Python, standing in for the forward and backward pass) before it waits ``--step-time``: a
+rank that computes is what the simulated GPU backend shows as busy (worker_agent.nvml). The
+products never change the value, so the result line is the same with or without them.
+
+Usage: python train_counter.py [--steps N] [--step-time S] [--checkpoint-every K] [--compute-time C]
+(defaults from TRAIN_STEPS, TRAIN_STEP_TIME, TRAIN_CHECKPOINT_EVERY, TRAIN_COMPUTE_TIME,
+else 200 / 0.02 / 20 / 0)
 """
 
 from __future__ import annotations
@@ -28,6 +34,18 @@ def advance(value: int, step: int) -> int:
     return (value * 6364136223846793005 + 1442695040888963407 + step) % MOD
 
 
+def compute(seconds: float, n: int = 24) -> float:
+    """Multiply small matrices for ``seconds`` of CPU work; returns a checksum (kept out of the value)."""
+    a = [[(i * n + j) % 7 / 7.0 for j in range(n)] for i in range(n)]
+    cols = list(zip(*a, strict=True))
+    total = 0.0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        c = [[sum(x * y for x, y in zip(row, col, strict=True)) for col in cols] for row in a]
+        total += c[0][0]
+    return total
+
+
 def expected(steps: int) -> int:
     """What an uninterrupted run ends with (for tests)."""
     value = 1
@@ -41,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=int(os.environ.get("TRAIN_STEPS", "200")))
     p.add_argument("--step-time", type=float, default=float(os.environ.get("TRAIN_STEP_TIME", "0.02")))
     p.add_argument("--checkpoint-every", type=int, default=int(os.environ.get("TRAIN_CHECKPOINT_EVERY", "20")))
+    p.add_argument("--compute-time", type=float, default=float(os.environ.get("TRAIN_COMPUTE_TIME", "0")))
     a = p.parse_args(argv)
 
     job = Job(checkpoint_every_steps=a.checkpoint_every if os.environ.get("GPUFLEET_CHECKPOINT_DIR") else None)
@@ -56,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     while step < a.steps:
         value = advance(value, step)
         step += 1
+        if a.compute_time > 0:
+            compute(a.compute_time)
         time.sleep(a.step_time)
         job.report_step(step)
         if job.stop_requested:
