@@ -1,4 +1,4 @@
-"""Rank logs over HTTP: the contract the API's log proxy speaks (api/logs_proxy.py).
+"""Rank logs over HTTP: the contract the API's log proxy speaks (api/logs_proxy.py); and metrics.
 
     GET /v1/leases/{lease_id}/logs?offset=N&follow=0|1
     Authorization: Bearer <a per-lease log token: proto.auth.lease_log_token, signed with
@@ -9,6 +9,10 @@
     401 a missing, expired or forged token, one for another lease, or one signed with
     another node's key; 404 no such lease on this agent (to a valid token); 405/400
     anything else.
+
+    GET /metrics
+    -> 200, Prometheus text exposition of this process's nodes' GPUs (worker_agent.metrics).
+       No auth: it names no job and carries no secret, and Prometheus scrapes it.
 
 Served by each agent process on ``settings.agent_http_listen``; its address is what heartbeats advertise as
 ``agent_addr`` and what the leader writes to ``nodes.agent_addr``. A small HTTP/1.1
@@ -24,7 +28,10 @@ import socket
 import time
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from prometheus_client import CONTENT_TYPE_LATEST
+
 from proto.auth import check_lease_log_token, node_log_key
+from worker_agent.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +63,7 @@ class LogHttpServer:
     def __init__(self, settings, nodes: dict) -> None:
         self.settings = settings
         self.nodes = nodes  # node_id -> NodeAgent (one process may host many simulated nodes)
+        self.metrics = AgentMetrics(nodes)
         self.server: asyncio.base_events.Server | None = None
 
     async def start(self, listen: str) -> str:
@@ -103,6 +111,10 @@ class LogHttpServer:
             if sep:
                 headers[name.strip().lower()] = value.strip()
         parts = urlsplit(target)
+        if parts.path == "/metrics":
+            if method != "GET":
+                return await _plain(writer, 405, "GET only")
+            return await _respond(writer, 200, CONTENT_TYPE_LATEST, await self.metrics.scrape())
         segs = parts.path.split("/")
         if len(segs) != 5 or segs[1:3] != ["v1", "leases"] or segs[4] != "logs":
             return await _plain(writer, 404, "no such route")
@@ -170,10 +182,13 @@ def _size(path) -> int:
 
 
 async def _plain(writer: asyncio.StreamWriter, status: int, text: str) -> None:
-    reason = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed"}[status]
-    body = (text + "\n").encode()
+    await _respond(writer, status, "text/plain; charset=utf-8", (text + "\n").encode())
+
+
+async def _respond(writer: asyncio.StreamWriter, status: int, content_type: str, body: bytes) -> None:
+    reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed"}[status]
     writer.write(
-        f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
         + body
     )
