@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 from temporalio.client import Client
 
 from api import metrics
@@ -28,6 +30,7 @@ from common.db import create_pool
 from common.settings import Settings
 
 log = logging.getLogger("gpufleet.api")
+UI_DIR = Path(__file__).parent / "ui"
 
 DESCRIPTION = """\
 Submit, inspect, cancel and extend jobs on the shared GPU cluster; read quotas,
@@ -78,6 +81,8 @@ def create_app(
     app.include_router(nodes.router)
     app.include_router(cluster.router)
     app.include_router(metrics.router)
+    # the cluster map page: static files, no build step; it logs in with a bearer token itself
+    app.mount("/ui", StaticFiles(directory=UI_DIR, html=True), name="ui")
     return app
 
 

@@ -47,6 +47,7 @@ async def test_request_counters_move_by_route_template_not_raw_path(client):
     assert (await client.get("/v1/me", headers=auth(ALPHA))).status_code == 200
     assert (await client.get("/v1/me")).status_code == 401
     assert (await client.get("/no/such/path/123")).status_code == 404
+    assert (await client.get("/ui/")).status_code == 200
     after = await scrape(client)
     req = "gpufleet_api_requests_total"
 
@@ -57,6 +58,7 @@ async def test_request_counters_move_by_route_template_not_raw_path(client):
     assert moved(route="/v1/me", method="GET", status="200") == 1
     assert moved(route="/v1/me", method="GET", status="401") == 1
     assert moved(route="unmatched", method="GET", status="404") == 1
+    assert moved(route="/ui", method="GET", status="200") == 1
     assert value(after, "gpufleet_api_request_duration_seconds_count", route="/v1/jobs/{job_id}", method="GET") >= 3
     assert "job-does-not-exist" not in after and "/no/such/path" not in after  # raw paths never become labels
     assert value(after, req, route="/metrics", method="GET", status="200") >= 1
