@@ -30,6 +30,7 @@ app.add_typer(db_app, name="db")
 from cli.user_cmd import register as _register_user_commands  # noqa: E402  (the user CLI: submit, status, ...)
 
 _register_user_commands(app)
+app.command("top")(importlib.import_module("cli.top_cmd").top)  # the cluster map in the terminal
 
 from cli.sim_cmd import sim as _sim  # noqa: E402  (imports sim/ lazily inside)
 
