@@ -287,3 +287,15 @@ async def test_metrics_endpoint_of_an_agent_process(settings, tmp_path):
             kill_group_quietly(proc.pid)
             proc.wait()
         await control.stop()
+
+
+def test_a_short_rank_is_measured_within_its_life():
+    """The first CPU mark is taken when the rank is placed on its GPUs, not at the next sample:
+    a burn-in of a second is seen busy while it runs."""
+    clock = {"t": 0.0}
+    b = SimulatedBackend(1, node_id="m", clock=lambda: clock["t"], cpu_reader=lambda pid: (7, 0.95 * clock["t"]))
+    b.set_ranks({0: [321]})
+    clock["t"] = 0.2
+    assert b.sample()[0].sm_util == 0  # less than a window yet
+    clock["t"] = 0.6
+    assert b.sample()[0].sm_util == 95.0

@@ -410,7 +410,7 @@ def _uuid(nv: Any, handle: Any) -> str:
 
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-CPU_WINDOW_S = 1.0  # the least time a CPU-use rate is measured over (clock ticks are 10 ms)
+CPU_WINDOW_S = 0.5  # the least time a CPU-use rate is measured over (clock ticks are 10 ms: 2% steps)
 SIM_MEM_TOTAL = 80 * 2**30
 SIM_MEM_IDLE = 512 * 2**20
 SIM_POWER_IDLE_W, SIM_POWER_MAX_W = 70.0, 700.0  # an H100 SXM at idle and at its board limit
@@ -589,6 +589,14 @@ class SimulatedBackend:
     def set_ranks(self, ranks: dict[int, list[int]]) -> None:
         with self._lock:
             self._ranks = {g: list(pids) for g, pids in ranks.items() if 0 <= g < self.n}
+        # a new rank's first mark now, not at the next sample: a short rank (a burn-in) is
+        # measured within its life
+        now = self._clock()
+        with self._sample_lock:
+            for pid in {p for pids in ranks.values() for p in pids} - set(self._cpu):
+                got = self._cpu_reader(pid)
+                if got is not None:
+                    self._cpu[pid] = _CpuMark(got[0], got[1], now)
 
     def hung_gpus(self) -> set[int]:
         with self._lock:
@@ -597,8 +605,7 @@ class SimulatedBackend:
     def _cpu_rates(self, pids: set[int]) -> dict[int, float]:
         """Each pid's CPU use (cores) over its latest window of at least CPU_WINDOW_S.
 
-        A pid seen for the first time reads 0 until a window has passed: its first mark is
-        only a baseline."""
+        A pid reads 0 until a window has passed since its first mark (taken by ``set_ranks``)."""
         now = self._clock()
         with self._sample_lock:
             for pid in set(self._cpu) - pids:
