@@ -195,6 +195,16 @@ class JobSummary(BaseModel):
     pending_reason: str | None = None
 
 
+class GpuUse(BaseModel):
+    """What the job's GPUs are doing, from the agents' readings (docs/design.md, Observability)."""
+
+    gpu_util: float | None = Field(None, description="mean SM use (%) over the live attempt's GPUs, last reading")
+    gpus: int = Field(description="GPUs the live attempt holds")
+    idle_gpus: int = Field(description="of those, GPUs whose use stayed below the idle threshold long enough")
+    idle: bool = Field(description="allocated but idle: every GPU below the idle threshold for idle_gpu_after_s")
+    idle_since: datetime | None = Field(None, description="when the whole job went idle")
+
+
 class JobView(JobSummary):
     allocation: Allocation
     last_checkpoint: str | None = None
@@ -209,6 +219,7 @@ class JobView(JobSummary):
     submitted_by: str
     workflow_started: bool
     spec: dict[str, Any]
+    gpu_use: GpuUse | None = Field(None, description="what its GPUs do; null when it holds none")
 
 
 class JobList(BaseModel):
@@ -271,6 +282,7 @@ class Explain(BaseModel):
     expected_start: datetime | None = None
     message: str
     waiting_for: WaitingFor | None = None
+    gpu_use: GpuUse | None = None
 
 
 class QuotaEntry(BaseModel):

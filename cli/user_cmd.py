@@ -259,6 +259,11 @@ def status(job_id: str, url: Url = None, token: Token = None, as_json: AsJson = 
     ]
     if j["state"] == "QUEUED":
         rows += [("queue position", j.get("queue_position")), ("pending", j.get("pending_reason"))]
+    use = j.get("gpu_use")
+    if use:
+        util = "no reading yet" if use["gpu_util"] is None else f"{use['gpu_util']:.0f}% SM"
+        idle = f"; allocated but idle since {use['idle_since']}" if use["idle"] else ""
+        rows.append(("gpu use", f"{util} over {use['gpus']} GPUs{idle}"))
     _out().print(_kv_table(f"job {j['job_id']}", rows))
 
 

@@ -43,7 +43,7 @@ from api.schemas import (
 )
 from common.settings import Principal
 from placement.lifecycle import TERMINAL, JobState
-from store import jobs, nodes, teams
+from store import jobs, lease_use, nodes, teams
 from store.audit import write_audit, write_job_event
 from workflows.messages import CancelRequest, ExtendRequest
 
@@ -245,7 +245,20 @@ async def get_job(request: Request, job_id: JobId, principal: Principal = Depend
     pool = pool_of(request)
     row = await visible_job(pool, principal, job_id)
     ranks = await jobs.job_ranks(pool, job_id, row["attempt"])
-    return job_view(row, ranks)
+    return {**job_view(row, ranks), "gpu_use": await _gpu_use(pool, job_id)}
+
+
+async def _gpu_use(pool: Any, job_id: str) -> dict[str, Any] | None:
+    use = await lease_use.job_gpu_use(pool, job_id)
+    if use is None:
+        return None
+    return {
+        "gpu_util": use.gpu_util,
+        "gpus": use.gpus,
+        "idle_gpus": use.idle_gpus,
+        "idle": use.idle_since is not None,
+        "idle_since": use.idle_since,
+    }
 
 
 @router.get("/jobs/{job_id}/events", response_model=JobEvents, summary="The job's timeline")
@@ -308,6 +321,16 @@ async def explain_job(request: Request, job_id: JobId, principal: Principal = De
                 JobState.PREEMPTING: "the job is being preempted; it checkpoints and is re-queued",
                 JobState.CANCELLING: "the job is being cancelled",
             }.get(state, state)
+            use = await _gpu_use(pool, job_id)
+            out["gpu_use"] = use
+            if use is not None and use["idle"]:
+                s = request.app.state.settings
+                out["message"] += (
+                    f"; allocated but idle: its {use['gpus']} GPUs read below {s.idle_gpu_util_pct:g}% SM use"
+                    f" since {use['idle_since'].isoformat()}"
+                )
+            elif use is not None and use["gpu_util"] is not None:
+                out["message"] += f"; its GPUs read {use['gpu_util']:.0f}% SM use"
         return out
     need = row["replicas"] * row["gpus_per_replica"]
     free = await nodes.free_gpus(pool, row["gpu_type"])

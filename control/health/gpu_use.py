@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from store.tx import Pool
 from common.settings import Settings
 from control.leader.metrics import ControlMetrics
 from control.leader.state import LeaderState
 from store.lease_use import LeaseUse, write_lease_use
+from store.tx import Pool
 
 log = logging.getLogger("gpufleet.control.gpu_use")
 

@@ -175,6 +175,8 @@ class PlacementCycles:
             assert cluster is not None
         await state.refresh()
         now = time.time()
+        if self.metrics is not None:
+            self.metrics.before_plan(cluster, state.queue, now)
         plan = engine.plan(cluster, state.queue, self.policy, now)
 
         for rl in plan.relabels:

@@ -252,6 +252,7 @@ class ControlMetrics:
         )
         r.register(_Snapshot(self))
         self._reclaim_started: dict[str, float] = {}  # beneficiary -> first reclaim preemption for it
+        self._min_need: dict[str, int] = {}  # gpu type -> fewest GPUs per replica a queued job needs
 
     # ------------------------------------------------------------------ events
 
@@ -285,10 +286,25 @@ class ControlMetrics:
 
     # ------------------------------------------------------------------ the snapshot
 
+    def before_plan(self, cluster: ClusterState, queued: Iterable[JobSpec], now: float) -> None:
+        """Look at the nodes before the cycle places anything: a node freed since the last
+        cycle and re-allocated by this one is caught between the two observations."""
+        min_need: dict[str, int] = {}
+        for spec in queued:
+            if spec.gpus_per_replica < min_need.get(spec.gpu_type, 1 << 30):
+                min_need[spec.gpu_type] = spec.gpus_per_replica
+        self._min_need = min_need
+        self._observe_nodes(cluster, now)
+
+    def _observe_nodes(self, cluster: ClusterState, now: float) -> None:
+        for d in self.freed.observe(cluster, self._min_need, now):
+            self.scheduler_idle.observe(d)
+
     def observe_cycle(
         self, cluster: ClusterState, queued: Iterable[JobSpec], duration_s: float, now: float, *, force: bool = False
     ) -> None:
         self.cycle_seconds.observe(duration_s)
+        self._observe_nodes(cluster, now)
         mono = time.monotonic()
         if not force and mono - self._snapshot_at < SNAPSHOT_EVERY_S:
             return
@@ -297,17 +313,11 @@ class ControlMetrics:
         waiting = {spec.job_id for spec in queued}
         for j in [j for j in self._reclaim_started if j not in waiting]:
             del self._reclaim_started[j]  # cancelled before it was placed
-        min_need: dict[str, int] = {}
         q: dict[tuple[str, str], int] = {}
         for spec in queued:
             key = (str(spec.priority), size_bucket(spec.total_gpus))
             q[key] = q.get(key, 0) + 1
-            need = spec.gpus_per_replica
-            if need < min_need.get(spec.gpu_type, 1 << 30):
-                min_need[spec.gpu_type] = need
-        for d in self.freed.observe(cluster, min_need, now):
-            self.scheduler_idle.observe(d)
-        self.snapshot = take_snapshot(cluster, q, self.allocated_idle_leases, self.freed, now, min_need)
+        self.snapshot = take_snapshot(cluster, q, self.allocated_idle_leases, self.freed, now, self._min_need)
 
 
 def take_snapshot(
