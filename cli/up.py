@@ -24,7 +24,9 @@ from common.embedded import (
     EmbeddedPostgres,
     EmbeddedTemporal,
     PlatformError,
+    any_free_port,
     ensure_state_dir,
+    parse_listen,
     require_free_port,
     wait_for_port,
 )
@@ -94,6 +96,7 @@ class Platform:
     temporal: EmbeddedTemporal | None = None
     stop_signal: int | None = field(default=None, init=False)
     ranks: str = field(default="", init=False)  # how ranks run, for the banner
+    metrics: dict[str, str] = field(default_factory=dict, init=False)  # process -> its /metrics URL
 
     def start(self) -> dict[str, str]:
         s = self.settings
@@ -102,6 +105,11 @@ class Platform:
         logs.mkdir(exist_ok=True)
         require_free_port(s.api_host, s.api_port, "GPUFLEET_API_PORT")
         require_free_port(s.control_grpc_host, s.control_grpc_port, "GPUFLEET_CONTROL_GRPC_PORT")
+        metrics_host, metrics_port = parse_listen(s.control_metrics_listen)
+        if metrics_port:
+            require_free_port(metrics_host, metrics_port, "GPUFLEET_CONTROL_METRICS_LISTEN")
+        agent_host, agent_port = parse_listen(s.agent_http_listen)
+        agent_port = agent_port or any_free_port(agent_host)  # fixed now, so the banner can name it
 
         dsn = s.database_url
         if not dsn:
@@ -130,6 +138,7 @@ class Platform:
                 "state_dir": state,
                 "api_tokens": {t: Principal(**p) for t, p in tokens.items()},
                 "control_addresses": [f"{s.control_grpc_host}:{s.control_grpc_port}"],
+                "agent_http_listen": f"{agent_host}:{agent_port}",
             }
         )
         platform, self.ranks = _rank_isolation(platform)
@@ -161,6 +170,14 @@ class Platform:
         }
         if self.temporal is not None:
             urls["temporal_ui"] = f"http://127.0.0.1:{s.temporal_ui_port}"
+        urls["ui"] = f"http://{s.api_host}:{s.api_port}/ui"
+        self.metrics = {
+            "api": f"http://{s.api_host}:{s.api_port}/metrics",
+            "control": f"http://{metrics_host}:{metrics_port}/metrics"
+            if metrics_port
+            else "(a free port: see control.log)",
+            "agent": f"http://{agent_host}:{agent_port}/metrics",
+        }
         self._tokens = tokens
         return urls
 
@@ -233,6 +250,8 @@ def run(settings: Settings) -> int:
     print("gpufleet is up")
     for k, v in urls.items():
         print(f"  {k:<12} {v}")
+    for name, url in platform.metrics.items():
+        print(f"  {'metrics':<12} {name:<8} {url}")
     print("  dev tokens:")
     for token, p in platform._tokens.items():
         who = "admin" if p.get("admin") else f"team {p['team']}"

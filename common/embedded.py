@@ -43,6 +43,21 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def any_free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now (the caller binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``host:port`` -> (host, port); port 0 means any free port."""
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"a listen address is host:port, not {listen!r}")
+    return host.strip("[]"), int(port)
+
+
 def require_free_port(host: str, port: int, setting: str) -> None:
     if port_in_use(host, port):
         raise PlatformError(f"port {port} on {host} is already in use; free it or set {setting}")

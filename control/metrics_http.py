@@ -13,6 +13,8 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.registry import Collector
 
+from common.embedded import parse_listen
+
 log = logging.getLogger("gpufleet.control.metrics")
 
 
@@ -23,13 +25,6 @@ class _Both(Collector):
     def collect(self) -> Iterable[Any]:
         yield from REGISTRY.collect()
         yield from self.own.collect()
-
-
-def parse_listen(listen: str) -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"a metrics listen address is host:port, not {listen!r}")
-    return host.strip("[]"), int(port)
 
 
 class MetricsServer:
