@@ -96,4 +96,6 @@ async def test_ten_percent_idle_with_demand_queued_shows_its_cost(stack):
     totals = view["totals"]
     assert totals["idle_gpu_total"] == 4
     assert totals["idle_cost_usd_per_hour"] == pytest.approx(4 * price)
-    print(json.dumps({"idle_gpus": totals["idle_gpu_total"], "idle_cost_usd_per_hour": totals["idle_cost_usd_per_hour"]}))
+    print(
+        json.dumps({"idle_gpus": totals["idle_gpu_total"], "idle_cost_usd_per_hour": totals["idle_cost_usd_per_hour"]})
+    )
