@@ -4,9 +4,10 @@ Run by the node agent as a rank on every GPU of the node (``CUDA_VISIBLE_DEVICES
 
 * real GPUs (torch with CUDA): a matmul stress test on each GPU (results checked against
   a float64 reference), then an NCCL all-reduce across the node's GPUs (the sum checked);
-* simulated nodes (no NVIDIA device, or ``GPUFLEET_BURN_IN_MODE=simulated``): hold the
-  GPUs for the test's duration — the simulated backend shows them busy unless a fault
-  (hang) keeps them idle, and the leader fails a burn-in whose GPUs were never busy.
+* simulated nodes (no NVIDIA device, or ``GPUFLEET_BURN_IN_MODE=simulated``): compute on
+  the CPU for the test's duration — the simulated backend shows a GPU as busy as its rank's
+  process is (worker_agent.nvml), unless a fault (hang) keeps it idle, and the leader fails
+  a burn-in whose GPUs were never busy.
 
 Exit 0: passed. Standalone (no gpufleet imports): the agent runs it by path.
 """
@@ -20,10 +21,13 @@ import time
 
 
 def _simulated(seconds: float) -> int:
+    # busy, not asleep: the simulated GPUs read the CPU use of the rank that holds them
     deadline = time.monotonic() + seconds
+    x = 0
     while time.monotonic() < deadline:
-        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-    print(f"burn-in (simulated): held the GPUs for {seconds:.1f}s", flush=True)
+        for i in range(10_000):
+            x = (x * 31 + i) % 1_000_003
+    print(f"burn-in (simulated): loaded the GPUs for {seconds:.1f}s", flush=True)
     return 0
 
 
