@@ -476,3 +476,33 @@ def test_a_borrowing_small_job_never_preempts() -> None:
     fill(st, ["b0n0"], team="lender", cls="preemptible", borrowed=True)
     p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW)
     assert p.preemptions == ()
+
+
+def test_an_idle_borrowed_job_is_the_cheapest_victim() -> None:
+    """Policy.idle_victims_first: of two borrowed jobs, the one whose GPUs the agents read idle
+    goes first, though it started earlier (more work lost by the clock); marked idle and then
+    busy again, the clock decides."""
+
+    def reclaim(marks: list[bool]) -> list[str]:
+        st = cluster(blocks=1, nodes=2)
+        st.set_quota("owner", "h100", 8)
+        st.set_quota("borrower", "h100", 0, 100)
+        fill(st, ["b0n0"], team="borrower", cls="research", borrowed=True, started_at=NOW - 3600, prefix="old")
+        fill(st, ["b0n1"], team="borrower", cls="research", borrowed=True, started_at=NOW - 4 * 3600, prefix="idle")
+        for idle in marks:
+            st.set_idle("idle-b0n1", idle)
+        return victims(cycle(st, queue_of(spec("mine", team="owner", cls="research", gpr=8)), NOW))
+
+    assert reclaim([True]) == ["idle-b0n1"]
+    assert reclaim([]) == reclaim([True, False]) == ["old-b0n0"]
+
+
+def test_an_idle_job_within_its_guarantee_keeps_its_place_among_victims() -> None:
+    """Only borrowed idle work is cheap: guaranteed work keeps the lost-work order."""
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("me", "h100", 100)
+    fill(st, ["b0n0"], team="r", cls="research", started_at=NOW - 3600, prefix="recent")
+    fill(st, ["b0n1"], team="r", cls="research", started_at=NOW - 4 * 3600, prefix="idle")
+    st.set_idle("idle-b0n1", True)
+    p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW)
+    assert victims(p) == ["recent-b0n0"]
