@@ -197,3 +197,32 @@ async def test_a_follower_says_so_and_exports_no_cluster(stack):
         assert leader["gpufleet_leader_takeovers_total"][()] == 1.0
     finally:
         await follower.stop()
+
+
+async def test_a_rank_that_trains_shows_use_and_is_never_idle_while_a_sleeping_one_is(stack):
+    """Simulated GPUs follow what the ranks really do: the example training loop reads busy in
+    the job's status and on the agent's /metrics; a sleeping rank reads idle."""
+    from tests.e2e.conftest import TRAIN_COUNTER
+
+    train = [PY, TRAIN_COUNTER, "--steps", "100000", "--step-time", "0", "--compute-time", "0.05"]
+    busy = await stack.submit(command=train, gpus_per_replica=2)
+    asleep = await stack.submit(command=SLEEP, gpus_per_replica=2)
+    for j in (busy, asleep):
+        await stack.wait_state(j, "RUNNING")
+    auth = {"Authorization": "Bearer tok-alpha"}
+
+    async def readings():
+        b = (await stack.http.get(f"/v1/jobs/{busy}", headers=auth)).json()["gpu_use"]
+        s = (await stack.http.get(f"/v1/jobs/{asleep}", headers=auth)).json()["gpu_use"]
+        if b and s and b["gpu_util"] is not None and s["idle"] and b["gpu_util"] > 50:
+            return b, s
+        return None
+
+    b, s = await eventually(readings, timeout=30, interval=0.3, what="a busy and an idle job")
+    assert not b["idle"] and b["idle_gpus"] == 0 and s["gpu_util"] < 5
+    lease = await stack.pool.fetchrow("SELECT node_id, gpu_indices FROM leases WHERE job_id = $1", busy)
+    addr = await stack.pool.fetchval("SELECT agent_addr FROM nodes WHERE node_id = $1", lease["node_id"])
+    m = await scrape(f"http://{addr}/metrics")  # where the node's heartbeats say its agent serves
+    util = m["gpufleet_gpu_utilization_percent"]
+    on_busy = [util[(("gpu", str(g)), ("node", lease["node_id"]))] for g in lease["gpu_indices"]]
+    assert all(u > 50 for u in on_busy), on_busy
