@@ -1028,6 +1028,12 @@ class ClusterState:
     def node_jobs(self, node_id: str) -> dict[str, tuple[int, ...]]:
         return {j: indices_of(m) for j, m in sorted(self._node(node_id).jobs.items())}
 
+    def node_census(self) -> Iterator[tuple[str, str, NodeHealth, int, int, str | None]]:
+        """(node, GPU type, health, GPUs, free GPUs, hot spare of) of every node: one pass, for
+        the metrics the leader takes every cycle (a call per field costs ~10x more at 3,000 nodes)."""
+        for n in self._nodes.values():
+            yield n.id, n.gpu_type, n.health, n.gpus, n.nfree, n.spare_of
+
     def node_spare_of(self, node_id: str) -> str | None:
         return self._node(node_id).spare_of
 

@@ -168,6 +168,8 @@ class HealthMonitor:
         self._census_at = float("-inf")
         self._guard_unaudited.clear()
         HEALTH_GUARD.set(0)
+        NODES.clear()  # a follower exports no node census (the new leader's is the one)
+        HOT_SPARES.set(0)
         self.burn_ins.drop()
         self.recoveries.drop()
         self.reconciler.drop()

@@ -79,11 +79,10 @@ class FreedNodeClock:
         ended: list[float] = []
         prev = self.last_seen or now
         waiting: dict[str, float] = {}
-        for nid in cluster.node_ids():
-            if cluster.node_health(nid) != NodeHealth.READY or cluster.node_spare_of(nid) is not None:
+        for nid, gpu_type, health, _size, free, spare_of in cluster.node_census():
+            if health != NodeHealth.READY or spare_of is not None:
                 continue
-            free = len(cluster.node_free(nid))
-            need = queue_min_need.get(cluster.node_type(nid))
+            need = queue_min_need.get(gpu_type)
             was = self.since.get(nid)
             if was is not None and free < self.free.get(nid, 0):  # an allocation landed on it
                 ended.append(now - was)
@@ -335,13 +334,11 @@ def take_snapshot(
     spare: dict[str, int] = {}
     for t in cluster.gpu_types():
         healthy[t] = cluster.healthy_gpus(t)
-    for nid in cluster.node_ids():
-        if cluster.node_health(nid) != NodeHealth.READY:
+    for nid, t, health, size, free, spare_of in cluster.node_census():
+        if health != NodeHealth.READY:
             continue
-        t = cluster.node_type(nid)
-        free = len(cluster.node_free(nid))
-        if cluster.node_spare_of(nid) is not None:  # a hot spare's GPUs are held, not free
-            held = cluster.node_size(nid) - sum(len(g) for g in cluster.node_jobs(nid).values())
+        if spare_of is not None:  # a hot spare's GPUs are held, not free
+            held = size - sum(len(g) for g in cluster.node_jobs(nid).values())
             spare[t] = spare.get(t, 0) + held
             idle[t] = idle.get(t, 0) + held
             continue
@@ -349,7 +346,7 @@ def take_snapshot(
         need = min_need.get(t)
         if free and need is not None and free >= need:
             with_demand[t] = with_demand.get(t, 0) + free
-        if cluster.node_reservation(nid):
+        if free and cluster.node_reservation(nid):
             reserved[t] = reserved.get(t, 0) + free
     allocated: dict[tuple[str, str, str], int] = {}
     for rj in cluster.running_jobs():
