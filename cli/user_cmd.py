@@ -337,15 +337,46 @@ def events(job_id: str, url: Url = None, token: Token = None, as_json: AsJson = 
 
 def logs(
     job_id: str,
-    follow: Annotated[bool, typer.Option("-f", "--follow", help="keep streaming new output")] = False,
-    rank: Annotated[int, typer.Option(help="which rank")] = 0,
+    follow: Annotated[
+        bool, typer.Option("-f", "--follow", help="keep streaming new output until the job's ranks end")
+    ] = False,
+    stream: Annotated[
+        str,
+        typer.Option(
+            "--stream", help="stdout, stderr, or all (both, interleaved by time, each line prefixed with its stream)"
+        ),
+    ] = "all",
+    rank: Annotated[int | None, typer.Option(help="which rank (default 0)", show_default=False)] = None,
+    all_ranks: Annotated[
+        bool, typer.Option("--all-ranks", help="every rank, merged by time, each line prefixed with its rank")
+    ] = False,
+    tail: Annotated[int | None, typer.Option("--tail", help="only the last N lines", show_default=False)] = None,
     attempt: Annotated[int | None, typer.Option(help="which attempt (default: the newest)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object a line: rank, stream, time, line")] = False,
     url: Url = None,
     token: Token = None,
 ) -> None:
-    """A rank's output (proxied from the agent on its node)."""
+    """The job's output: a rank's stdout and stderr (proxied from the agent on its node)."""
+    if stream not in ("stdout", "stderr", "all"):
+        _err(f"error: --stream is stdout, stderr or all, not {stream!r}")
+        raise typer.Exit(2)
+    if all_ranks and rank is not None:
+        _err("error: --rank and --all-ranks: choose one")
+        raise typer.Exit(2)
+    if tail is not None and tail < 0:
+        _err("error: --tail takes a number of lines, 0 or more")
+        raise typer.Exit(2)
     api = _client(url, token)
-    params = {"rank": rank, "attempt": attempt, "follow": "true" if follow else "false", "offset": 0}
+    params = {
+        "rank": rank,
+        "all_ranks": "true" if all_ranks else None,
+        "stream": stream,
+        "tail": tail,
+        "format": "ndjson" if as_json else "text",
+        "attempt": attempt,
+        "follow": "true" if follow else "false",
+        "offset": 0,
+    }
     out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
     try:
         for chunk in api.stream(f"/v1/jobs/{job_id}/logs", params):

@@ -335,6 +335,19 @@ class Settings(BaseSettings):
     agent_fence_grace_s: float = Field(
         30.0, description="SIGTERM to SIGKILL when a supervisor kills a rank whose lease went unconfirmed"
     )
+    agent_log_max_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=64 * 1024,
+        description="the most disk one lease's rank output takes (its timestamped record log, which `gpufleet"
+        " logs` reads, half; stdout.log and stderr.log a quarter each); past it the oldest is dropped",
+    )
+    agent_log_keep: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description="rotated files kept per lease log besides the one written (each log's share of"
+        " agent_log_max_bytes is split among them)",
+    )
     fatal_xids: list[int] = Field(
         default_factory=lambda: [48, 63, 64, 74, 79, 94, 95],
         description="Xid errors that mark a GPU failed (cordon at once)",

@@ -28,7 +28,7 @@ from api.deps import (
 )
 from api.errors import ERROR_RESPONSES, ApiError
 from api.gateway import ControlUnavailable, UpdateRejected, WorkflowClosed, WorkflowMissing
-from api.logs_proxy import log_token, open_agent_log
+from api.logs_proxy import LogQuery, RankSource, job_log_stream
 from api.schemas import (
     CancelAccepted,
     Explain,
@@ -378,41 +378,91 @@ async def explain_job(request: Request, job_id: JobId, principal: Principal = De
 @router.get(
     "/jobs/{job_id}/logs",
     response_class=StreamingResponse,
-    summary="A rank's output, proxied from its node's agent",
-    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "the rank's output"}},
+    summary="Ranks' output (stdout, stderr or both, by time), proxied from their nodes' agents",
+    responses={
+        200: {
+            "content": {
+                "text/plain": {"schema": {"type": "string"}, "example": "[stdout] out\n[stderr] boom\n"},
+                "application/x-ndjson": {
+                    "schema": {"type": "string"},
+                    "example": '{"rank":0,"stream":"stderr","time":"2025-01-01T00:00:00.123456+00:00",'
+                    '"line":"boom","partial":false}\n',
+                },
+            },
+            "description": "the output, one line per record: text (with `[rank N] ` and `[stdout] `/`[stderr] `"
+            " prefixes when several ranks or both streams are asked for; one stream of one rank exactly as"
+            " written) or NDJSON (format=ndjson)",
+        }
+    },
 )
 async def job_logs(
     request: Request,
     job_id: JobId,
-    rank: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+    rank: Annotated[
+        int | None, Query(ge=0, le=1_000_000, description="which rank (default 0; not with all_ranks)")
+    ] = None,
+    all_ranks: Annotated[
+        bool, Query(description="every rank of the attempt, merged by time, each line prefixed with its rank")
+    ] = False,
     attempt: Annotated[
         int | None, Query(ge=1, le=1_000_000, description="default: the newest attempt with this rank")
     ] = None,
-    follow: bool = False,
-    offset: Annotated[int, Query(ge=0, le=2**53)] = 0,
+    stream: Annotated[
+        str,
+        Query(
+            pattern="^(stdout|stderr|all)$",
+            description="stdout, stderr, or all: both interleaved by the time each line was written, each line"
+            " prefixed with its stream",
+        ),
+    ] = "all",
+    tail: Annotated[
+        int | None, Query(ge=0, le=100_000, description="only the last N lines (then, with follow, new ones)")
+    ] = None,
+    follow: Annotated[
+        bool, Query(description="keep the response open and send new output until the ranks end (the job's end)")
+    ] = False,
+    format: Annotated[
+        str,
+        Query(
+            pattern="^(text|ndjson)$",
+            description="text, or ndjson: one JSON object a line (rank, stream, time, line, partial)",
+        ),
+    ] = "text",
+    offset: Annotated[
+        int, Query(ge=0, le=2**53, description="leave out the first N bytes of the response (to resume a dropped one)")
+    ] = 0,
     principal: Principal = Depends(current_principal),
 ) -> Any:
+    if all_ranks and rank is not None:
+        raise ApiError(400, "bad_request", "ask for one rank (rank=N) or for all_ranks=true, not both")
     pool = pool_of(request)
-    await visible_job(pool, principal, job_id)
-    lease = await jobs.find_rank_lease(pool, job_id, rank, attempt)
-    if lease is None:
+    job = await visible_job(pool, principal, job_id)
+    first = await jobs.find_rank_lease(pool, job_id, rank or 0, attempt)
+    if first is None:
         which = f"attempt {attempt}" if attempt else "any attempt"
-        raise ApiError(404, "logs_not_found", f"job {job_id} has no rank {rank} in {which} (not scheduled yet?)")
-    if not lease["agent_addr"]:
-        raise ApiError(
-            503, "agent_unreachable", f"node {lease['node_id']} has no registered agent address to read logs from"
-        )
-    body = await open_agent_log(
-        lease["agent_addr"],
-        lease["lease_id"],
-        token=log_token(settings_of(request), lease["node_id"], lease["lease_id"]),
-        offset=offset,
-        follow=follow,
-    )
+        raise ApiError(404, "logs_not_found", f"job {job_id} has no rank {rank or 0} in {which} (not scheduled yet?)")
+    leases = [(rank or 0, first)]
+    if all_ranks:
+        for r in range(1, int(job["replicas"])):
+            lease = await jobs.find_rank_lease(pool, job_id, r, first["attempt"])
+            if lease is not None:
+                leases.append((r, lease))
+    for _, lease in leases:
+        if not lease["agent_addr"]:
+            raise ApiError(
+                503, "agent_unreachable", f"node {lease['node_id']} has no registered agent address to read logs from"
+            )
+    sources = [RankSource(r, x["lease_id"], x["node_id"], x["agent_addr"]) for r, x in leases]
+    query = LogQuery(stream=stream, tail=tail, follow=follow, fmt=format, all_ranks=all_ranks)
+    body = await job_log_stream(settings_of(request), sources, query, skip=offset)
     return StreamingResponse(
         body,
-        media_type="text/plain; charset=utf-8",
-        headers={"X-Lease-Id": lease["lease_id"], "X-Attempt": str(lease["attempt"]), "Cache-Control": "no-store"},
+        media_type="application/x-ndjson" if format == "ndjson" else "text/plain; charset=utf-8",
+        headers={
+            "X-Lease-Id": ",".join(s.lease_id for s in sources),
+            "X-Attempt": str(first["attempt"]),
+            "Cache-Control": "no-store",
+        },
     )
 
 

@@ -244,7 +244,7 @@ async def test_rank_logs_are_served_over_the_apis_http_contract(agent, settings,
     await node.start_task(start_task("node-b", "lease-http", script(tmp_path, "s.py", SLEEPER)))
     await wait_for(lambda: (node.leases["lease-http"].dir / sf.STDOUT).stat().st_size > 0, what="output")
     assert await read("lease-http") == b"hello from the rank\n"
-    assert await read("lease-http", offset=6) == b"from the rank\n"
+    assert await read("lease-http", stream="all") == b"[stdout] hello from the rank\n"
     # refused: a made-up token, the old static dev token, another lease's token, an expired
     # one, one signed with another key, one signed with the key of another node (node-a, in
     # the same agent process), one signed with the API's key itself

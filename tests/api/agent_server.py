@@ -1,19 +1,22 @@
 """A tiny real HTTP server that speaks the agent's log contract (api/logs_proxy.py):
 
-    GET /v1/leases/{lease_id}/logs?offset=N&follow=0|1
-    Authorization: Bearer <a per-lease log token signed with a node's log key>  ->  200 text/plain, chunked
+    GET /v1/leases/{lease_id}/logs?offset=N&follow=0|1&stream=&tail=&format=text|ndjson
+    Authorization: Bearer <a per-lease log token signed with a node's log key>  ->  200, chunked
 
 One server stands in for the agents of every node of the test cluster: a token is good when
 it is signed with the key of one of ``nodes`` (the real agent takes the key of the node
 holding the lease; tests/agent/test_link.py covers that).
 
-Logs are whatever the test puts in ``logs[lease_id]``; with follow=1 the server
-also writes each of ``follow_lines[lease_id]`` as its own chunk, a little apart,
-then ends the response (as the agent does when the rank exits).
+Logs are whatever the test puts in ``logs[lease_id]`` (stdout lines) and
+``records[lease_id]`` ((time, stream, line) tuples, after those); a record's offset is its
+index + 1. With follow=1 the server also writes each of ``follow_lines[lease_id]`` (stdout)
+as its own chunk, a little apart, then ends the response (as the agent does when the rank
+exits).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -40,27 +43,55 @@ class _Handler(BaseHTTPRequestHandler):
         q = parse_qs(parts.query)
         offset = int(q.get("offset", ["0"])[0])
         follow = q.get("follow", ["0"])[0] == "1"
+        stream = q.get("stream", ["all"])[0]
+        fmt = q.get("format", ["text"])[0]
+        tail = int(q["tail"][0]) if "tail" in q else None
         self.server.requests.append(
-            {"lease_id": lease_id, "offset": offset, "follow": follow, "auth": self.headers.get("Authorization")}
+            {
+                "lease_id": lease_id,
+                "offset": offset,
+                "follow": follow,
+                "stream": stream,
+                "format": fmt,
+                "tail": tail,
+                "auth": self.headers.get("Authorization"),
+            }
         )
         auth = self.headers.get("Authorization") or ""
         token = auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
         keys = [node_log_key(self.server.key, n) for n in self.server.nodes]
         if not any(check_lease_log_token(k, token, lease_id, now=time.time()) for k in keys):
             return self._plain(401, b"bad token\n")
-        if lease_id not in self.server.logs:
+        if lease_id not in self.server.logs and lease_id not in self.server.records:
             return self._plain(404, b"no such lease\n")
         self.send_response(200)
-        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Type", "application/x-ndjson" if fmt == "ndjson" else "text/plain; charset=utf-8")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        self._chunk(self.server.logs[lease_id][offset:])
-        if follow:
+        recs = self.server.all_records(lease_id)
+        picked = [(i + 1, r) for i, r in enumerate(recs) if i >= offset and stream in ("all", r[1])]
+        if tail is not None:
+            picked = picked[len(picked) - tail :] if tail else []
+        end = len(recs)
+        self._chunk(b"".join(self._render(o, r, fmt, stream) for o, r in picked))
+        if follow and end >= offset:
             for line in self.server.follow_lines.get(lease_id, []):
                 time.sleep(0.05)  # paces the chunks "a little apart" (what it serves), not a wait
-                self._chunk(line)
+                end += 1
+                if stream in ("all", "stdout"):
+                    self._chunk(self._render(end, (time.time(), "stdout", line.decode().rstrip("\n")), fmt, stream))
+        if fmt == "ndjson":
+            self._chunk(b'{"end":%d}\n' % end)
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
+
+    @staticmethod
+    def _render(offset: int, rec: tuple, fmt: str, stream: str) -> bytes:
+        t, s, line = rec
+        if fmt == "ndjson":
+            obj = {"offset": offset, "time": t, "stream": s, "line": line, "partial": False}
+            return json.dumps(obj).encode() + b"\n"
+        return (f"[{s}] {line}\n" if stream == "all" else f"{line}\n").encode()
 
     def _chunk(self, data: bytes) -> None:
         if data:
@@ -84,8 +115,16 @@ class AgentLogServer(ThreadingHTTPServer):
         self.nodes = nodes
         self.logs: dict[str, bytes] = {}
         self.follow_lines: dict[str, list[bytes]] = {}
+        self.records: dict[str, list[tuple[float, str, str]]] = {}
         self.requests: list[dict] = []
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+
+    def all_records(self, lease_id: str) -> list[tuple[float, str, str]]:
+        """``logs`` (stdout lines, a millisecond apart from a fixed time) then ``records``."""
+        lines = self.logs.get(lease_id, b"").decode().splitlines()
+        return [(1_700_000_000.0 + i / 1000, "stdout", ln) for i, ln in enumerate(lines)] + self.records.get(
+            lease_id, []
+        )
 
     @property
     def addr(self) -> str:

@@ -125,7 +125,7 @@ async def test_submit_follow_logs_cancel(cli_app, server, pool, temporal_env, wo
     )
     agent.logs[lease] = b"epoch 0 loss 2.31\n"
     agent.follow_lines[lease] = [b"epoch 1 loss 1.70\n", b"epoch 2 loss 1.21\n"]
-    r = await run(cli_app, "logs", "-f", job_id, url=server.url)
+    r = await run(cli_app, "logs", "-f", "--stream", "stdout", job_id, url=server.url)
     assert r.exit_code == 0, r.output
     assert r.stdout == "epoch 0 loss 2.31\nepoch 1 loss 1.70\nepoch 2 loss 1.21\n"
     assert agent.requests[-1]["follow"] is True

@@ -47,12 +47,13 @@ async def test_logs_of_a_rank_are_proxied_from_its_agent(client, pool, agent):
     leases = await place(pool, job_id, ["b0-n0", "b0-n1"], agent.addr)
     agent.logs[leases[0]] = b"rank0 step 1\nrank0 step 2\n"
     agent.logs[leases[1]] = b"rank1 step 1\n"
-    r = await client.get(f"/v1/jobs/{job_id}/logs", headers=auth(ALPHA))
+    r = await client.get(f"/v1/jobs/{job_id}/logs", params={"stream": "stdout"}, headers=auth(ALPHA))
     assert r.status_code == 200 and r.text == "rank0 step 1\nrank0 step 2\n"
     assert r.headers["content-type"].startswith("text/plain") and r.headers["x-lease-id"] == leases[0]
     r = await client.get(f"/v1/jobs/{job_id}/logs", params={"rank": 1, "attempt": 1}, headers=auth(ALPHA))
-    assert r.text == "rank1 step 1\n"
-    r = await client.get(f"/v1/jobs/{job_id}/logs", params={"offset": 13}, headers=auth(ALPHA))
+    assert r.text == "[stdout] rank1 step 1\n"
+    # offset: leave out what a client already has (the CLI resumes a dropped stream with it)
+    r = await client.get(f"/v1/jobs/{job_id}/logs", params={"offset": 13, "stream": "stdout"}, headers=auth(ALPHA))
     assert r.text == "rank0 step 2\n"
     # the API presents a token for that lease alone, signed with its node's key, never the
     # caller's, never a static one
@@ -64,7 +65,7 @@ async def test_logs_of_a_rank_are_proxied_from_its_agent(client, pool, agent):
     assert not check_lease_log_token(LOG_KEY, tokens[leases[1]], leases[1], now=time.time())
     assert not check_lease_log_token(b0n1, tokens[leases[1]], leases[0], now=time.time())
     assert not check_lease_log_token(b0n1, tokens[leases[1]], leases[1], now=time.time() + 3600)
-    assert agent.requests[-1]["offset"] == 13 and agent.requests[-1]["follow"] is False
+    assert agent.requests[-1]["format"] == "ndjson" and agent.requests[-1]["follow"] is False
 
 
 async def test_follow_streams_until_the_agent_ends(client, pool, agent):
@@ -75,7 +76,7 @@ async def test_follow_streams_until_the_agent_ends(client, pool, agent):
     async with client.stream("GET", f"/v1/jobs/{job_id}/logs", params={"follow": "true"}, headers=auth(ALPHA)) as r:
         assert r.status_code == 200
         text = "".join([chunk async for chunk in r.aiter_text()])
-    assert text == "start\nstep 1\nstep 2\ndone\n"
+    assert text == "[stdout] start\n[stdout] step 1\n[stdout] step 2\n[stdout] done\n"
     assert agent.requests[-1]["follow"] is True
 
 
@@ -114,18 +115,18 @@ async def test_logs_of_an_earlier_attempt(client, pool, agent):
     [a2] = await place(pool, job_id, ["b1-n1"], agent.addr, attempt=2)
     agent.logs[a1] = b"attempt one\n"
     agent.logs[a2] = b"attempt two\n"
-    assert (await client.get(f"/v1/jobs/{job_id}/logs", headers=auth(ALPHA))).text == "attempt two\n"
+    assert (await client.get(f"/v1/jobs/{job_id}/logs", headers=auth(ALPHA))).text == "[stdout] attempt two\n"
     r = await client.get(f"/v1/jobs/{job_id}/logs", params={"attempt": 1}, headers=auth(ALPHA))
-    assert r.text == "attempt one\n" and r.headers["x-attempt"] == "1"
+    assert r.text == "[stdout] attempt one\n" and r.headers["x-attempt"] == "1"
 
 
 async def test_proxy_function_directly(agent):
     from api.errors import ApiError
     from api.logs_proxy import open_agent_log
 
-    agent.logs["L1"] = b"abcdef"
-    body = await open_agent_log(agent.addr, "L1", token=token("L1"), offset=2)
-    assert b"".join([c async for c in body]) == b"cdef"
+    agent.logs["L1"] = b"ab\ncd\nef\n"
+    body = await open_agent_log(agent.addr, "L1", token=token("L1"), offset=2)  # the agent's offset: records
+    assert b"".join([c async for c in body]) == b"ef\n"
     with pytest.raises(ApiError) as e:
         await open_agent_log(agent.addr, "nope", token=token("nope"))
     assert e.value.status == 404

@@ -1,11 +1,20 @@
 """Rank logs over HTTP: the contract the API's log proxy speaks (api/logs_proxy.py); and metrics.
 
-    GET /v1/leases/{lease_id}/logs?offset=N&follow=0|1
+    GET /v1/leases/{lease_id}/logs?offset=N&follow=0|1&stream=stdout|stderr|all&tail=N&format=text|ndjson
     Authorization: Bearer <a per-lease log token: proto.auth.lease_log_token, signed with
                            the node's log key (settings.agent_log_keys), valid for this
                            lease only, for a minute>
-    -> 200 text/plain, chunked; with follow=1 the response stays open and carries new
-       output as the rank writes it, and ends when the rank has exited (or after an hour).
+    -> 200, chunked: the lease's output records (worker_agent.rank_logs) of ``stream``
+       (default all) from logical ``offset`` (default 0; offsets stay valid across rotation),
+       or only the last ``tail`` of them;
+       format=ndjson (what the API asks for): one object a line,
+         {"offset": <where to resume after it>, "time": <unix s>, "stream": "stdout"|"stderr",
+          "line": <text, no newline>, "partial": <true: the line had no newline yet>}
+         then a last {"end": <offset to resume from>};
+       format=text (default, for people with curl): one stream as written; all with a
+       ``[stdout] `` / ``[stderr] `` prefix per line.
+       With follow=1 the response stays open, carries new output as the rank writes it,
+       and ends once the rank has exited and its last output is sent.
     401 a missing, expired or forged token, one for another lease, or one signed with
     another node's key; 404 no such lease on this agent (to a valid token); 405/400
     anything else.
@@ -23,20 +32,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import time
+from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from proto.auth import check_lease_log_token, node_log_key
+from worker_agent import rank_logs
 from worker_agent.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 
 CHUNK = 64 * 1024
-MAX_FOLLOW_S = 3600.0
+READ_BATCH = 1 << 20
+STREAMS = ("stdout", "stderr", "all")
+FORMATS = ("text", "ndjson")
 MAX_HEADER_BYTES = 16 * 1024
 HEADER_TIMEOUT_S = 10.0
 
@@ -80,10 +94,11 @@ class LogHttpServer:
                 await asyncio.wait_for(self.server.wait_closed(), 2.0)
 
     def _find(self, lease_id: str):
+        """The node holding the lease and the lease's dir (where its output records are)."""
         for node in self.nodes.values():
             path = node.log_path(lease_id, "stdout")
             if path is not None:
-                return node, path
+                return node, path.parent
         return None, None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -135,50 +150,73 @@ class LogHttpServer:
             return await _plain(writer, 401, "bad, expired or missing log token for this lease")
         q = parse_qs(parts.query)
         try:
-            offset = int(q.get("offset", ["0"])[0])
+            offset = max(0, int(q.get("offset", ["0"])[0]))
+            tail = int(q["tail"][0]) if "tail" in q else None
         except ValueError:
-            return await _plain(writer, 400, "offset must be an integer")
+            return await _plain(writer, 400, "offset and tail must be integers")
         follow = q.get("follow", ["0"])[0] == "1"
+        stream = q.get("stream", ["all"])[0]
+        fmt = q.get("format", ["text"])[0]
+        if stream not in STREAMS or fmt not in FORMATS or (tail is not None and tail < 0):
+            return await _plain(writer, 400, "stream is stdout, stderr or all; format text or ndjson; tail >= 0")
         if node is None or path is None:
             return await _plain(writer, 404, f"no lease {lease_id} on this agent")
+        ctype = b"application/x-ndjson" if fmt == "ndjson" else b"text/plain; charset=utf-8"
         writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\n"
-            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n" % ctype
         )
         await writer.drain()
-        follow_until = time.monotonic() + MAX_FOLLOW_S
+        only = None if stream == "all" else stream
+        if tail is not None:
+            offset = max(offset, await asyncio.to_thread(rank_logs.tail_offset, path, tail, only))
+        finishing = False
         while True:
-            try:
-                f = open(path, "rb")
-            except FileNotFoundError:  # the rank has not written yet
-                f = None
-            if f is not None:
-                with f:
-                    size = f.seek(0, 2)
-                    offset = min(offset if offset >= 0 else max(0, size + offset), size)
-                    f.seek(offset)
-                    while data := f.read(CHUNK):
-                        writer.write(b"%x\r\n%s\r\n" % (len(data), data))
-                        await writer.drain()
-                        offset += len(data)
-            lease = node.leases.get(lease_id)
-            finished = not (lease and lease.live)
-            if not follow or time.monotonic() > follow_until:
-                break
-            if finished:  # one last read after the exit (output written just before it) is done above
-                if f is None or offset >= _size(path):
+            while True:  # all there is now, a batch at a time
+                records = await asyncio.to_thread(_batch, path, offset)
+                if not records:
                     break
+                offset = records[-1].offset
+                out = _render([r for r in records if only is None or r.stream == only], fmt, only is None)
+                for k in range(0, len(out), CHUNK):
+                    writer.write(b"%x\r\n%s\r\n" % (len(out[k : k + CHUNK]), out[k : k + CHUNK]))
+                    await writer.drain()
+            if not follow or finishing:
+                break
+            lease = node.leases.get(lease_id)
+            if not (lease and lease.live):
+                finishing = True  # the supervisor wrote the last output before the exit: one more read
                 continue
             await asyncio.sleep(node.poll_s)
+        if fmt == "ndjson":
+            end = b'{"end":%d}\n' % offset
+            writer.write(b"%x\r\n%s\r\n" % (len(end), end))
         writer.write(b"0\r\n\r\n")
         await writer.drain()
 
 
-def _size(path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
+def _batch(lease_dir: Path, offset: int) -> list[rank_logs.Record]:
+    return list(rank_logs.read_records(lease_dir, offset, READ_BATCH))
+
+
+def _render(records: list[rank_logs.Record], fmt: str, prefixed: bool) -> bytes:
+    if fmt == "ndjson":
+        return b"".join(
+            json.dumps(
+                {
+                    "offset": r.offset,
+                    "time": r.time,
+                    "stream": r.stream,
+                    "line": r.payload.decode("utf-8", "replace"),
+                    "partial": r.partial,
+                },
+                separators=(",", ":"),
+            ).encode()
+            + b"\n"
+            for r in records
+        )
+    if prefixed:
+        return b"".join(b"[%s] %s\n" % (r.stream.encode(), r.payload) for r in records)
+    return b"".join(r.payload if r.partial else r.payload + b"\n" for r in records)
 
 
 async def _plain(writer: asyncio.StreamWriter, status: int, text: str) -> None:

@@ -387,6 +387,8 @@ class NodeAgent:
                     "user": list(user) if user else None,
                     "stdout": str(d / sf.STDOUT),
                     "stderr": str(d / sf.STDERR),
+                    "log_max_bytes": int(self.settings.agent_log_max_bytes),
+                    "log_keep": int(self.settings.agent_log_keep),
                     "poll_s": self.poll_s,
                     "unconfirmed_kill_s": float(self.settings.unconfirmed_kill_s),
                     "fence_grace_s": float(self.settings.agent_fence_grace_s),

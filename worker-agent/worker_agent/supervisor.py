@@ -4,6 +4,8 @@ One small process per rank (docs/design.md, Health). It detaches from the agent 
 fork + its own session), so the agent can die or restart without touching it:
 
 * starts the rank as its own process group (``spec.json``: argv, env, cwd, logs);
+* relays the rank's stdout and stderr (FIFOs it reads in a thread) to the lease's log
+  files and its timestamped record log, with a size cap and rotation (worker_agent.rank_logs);
 * records ``supervisor.json`` (its pid, the rank's pid/pgid and their start times,
   the boot id) so a restarted agent re-adopts the rank instead of starting it again;
 * on ``stop.json`` (written by the agent, SIGUSR1 wakes us): SIGTERM to the group,
@@ -34,8 +36,11 @@ import sys
 import time
 from pathlib import Path
 
+from worker_agent import rank_logs
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within
+
+DRAIN_S = 1.0  # after the rank's group is gone: how long to read what a stray process still writes
 
 
 class _Adopted:
@@ -106,6 +111,8 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
     }
     started_clock = sf.boot_clock()
     proc: _Adopted | subprocess.Popen[bytes]
+    log_max = int(spec.get("log_max_bytes") or rank_logs.DEFAULT_MAX_BYTES)
+    log_keep = int(spec["log_keep"] if spec.get("log_keep") is not None else rank_logs.DEFAULT_KEEP)
     if adopt:
         prev = sf.read_json(lease_dir / sf.SUPERVISOR) or {}
         proc = _Adopted(int(prev["rank_pid"]), prev.get("rank_start"))
@@ -113,14 +120,16 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
         me.update({k: prev.get(k) for k in ("rank_pid", "rank_start", "pgid", "started_at", "started_clock")})
         started_clock = float(prev.get("started_clock") or started_clock)
         sf.write_json_atomic(lease_dir / sf.SUPERVISOR, me)
+        relay = rank_logs.Relay(lease_dir, log_max, log_keep)  # reads on where the last one stopped
+        relay.start()
         _log(f"adopted rank pid {proc.pid}")
     else:
         sf.write_json_atomic(lease_dir / sf.SUPERVISOR, me)
         if not spec.get("cwd"):
             (lease_dir / sf.RANK_DIR).mkdir(exist_ok=True)
         # the logs stay in the agent's private state: the rank gets open descriptors, not paths
-        out = open(spec["stdout"], "ab")
-        err = open(spec["stderr"], "ab")
+        ends = rank_logs.make_pipes(lease_dir)
+        relay = rank_logs.Relay(lease_dir, log_max, log_keep)
         user = spec.get("user")  # [uid, gid]: the rank runs as that user, files private to it
         try:
             proc = subprocess.Popen(
@@ -128,8 +137,8 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
                 env=spec["env"],
                 cwd=spec.get("cwd") or str(lease_dir / sf.RANK_DIR),
                 stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
+                stdout=ends["stdout"],
+                stderr=ends["stderr"],
                 start_new_session=True,
                 close_fds=True,
                 user=user[0] if user else None,
@@ -138,9 +147,10 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
                 umask=0o077 if user else -1,
             )
         except OSError as e:
-            err.write(f"gpufleet: cannot start {spec['argv'][:1]}: {e}\n".encode())
-            err.close()
-            out.close()
+            for fd in ends.values():
+                os.close(fd)
+            relay.write("stderr", f"gpufleet: cannot start {spec['argv'][:1]}: {e}\n".encode())
+            relay.finish(0.0)
             sf.write_json_atomic(
                 lease_dir / sf.EXIT,
                 {
@@ -154,8 +164,9 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
                 fsync=True,
             )
             return 0
-        out.close()
-        err.close()
+        for fd in ends.values():
+            os.close(fd)
+        relay.start()
         pgid = proc.pid
         me.update(
             {
@@ -222,6 +233,7 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
     _killpg(pgid, signal.SIGKILL)
     if kill_argv and state is not None:
         _run_quiet(kill_argv)
+    relay.finish(DRAIN_S)  # all its output is in the logs before exit.json says it ended
     progress = sf.read_rank_json(Path(spec["progress"]) if spec.get("progress") else lease_dir / sf.PROGRESS) or {}
     checkpoint = progress.get("checkpoint_uri")
     if "checkpoint_dir" in spec and not (
