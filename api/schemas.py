@@ -205,6 +205,51 @@ class GpuUse(BaseModel):
     idle_since: datetime | None = Field(None, description="when the whole job went idle")
 
 
+class RankResult(BaseModel):
+    """How one rank of an attempt ended, as its node's agent reported it (kept after the node is gone)."""
+
+    rank: int
+    attempt: int
+    node_id: str = Field(description="the node the rank ran on")
+    lease_id: str
+    state: str = Field(
+        description="EXITED (ended by itself), STOPPED (a cancel, preemption or failed attempt stopped it),"
+        " FENCED (killed itself: its lease went unconfirmed), LOST (its node or process was lost), REJECTED"
+    )
+    exit_code: int | None = Field(None, description="the rank's exit code; 128 + N when signal N killed it")
+    signal: int | None = Field(None, description="the signal that killed the rank, when one did")
+    signal_name: str | None = Field(None, description="the signal's name, e.g. SIGKILL")
+    reason: str | None = Field(None, description="why it was ended when not by itself (the stop's reason, a fence)")
+    stderr_tail: str = Field("", description="the last lines of the rank's stderr (at most 20 lines / 4 KiB)")
+    finished_at: str | None = Field(None, description="when the agent saw it end (ISO 8601, the node's clock)")
+
+
+class FailureCause(BaseModel):
+    """Why the job's latest ended attempt did not succeed, and whether the platform runs it again."""
+
+    kind: Literal["failed", "infrastructure", "preempted", "cancelled", "timed_out"] = Field(
+        description="failed: the job's own failure (counts against max_failed_attempts); infrastructure: a node"
+        " or rank was lost, fenced or refused (does not count); preempted; cancelled; timed_out (max_runtime)"
+    )
+    attempt: int = Field(description="the attempt that ended")
+    rank: int | None = Field(
+        None, description="the failing rank: the first to exit non-zero by itself, else the first lost"
+    )
+    node_id: str | None = Field(None, description="the node the failing rank ran on")
+    state: str | None = Field(None, description="how the failing rank ended (see RankResult.state)")
+    exit_code: int | None = Field(None, description="the failing rank's exit code")
+    signal: int | None = Field(None, description="the signal that killed the failing rank, when one did")
+    signal_name: str | None = None
+    stderr_tail: str = Field("", description="the last lines of the failing rank's stderr")
+    reason: str | None = Field(None, description="the reason recorded when the attempt ended (job events)")
+    will_retry: bool = Field(description="whether the platform runs the job again")
+    retry: str = Field(description='"yes (attempt 2 of 3)" or "no: <why>"')
+    attempts_left: int | None = Field(
+        None, description="for a job's own failure: attempts it may still fail (this one included) before FAILED"
+    )
+    summary: str = Field(description="the cause in one paragraph")
+
+
 class JobView(JobSummary):
     allocation: Allocation
     last_checkpoint: str | None = None
@@ -220,6 +265,12 @@ class JobView(JobSummary):
     workflow_started: bool
     spec: dict[str, Any]
     gpu_use: GpuUse | None = Field(None, description="what its GPUs do; null when it holds none")
+    rank_results: list[RankResult] = Field(
+        default_factory=list, description="how each rank of the newest attempt with an ended rank ended"
+    )
+    failure: FailureCause | None = Field(
+        None, description="why the latest ended attempt did not succeed; null when none failed"
+    )
 
 
 class JobList(BaseModel):
@@ -283,6 +334,9 @@ class Explain(BaseModel):
     message: str
     waiting_for: WaitingFor | None = None
     gpu_use: GpuUse | None = None
+    failure: FailureCause | None = Field(
+        None, description="why the latest ended attempt did not succeed and whether it is retried"
+    )
 
 
 class QuotaEntry(BaseModel):

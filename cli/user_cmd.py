@@ -25,6 +25,7 @@ import httpx
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 RETRY_STATUSES = {502, 503, 504}
@@ -264,7 +265,29 @@ def status(job_id: str, url: Url = None, token: Token = None, as_json: AsJson = 
         util = "no reading yet" if use["gpu_util"] is None else f"{use['gpu_util']:.0f}% SM"
         idle = f"; allocated but idle since {use['idle_since']}" if use["idle"] else ""
         rows.append(("gpu use", f"{util} over {use['gpus']} GPUs{idle}"))
+    if j.get("finished_at") or j.get("exit_code") is not None:
+        rows += [("finished", j.get("finished_at")), ("exit code", j.get("exit_code"))]
+    rows += _failure_rows(j.get("failure"))
     _out().print(_kv_table(f"job {j['job_id']}", rows))
+
+
+def _failure_rows(f: dict[str, Any] | None) -> list[tuple[str, Any]]:
+    """Why the latest ended attempt did not succeed (``failure`` in the API's answers)."""
+    if not f:
+        return []
+    rows: list[tuple[str, Any]] = [("ended", f"attempt {f['attempt']}: {f['kind']}")]
+    if f.get("rank") is not None:
+        how = f["state"].lower() if f.get("state") else "-"
+        code = f", exit code {f['exit_code']}" if f.get("exit_code") is not None else ""
+        rows.append(("failing rank", f"rank {f['rank']} on {f['node_id']} ({how}{code})"))
+    if f.get("signal") is not None:
+        rows.append(("signal", f"{f['signal']} ({f.get('signal_name') or '?'})"))
+    if f.get("reason") and f["reason"] not in f["retry"]:
+        rows.append(("reason", escape(f["reason"])))
+    if f.get("stderr_tail"):
+        rows.append(("stderr (last lines)", escape(f["stderr_tail"].rstrip("\n"))))
+    rows.append(("will retry", escape(f["retry"])))
+    return rows
 
 
 def list_jobs(
@@ -433,7 +456,10 @@ def explain(job_id: str, url: Url = None, token: Token = None, as_json: AsJson =
     e = _run(_client(url, token).request, "GET", f"/v1/jobs/{job_id}/explain")
     if as_json:
         return _print_json(e)
-    rows: list[tuple[str, Any]] = [("state", e["state"]), ("why", e["message"])]
+    rows: list[tuple[str, Any]] = [("state", e["state"]), ("why", escape(e["message"]))]
+    f = e.get("failure")
+    if f and f.get("stderr_tail"):
+        rows.append((f"stderr of rank {f['rank']} (last lines)", escape(f["stderr_tail"].rstrip("\n"))))
     if e.get("pending"):
         w = e.get("waiting_for") or {}
         rows += [

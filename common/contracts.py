@@ -127,6 +127,10 @@ class TaskStatus:
     step: int | None = None
     boot_id: str = ""
     seq: int = 0
+    # a terminal report's cause, stored in task_reports for the user (not forwarded to the job)
+    signal: int | None = None  # the signal that killed the rank
+    stderr_tail: str = ""  # the last lines of its stderr (bounded)
+    reason: str = ""  # why it ended when not by itself (a stop's reason, a fence)
 
 
 # --- heartbeats (docs/design.md, Health): what the leader reads from its heartbeat table ---

@@ -64,10 +64,14 @@ def report_json(s: TaskStatus) -> dict[str, Any]:
         "step": s.step,
         "boot_id": s.boot_id,
         "seq": s.seq,
+        "signal": s.signal,
+        "stderr_tail": s.stderr_tail,
+        "reason": s.reason,
     }
 
 
 def status_from_json(d: dict[str, Any]) -> TaskStatus:
+    # the cause (signal, stderr tail, reason) stays in task_reports: the workflow needs none of it
     return TaskStatus(
         node_id=d["node_id"],
         lease_id=d["lease_id"],

@@ -158,7 +158,7 @@ class HeartbeatAck(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., confirmed_lease_ids: _Optional[_Iterable[str]] = ..., stop: _Optional[_Iterable[_Union[LeaseRef, _Mapping]]] = ..., server_time: _Optional[float] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
-    __slots__ = ("node_id", "lease_id", "job_id", "attempt", "epoch", "rank", "state", "at", "exit_code", "checkpoint_uri", "step", "boot_id", "seq")
+    __slots__ = ("node_id", "lease_id", "job_id", "attempt", "epoch", "rank", "state", "at", "exit_code", "checkpoint_uri", "step", "boot_id", "seq", "signal", "stderr_tail", "reason")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,9 @@ class TaskStatus(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    STDERR_TAIL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     lease_id: str
     job_id: str
@@ -185,7 +188,10 @@ class TaskStatus(_message.Message):
     step: int
     boot_id: str
     seq: int
-    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., at: _Optional[float] = ..., exit_code: _Optional[int] = ..., checkpoint_uri: _Optional[str] = ..., step: _Optional[int] = ..., boot_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+    signal: int
+    stderr_tail: str
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[TaskState, str]] = ..., at: _Optional[float] = ..., exit_code: _Optional[int] = ..., checkpoint_uri: _Optional[str] = ..., step: _Optional[int] = ..., boot_id: _Optional[str] = ..., seq: _Optional[int] = ..., signal: _Optional[int] = ..., stderr_tail: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class TaskStatusAck(_message.Message):
     __slots__ = ("lease_id", "epoch", "seq", "ok", "error", "refused")

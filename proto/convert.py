@@ -24,7 +24,11 @@ def task_status_to_pb(s: TaskStatus) -> pb.TaskStatus:
         at=s.at.timestamp(),
         boot_id=s.boot_id,
         seq=s.seq,
+        stderr_tail=s.stderr_tail,
+        reason=s.reason,
     )
+    if s.signal is not None:
+        m.signal = s.signal
     if s.exit_code is not None:
         m.exit_code = s.exit_code
     if s.checkpoint_uri is not None:
@@ -51,6 +55,9 @@ def task_status_from_pb(m: pb.TaskStatus) -> TaskStatus:
         step=m.step if m.HasField("step") else None,
         boot_id=m.boot_id,
         seq=m.seq,
+        signal=m.signal if m.HasField("signal") else None,
+        stderr_tail=m.stderr_tail,
+        reason=m.reason,
     )
 
 

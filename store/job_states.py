@@ -200,18 +200,17 @@ async def requeue_job(
                 reason,
                 {"job_fault": job_fault, "released": released},
             )
-            faults = await conn.fetchval(
-                "SELECT count(*) FROM job_events WHERE job_id = $1 AND event = 'attempt_failed'"
-                " AND (detail->>'job_fault')::boolean AND at > now() - make_interval(secs => $2)",
-                job_id,
-                failure_window_s,
-            )
+            faults = await job_faults_within(conn, job_id, failure_window_s)
             if job_fault and faults >= max_failed_attempts:
+                # the job's exit code is the failing rank's (its report is on record: the
+                # workflow learned of the failure from it)
+                culprit = task_reports.failing(await task_reports.rank_ends(conn, job_id, attempt))
                 await conn.execute(
                     "UPDATE jobs SET state = 'FAILED', finished_at = now(), failed_attempts = failed_attempts + 1,"
-                    " last_checkpoint = $2, updated_at = now() WHERE job_id = $1",
+                    " last_checkpoint = $2, exit_code = $3, updated_at = now() WHERE job_id = $1",
                     job_id,
                     resume_from,
+                    culprit.exit_code if culprit is not None else None,
                 )
                 await write_job_event(
                     conn,
@@ -248,6 +247,30 @@ async def requeue_job(
             {"cause": cause, "previous_attempt": attempt, "resume_from": resume_from, "job_fault": job_fault},
         )
         return Outcome(True, JobState.QUEUED, attempt + 1, released, {"resume_from": resume_from})
+
+
+async def job_faults_within(db: Db, job_id: str, window_s: float) -> int:
+    """Attempts the job itself failed within ``window_s``: what ``max_failed_attempts`` counts."""
+    return await db.fetchval(
+        "SELECT count(*) FROM job_events WHERE job_id = $1 AND event = 'attempt_failed'"
+        " AND (detail->>'job_fault')::boolean AND at > now() - make_interval(secs => $2)",
+        job_id,
+        window_s,
+    )
+
+
+_END_EVENTS = ["attempt_failed", "requeued", "failed", "cancelled", "timed_out", "succeeded"]
+
+
+async def last_attempt_end(db: Db, job_id: str) -> asyncpg.Record | None:
+    """The newest event that ended an attempt or the job (attempt, event, reason, detail,
+    actor, at): why the latest attempt stopped running."""
+    return await db.fetchrow(
+        "SELECT attempt, event, reason, detail, actor, at FROM job_events WHERE job_id = $1"
+        " AND event = ANY($2::text[]) ORDER BY id DESC LIMIT 1",
+        job_id,
+        _END_EVENTS,
+    )
 
 
 async def extend_job(

@@ -4,21 +4,44 @@
     rows = await undelivered(pool, skip_jobs=..., limit=500)
     await mark(pool, [row.id ...], "delivered")       # or "job_finished"
     await exits_for(pool, lease_ids)                 # leases whose end is on record
+    await rank_ends(pool, job_id)                    # each rank's end in the newest attempt that has one
+    failing(ends)                                    # the rank whose end failed the attempt
 
 A report stored twice (the agent sent it again) is one row: unique on (lease, epoch, state,
-checkpoint).
+checkpoint). A terminal report carries the rank's cause (signal, stderr tail: migration
+0013); the newest attempt's ends that were not exit 0 are kept after delivery, so a failed
+job says why long after its node is gone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from store.tx import Db
 
 # the states that end a rank (common.contracts.TaskState's, spelled out: the store imports no Temporal)
 TERMINAL_REPORTS = ("EXITED", "STOPPED", "FENCED", "LOST", "REJECTED")
+TAIL_BYTES = 4096  # the agent's bound (worker_agent.exit_cause); enforced again here
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """How one rank of an attempt ended, as its agent (or control, for LOST) reported it."""
+
+    rank: int
+    attempt: int
+    lease_id: str
+    node_id: str
+    state: str  # EXITED | STOPPED | FENCED | LOST | REJECTED
+    exit_code: int | None
+    signal: int | None
+    stderr_tail: str
+    reason: str
+    at: str | None  # when the agent saw it (ISO 8601, the agent's clock)
+    received_at: datetime
 
 
 @dataclass(frozen=True)
@@ -32,9 +55,12 @@ async def store(db: Db, report: dict[str, Any]) -> bool:
     """Record a report (one statement, so it is durable when this returns); False when it
     was already on record. ``report``: a TaskStatus as JSON (lease_id, job_id, attempt,
     epoch, rank, node_id, state, exit_code, checkpoint_uri, ...)."""
+    report = dict(report)
+    tail = _bounded_tail(report.pop("stderr_tail", None))  # its own column, not twice
+    sig = report.get("signal")
     row_id = await db.fetchval(
         "INSERT INTO task_reports (lease_id, job_id, attempt, epoch, rank, node_id, state, exit_code,"
-        " checkpoint_uri, report) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
+        " checkpoint_uri, report, signal, stderr_tail) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
         " ON CONFLICT (lease_id, epoch, state, coalesce(checkpoint_uri, '')) DO NOTHING RETURNING id",
         report["lease_id"],
         report["job_id"],
@@ -46,8 +72,21 @@ async def store(db: Db, report: dict[str, Any]) -> bool:
         report.get("exit_code"),
         report.get("checkpoint_uri"),
         report,
+        sig if isinstance(sig, int) else None,
+        tail,
     )
     return row_id is not None
+
+
+def _bounded_tail(tail: Any) -> str | None:
+    """At most TAIL_BYTES of the end of the text, no NUL (Postgres text cannot hold one)."""
+    if not isinstance(tail, str) or not tail:
+        return None
+    tail = tail.replace("\x00", "\ufffd")
+    raw = tail.encode("utf-8", errors="replace")
+    if len(raw) > TAIL_BYTES:
+        tail = raw[-TAIL_BYTES:].decode("utf-8", errors="ignore")
+    return tail
 
 
 async def undelivered(db: Db, *, skip_jobs: Sequence[str] = (), limit: int = 1000) -> list[StoredReport]:
@@ -82,10 +121,16 @@ async def exits_for(db: Db, lease_ids: Sequence[str]) -> set[str]:
 
 
 async def prune(db: Db, *, older_than_s: float) -> int:
-    """Forget delivered reports older than ``older_than_s``; returns how many."""
+    """Forget delivered reports older than ``older_than_s``, except how each job's newest
+    attempt that did not end well ended (the cause a user reads); returns how many."""
     status = await db.execute(
-        "DELETE FROM task_reports WHERE delivered_at IS NOT NULL AND delivered_at < now() - make_interval(secs => $1)",
+        "DELETE FROM task_reports t WHERE t.delivered_at IS NOT NULL"
+        " AND t.delivered_at < now() - make_interval(secs => $1)"
+        " AND NOT (t.state = ANY($2::text[]) AND (t.state <> 'EXITED' OR coalesce(t.exit_code, -1) <> 0)"
+        "  AND t.attempt = (SELECT max(x.attempt) FROM task_reports x WHERE x.job_id = t.job_id"
+        "   AND x.state = ANY($2::text[]) AND (x.state <> 'EXITED' OR coalesce(x.exit_code, -1) <> 0)))",
         older_than_s,
+        list(TERMINAL_REPORTS),
     )
     return int(status.split()[-1])
 
@@ -97,4 +142,50 @@ async def ranks_exited_ok(db: Db, job_id: str, attempt: int) -> int:
         " AND state = 'EXITED' AND exit_code = 0",
         job_id,
         attempt,
+    )
+
+
+async def rank_ends(db: Db, job_id: str, attempt: int | None = None) -> list[RankEnd]:
+    """Each rank's latest end in ``attempt`` (default: the newest attempt with any end on
+    record), by rank."""
+    rows = await db.fetch(
+        "SELECT DISTINCT ON (rank) rank, attempt, lease_id, node_id, state, exit_code, signal, stderr_tail,"
+        " report->>'reason' AS reason, report->>'at' AS at, received_at FROM task_reports"
+        " WHERE job_id = $1 AND state = ANY($2::text[]) AND attempt = coalesce($3::int,"
+        "  (SELECT max(attempt) FROM task_reports WHERE job_id = $1 AND state = ANY($2::text[])))"
+        " ORDER BY rank, epoch DESC, id DESC",
+        job_id,
+        list(TERMINAL_REPORTS),
+        attempt,
+    )
+    return [
+        RankEnd(
+            rank=r["rank"],
+            attempt=r["attempt"],
+            lease_id=r["lease_id"],
+            node_id=r["node_id"],
+            state=r["state"],
+            exit_code=r["exit_code"],
+            signal=r["signal"],
+            stderr_tail=r["stderr_tail"] or "",
+            reason=r["reason"] or "",
+            at=r["at"],
+            received_at=r["received_at"],
+        )
+        for r in rows
+    ]
+
+
+def failing(ends: Sequence[RankEnd]) -> RankEnd | None:
+    """The rank whose end failed its attempt: the first (by the agents' clocks, then rank) to
+    exit non-zero by itself; else the first lost, fenced or refused; else the first stopped
+    (a cancel, a preemption). None when every rank exited 0."""
+
+    def first(kind: Sequence[RankEnd]) -> RankEnd | None:
+        return min(kind, key=lambda e: (e.at or "~", e.rank), default=None)
+
+    return (
+        first([e for e in ends if e.state == "EXITED" and e.exit_code != 0])
+        or first([e for e in ends if e.state in ("LOST", "FENCED", "REJECTED")])
+        or first([e for e in ends if e.state == "STOPPED"])
     )

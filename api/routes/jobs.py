@@ -27,6 +27,7 @@ from api.deps import (
     visible_job,
 )
 from api.errors import ERROR_RESPONSES, ApiError
+from api.failure import failure_view, rank_result
 from api.gateway import ControlUnavailable, UpdateRejected, WorkflowClosed, WorkflowMissing
 from api.logs_proxy import LogQuery, RankSource, job_log_stream
 from api.schemas import (
@@ -43,7 +44,7 @@ from api.schemas import (
 )
 from common.settings import Principal
 from placement.lifecycle import TERMINAL, JobState
-from store import jobs, lease_use, nodes, teams
+from store import job_states, jobs, lease_use, nodes, task_reports, teams
 from store.audit import write_audit, write_job_event
 from workflows.messages import CancelRequest, ExtendRequest
 
@@ -245,7 +246,27 @@ async def get_job(request: Request, job_id: JobId, principal: Principal = Depend
     pool = pool_of(request)
     row = await visible_job(pool, principal, job_id)
     ranks = await jobs.job_ranks(pool, job_id, row["attempt"])
-    return {**job_view(row, ranks), "gpu_use": await _gpu_use(pool, job_id)}
+    results, failure = await _failure(request, pool, row)
+    view = job_view(row, ranks)
+    if view["exit_code"] is None and failure is not None and row["state"] == JobState.FAILED:
+        view["exit_code"] = failure["exit_code"]  # a job that failed before its rank's code was recorded
+    return {**view, "gpu_use": await _gpu_use(pool, job_id), "rank_results": results, "failure": failure}
+
+
+async def _failure(request: Request, pool: Any, row: Any) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Each rank's end in the newest attempt that has one, and why the latest ended attempt
+    did not succeed (``api.failure``): from Postgres alone, so it answers after the node is gone."""
+    settings = settings_of(request)
+    ends = await task_reports.rank_ends(pool, row["job_id"])
+    last_end = await job_states.last_attempt_end(pool, row["job_id"])
+    faults = 0
+    if row["state"] not in TERMINAL:
+        faults = await job_states.job_faults_within(pool, row["job_id"], settings.failure_window_s)
+    failure = failure_view(row, ends, last_end, faults, settings)
+    if failure is not None and (not ends or ends[0].attempt != failure["attempt"]):
+        ends = await task_reports.rank_ends(pool, row["job_id"], failure["attempt"])
+        failure = failure_view(row, ends, last_end, faults, settings)
+    return [rank_result(e) for e in ends], failure
 
 
 async def _gpu_use(pool: Any, job_id: str) -> dict[str, Any] | None:
@@ -310,10 +331,15 @@ async def explain_job(request: Request, job_id: JobId, principal: Principal = De
     row = await visible_job(pool, principal, job_id)
     state = row["state"]
     out: dict[str, Any] = {"job_id": job_id, "state": state, "pending": state == JobState.QUEUED}
+    _, failure = await _failure(request, pool, row)
+    out["failure"] = failure
     if state != JobState.QUEUED:
         if state in TERMINAL:
-            exit_code = f" (exit code {row['exit_code']})" if row["exit_code"] is not None else ""
+            code = row["exit_code"] if row["exit_code"] is not None else (failure or {}).get("exit_code")
+            exit_code = f" (exit code {code})" if code is not None else ""
             out["message"] = f"the job finished: {state}{exit_code}"
+            if failure is not None:
+                out["message"] += ". " + failure["summary"]
         else:
             out["message"] = {
                 JobState.STARTING: "GPUs are allocated and the ranks are starting",
@@ -331,6 +357,8 @@ async def explain_job(request: Request, job_id: JobId, principal: Principal = De
                 )
             elif use is not None and use["gpu_util"] is not None:
                 out["message"] += f"; its GPUs read {use['gpu_util']:.0f}% SM use"
+            if failure is not None:
+                out["message"] += ". Before: " + failure["summary"]
         return out
     need = row["replicas"] * row["gpus_per_replica"]
     free = await nodes.free_gpus(pool, row["gpu_type"])
@@ -357,6 +385,8 @@ async def explain_job(request: Request, job_id: JobId, principal: Principal = De
         message += f"; position {row['queue_position']} in the queue"
     if row["expected_start"] is not None:
         message += f"; expected to start at {row['expected_start'].isoformat()}"
+    if failure is not None:
+        message += ". Before: " + failure["summary"]
     out.update(
         {
             "queue_position": row["queue_position"],

@@ -77,3 +77,52 @@ async def test_prune_forgets_only_delivered_reports(pool):
     await task_reports.mark(pool, [first.id], "delivered")
     assert await task_reports.prune(pool, older_than_s=0.0) == 1
     assert [r.report["lease_id"] for r in await task_reports.undelivered(pool)] == ["l-1"]
+
+
+async def test_a_terminal_report_keeps_its_cause(pool):
+    await task_reports.store(pool, report("l-0", exit_code=137, signal=9, stderr_tail="Traceback\nKilled", reason=""))
+    await task_reports.store(pool, report("l-1", rank=1, exit_code=1, stderr_tail="bad \x00 byte"))
+    await task_reports.store(pool, report("l-2", rank=2, exit_code=1, stderr_tail="é" + "x" * 9000))
+    row = await pool.fetchrow("SELECT signal, stderr_tail, report FROM task_reports WHERE lease_id = 'l-0'")
+    assert (row["signal"], row["stderr_tail"]) == (9, "Traceback\nKilled")
+    assert "stderr_tail" not in row["report"]  # stored once, in its column
+    ends = {e.rank: e for e in await task_reports.rank_ends(pool, "j-1")}
+    assert ends[1].stderr_tail == "bad \ufffd byte"  # Postgres text holds no NUL
+    assert len(ends[2].stderr_tail.encode()) == task_reports.TAIL_BYTES and ends[2].stderr_tail.endswith("x")
+    assert (ends[0].exit_code, ends[0].signal, ends[0].node_id, ends[0].attempt) == (137, 9, "n-0", 1)
+
+
+async def test_rank_ends_are_each_ranks_latest_end_in_the_newest_attempt(pool):
+    await task_reports.store(pool, report("a1-r0", attempt=1, rank=0, exit_code=1, at="2026-01-01T00:00:02+00:00"))
+    await task_reports.store(pool, report("a1-r1", "STOPPED", attempt=1, rank=1, exit_code=143))
+    await task_reports.store(pool, report("a2-r0", "RUNNING", attempt=2, rank=0, checkpoint_uri="file:///ck"))
+    await task_reports.store(pool, report("other", job="j-2", attempt=5))
+    # attempt 2 has no end yet: the newest attempt with one is 1
+    ends = await task_reports.rank_ends(pool, "j-1")
+    assert [(e.attempt, e.rank, e.state) for e in ends] == [(1, 0, "EXITED"), (1, 1, "STOPPED")]
+    assert task_reports.failing(ends).rank == 0  # a rank's own failure beats the ranks stopped for it
+    await task_reports.store(pool, report("a2-r0", attempt=2, rank=0, exit_code=0))
+    await task_reports.store(pool, report("a2-r1", attempt=2, rank=1, exit_code=3, at="2026-01-01T00:00:05+00:00"))
+    await task_reports.store(pool, report("a2-r2", attempt=2, rank=2, exit_code=1, at="2026-01-01T00:00:01+00:00"))
+    ends = await task_reports.rank_ends(pool, "j-1")
+    assert [(e.attempt, e.rank, e.exit_code) for e in ends] == [(2, 0, 0), (2, 1, 3), (2, 2, 1)]
+    assert task_reports.failing(ends).rank == 2  # the first to fail, not the lowest rank
+    assert [e.rank for e in await task_reports.rank_ends(pool, "j-1", 1)] == [0, 1]
+    assert task_reports.failing([e for e in ends if e.exit_code == 0]) is None
+    # a re-started replica (same rank, new lease or epoch): its latest end
+    await task_reports.store(pool, report("a2-r2", attempt=2, rank=2, exit_code=0, epoch=7))
+    assert {e.rank: e.exit_code for e in await task_reports.rank_ends(pool, "j-1")}[2] == 0
+
+
+async def test_prune_keeps_why_the_newest_failed_attempt_ended(pool):
+    await task_reports.store(pool, report("a1-r0", attempt=1, rank=0, exit_code=1, stderr_tail="boom 1"))
+    await task_reports.store(pool, report("a2-r0", attempt=2, rank=0, exit_code=1, stderr_tail="boom 2"))
+    await task_reports.store(pool, report("a2-r1", "STOPPED", attempt=2, rank=1, exit_code=143))
+    await task_reports.store(pool, report("a2-r2", attempt=2, rank=2, exit_code=0))
+    await task_reports.store(pool, report("ok", job="j-ok", exit_code=0))
+    await task_reports.mark(pool, [r.id for r in await task_reports.undelivered(pool)], "delivered")
+    assert await task_reports.prune(pool, older_than_s=0.0) == 3  # attempt 1, the exit 0s
+    ends = await task_reports.rank_ends(pool, "j-1")
+    assert [(e.attempt, e.rank, e.stderr_tail) for e in ends] == [(2, 0, "boom 2"), (2, 1, "")]
+    assert await task_reports.rank_ends(pool, "j-ok") == []
+    assert await task_reports.prune(pool, older_than_s=0.0) == 0

@@ -65,6 +65,7 @@ from common.contracts import (
 )
 from proto import agent_pb2 as pb
 from proto.convert import HEALTH_TO_PB, task_status_to_pb
+from worker_agent import exit_cause
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within, local_path
 from worker_agent.nvml import GpuBackend, GpuSample
@@ -556,7 +557,16 @@ class NodeAgent:
             t.add_done_callback(self._bg.discard)
 
     # ------------------------------------------------------------------- statuses
-    def _emit(self, st: Lease, state: TaskState, *, exit_code: int | None = None) -> None:
+    def _emit(
+        self,
+        st: Lease,
+        state: TaskState,
+        *,
+        exit_code: int | None = None,
+        signal: int | None = None,
+        stderr_tail: str = "",
+        reason: str = "",
+    ) -> None:
         s = TaskStatus(
             node_id=self.node_id,
             lease_id=st.lease_id,
@@ -571,6 +581,9 @@ class NodeAgent:
             step=st.step,
             boot_id=self.boot_id,
             seq=self.next_seq(),
+            signal=signal,
+            stderr_tail=stderr_tail,
+            reason=reason,
         )
         self.outbox[s.seq] = task_status_to_pb(s)
         self.wake.set()
@@ -581,8 +594,16 @@ class NodeAgent:
                 log.exception("on_status observer failed")
 
     def _emit_terminal(self, st: Lease) -> None:
+        """The rank's end with its cause: the signal that killed it, the last lines of its
+        stderr (read again on every re-send: the file outlives the report), why it was ended."""
         rec = st.exit or {}
-        self._emit(st, st.state, exit_code=rec.get("exit_code"))
+        tail = ""
+        if not st.simulated:
+            spec = sf.read_json(st.dir / sf.SPEC) or {}
+            tail = exit_cause.stderr_tail(spec.get("stderr") or st.dir / sf.STDERR)
+        reason = str(rec.get("reason") or rec.get("error") or "")[:1000]
+        self._emit(st, st.state, exit_code=rec.get("exit_code"), signal=exit_cause.exit_signal(rec),
+                   stderr_tail=tail, reason=reason)  # fmt: skip
 
     def pending_statuses(self, retry_after_s: float) -> list[pb.TaskStatus]:
         """Statuses not sent yet, or sent more than ``retry_after_s`` ago and not acknowledged.
