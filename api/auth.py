@@ -43,13 +43,22 @@ async def current_principal(
     if creds is None or not creds.credentials:
         limits.auth_failed(address)
         raise ApiError(
-            401, "unauthenticated", "this route needs a bearer token (Authorization: Bearer ...)", headers=_CHALLENGE
+            401,
+            "unauthenticated",
+            "this route needs a bearer token: send the header 'Authorization: Bearer <token>'"
+            " (the gpufleet CLI reads it from GPUFLEET_TOKEN or --token)",
+            headers=_CHALLENGE,
         )
     table: TokenTable = request.app.state.tokens
     principal = table.lookup(creds.credentials)
     if principal is None:
         limits.auth_failed(address)
-        raise ApiError(401, "unauthenticated", "the bearer token is not recognised", headers=_CHALLENGE)
+        raise ApiError(
+            401,
+            "unauthenticated",
+            "the bearer token is not recognised (check 'Authorization: Bearer <token>', or GPUFLEET_TOKEN for the CLI)",
+            headers=_CHALLENGE,
+        )
     limits.after_auth(principal.name)
     if not principal.admin and not principal.team:
         # a principal that is neither an admin nor a team member can do nothing

@@ -15,9 +15,11 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     RootModel,
     StringConstraints,
+    Tag,
     field_validator,
     model_validator,
 )
@@ -97,10 +99,17 @@ DurationValue = Annotated[
 
 
 class Topology(BaseModel):
+    """Where the job's replicas may land in the network (docs/design.md, Placement)."""
+
     model_config = ConfigDict(extra="forbid")
-    pack: Literal["block", "node", "any"] = Field("any", description="block: fewest blocks; node: one node; any")
+    pack: Literal["block", "node", "any"] = Field(
+        "any",
+        description="block: the fewest network blocks (multi-node gangs that talk a lot); node: one node;"
+        " any: wherever GPUs are free",
+        examples=["block"],
+    )
     max_blocks: int | None = Field(
-        None, ge=1, le=10_000, description="with pack=block, the most blocks the job may span"
+        None, ge=1, le=10_000, description="with pack=block, the most blocks the job may span", examples=[1]
     )
     max_blocks_wait_seconds: float | None = Field(
         None,
@@ -109,6 +118,7 @@ class Topology(BaseModel):
         allow_inf_nan=False,
         description="how long (from submit) to wait for max_blocks before taking the fewest blocks free;"
         " unset: max_blocks is a hard limit",
+        examples=[600],
     )
 
     @model_validator(mode="after")
@@ -119,29 +129,75 @@ class Topology(BaseModel):
 
 
 class Checkpoint(BaseModel):
+    """How the job survives preemption: SIGTERM, a grace period to checkpoint, then a resume."""
+
     model_config = ConfigDict(extra="forbid")
-    preemptible: bool = Field(False, description="the job can checkpoint and resume")
-    grace_seconds: float = Field(30.0, ge=0, le=86_400, allow_inf_nan=False)
+    preemptible: bool = Field(
+        False,
+        description="the job can checkpoint and resume: it gets SIGTERM and grace_seconds to write a checkpoint"
+        " to GPUFLEET_CHECKPOINT_DIR, and its next attempt gets GPUFLEET_RESUME_FROM",
+        examples=[True],
+    )
+    grace_seconds: float = Field(
+        30.0,
+        ge=0,
+        le=86_400,
+        allow_inf_nan=False,
+        description="seconds between SIGTERM and SIGKILL when the job is preempted or cancelled",
+        examples=[30],
+    )
+
+
+# A job the demo cluster (`make up`: 4 blocks x 4 nodes x 8 h100; team pretrain) accepts.
+JOB_SUBMIT_EXAMPLE: dict[str, Any] = {
+    "team": "pretrain",
+    "name": "llm-pretrain-demo",
+    "priority_class": "research",
+    "image": "registry/demo:1",
+    "command": ["python3", "-c", "import os; print('hello from rank', os.environ['RANK'])"],
+    "gpu_type": "h100",
+    "replicas": 2,
+    "gpus_per_replica": 8,
+    "topology": {"pack": "block", "max_blocks": 1},
+    "max_runtime": "1h",
+    "checkpoint": {"preemptible": True, "grace_seconds": 30},
+    "env": {"WANDB_MODE": "offline"},
+}
 
 
 class JobSubmit(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    team: Str63_1
-    priority_class: Str32_1 = Field(description="prod-serving, prod-batch, research or preemptible")
-    image: ImageReference
-    command: list[Argument4096] = Field(min_length=1, max_length=256)
-    gpu_type: Str64_1
-    replicas: int = Field(ge=1, le=100_000)
-    gpus_per_replica: int = Field(ge=1, le=8)
-    topology: Topology = Field(default_factory=Topology)
-    max_runtime: DurationValue | None = Field(None, description="required; capped per priority class")
-    checkpoint: Checkpoint = Field(default_factory=Checkpoint)
+    """A job: a gang of `replicas` ranks with `gpus_per_replica` GPUs each, started together."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [JOB_SUBMIT_EXAMPLE]})
+    team: Str63_1 = Field(description="the team the job runs (and is charged) under; yours", examples=["pretrain"])
+    priority_class: Str32_1 = Field(
+        description="prod-serving, prod-batch, research or preemptible (highest first); higher classes may"
+        " preempt lower ones",
+        examples=["research"],
+    )
+    image: ImageReference = Field(examples=["registry/demo:1"])
+    command: list[Argument4096] = Field(
+        min_length=1,
+        max_length=256,
+        description="argv of each rank (no shell); the rank gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,"
+        " MASTER_PORT and GPUFLEET_* variables",
+        examples=[["python3", "train.py", "--lr", "3e-4"]],
+    )
+    gpu_type: Str64_1 = Field(description="the GPU type every rank runs on", examples=["h100"])
+    replicas: int = Field(ge=1, le=100_000, description="ranks in the gang (one per node slot)", examples=[2])
+    gpus_per_replica: int = Field(ge=1, le=8, description="GPUs each rank gets (on one node)", examples=[8])
+    topology: Topology = Field(default_factory=Topology, description="where the ranks may land")
+    max_runtime: DurationValue | None = Field(
+        None, description="required: the job is stopped after it; capped per priority class", examples=["4h"]
+    )
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint, description="preemption and checkpointing")
     env: dict[EnvKey, Argument8192] = Field(
         default_factory=dict,
         max_length=256,
         description="the ranks' env; keys that change loading or the platform's own are refused",
+        examples=[{"WANDB_MODE": "offline"}],
     )
-    name: PlainText200 | None = None
+    name: PlainText200 | None = Field(None, description="a label shown in lists", examples=["llm-pretrain"])
 
     @field_validator("env")
     @classmethod
@@ -155,44 +211,57 @@ class JobSubmit(BaseModel):
 
 
 class SubmitAccepted(BaseModel):
-    job_id: str
-    state: str
+    job_id: str = Field(description="the job's id", examples=["j-0f3c9a1b2d"])
+    state: str = Field(description="QUEUED", examples=["QUEUED"])
     queue_position: int | None = Field(
-        None, description="1-based; an estimate (class, then submit time) until the next placement cycle publishes one"
+        None,
+        description="1-based; an estimate (class, then submit time) until the next placement cycle publishes one",
+        examples=[3],
     )
-    queue_position_estimated: bool = True
+    queue_position_estimated: bool = Field(True, description="queue_position is an estimate, not yet published")
 
 
 class RankAllocation(BaseModel):
-    rank: int
-    node_id: str
-    block_id: str
-    gpu_indices: list[int]
-    lease_id: str
+    rank: int = Field(description="the rank (RANK in its env)", examples=[0])
+    node_id: str = Field(description="the node it runs on", examples=["b0-n0"])
+    block_id: str = Field(description="the node's network block", examples=["b0"])
+    gpu_indices: list[int] = Field(description="GPUs of the node it holds", examples=[[0, 1, 2, 3, 4, 5, 6, 7]])
+    lease_id: str = Field(description="the lease (one rank of one attempt on one node)")
 
 
 class Allocation(BaseModel):
-    nodes: list[str]
-    blocks: list[str]
-    ranks: list[RankAllocation] = Field(default_factory=list)
+    nodes: list[str] = Field(description="nodes the live attempt holds", examples=[["b0-n0", "b0-n1"]])
+    blocks: list[str] = Field(description="their blocks", examples=[["b0"]])
+    ranks: list[RankAllocation] = Field(default_factory=list, description="each rank's node and GPUs")
 
 
 class JobSummary(BaseModel):
-    job_id: str
-    team: str
-    name: str | None = None
-    priority_class: str
-    gpu_type: str
-    replicas: int
-    gpus_per_replica: int
-    gpus: int
-    state: str
-    attempt: int
-    submitted_at: datetime
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
-    queue_position: int | None = None
-    pending_reason: str | None = None
+    job_id: str = Field(description="the job's id", examples=["j-0f3c9a1b2d"])
+    team: str = Field(description="the team it runs under", examples=["pretrain"])
+    name: str | None = Field(None, description="its label", examples=["llm-pretrain"])
+    priority_class: str = Field(description="prod-serving, prod-batch, research or preemptible", examples=["research"])
+    gpu_type: str = Field(examples=["h100"], description="the GPU type it runs on")
+    replicas: int = Field(description="ranks in the gang", examples=[2])
+    gpus_per_replica: int = Field(description="GPUs per rank", examples=[8])
+    gpus: int = Field(description="replicas x gpus_per_replica", examples=[16])
+    state: str = Field(
+        description="QUEUED, STARTING, RUNNING, PREEMPTING, CANCELLING, SUCCEEDED, FAILED, CANCELLED ...",
+        examples=["RUNNING"],
+    )
+    attempt: int = Field(description="1 for the first run; +1 per restart (preemption, node failure)", examples=[1])
+    submitted_at: datetime = Field(description="when it was submitted")
+    started_at: datetime | None = Field(None, description="when its current attempt started running")
+    finished_at: datetime | None = Field(None, description="when it ended (terminal states)")
+    queue_position: int | None = Field(None, description="1-based position in the queue (QUEUED only)", examples=[3])
+    pending_reason: str | None = Field(
+        None, description="why it waits (QUEUED only): capacity, quota, topology, ...", examples=["capacity"]
+    )
+    max_runtime_s: float | None = Field(
+        None, description="how long it may run, in seconds, extensions included", examples=[14400]
+    )
+    nodes: list[str] | None = Field(
+        None, description="nodes its live attempt holds (lists; a job's allocation has them per rank)"
+    )
 
 
 class GpuUse(BaseModel):
@@ -208,10 +277,10 @@ class GpuUse(BaseModel):
 class RankResult(BaseModel):
     """How one rank of an attempt ended, as its node's agent reported it (kept after the node is gone)."""
 
-    rank: int
-    attempt: int
+    rank: int = Field(description="the rank (RANK in its env)", examples=[0])
+    attempt: int = Field(description="the attempt it ran in", examples=[1])
     node_id: str = Field(description="the node the rank ran on")
-    lease_id: str
+    lease_id: str = Field(description="its lease (one rank of one attempt on one node)")
     state: str = Field(
         description="EXITED (ended by itself), STOPPED (a cancel, preemption or failed attempt stopped it),"
         " FENCED (killed itself: its lease went unconfirmed), LOST (its node or process was lost), REJECTED"
@@ -239,7 +308,7 @@ class FailureCause(BaseModel):
     state: str | None = Field(None, description="how the failing rank ended (see RankResult.state)")
     exit_code: int | None = Field(None, description="the failing rank's exit code")
     signal: int | None = Field(None, description="the signal that killed the failing rank, when one did")
-    signal_name: str | None = None
+    signal_name: str | None = Field(None, description="the signal's name, e.g. SIGKILL")
     stderr_tail: str = Field("", description="the last lines of the failing rank's stderr")
     reason: str | None = Field(None, description="the reason recorded when the attempt ended (job events)")
     will_retry: bool = Field(description="whether the platform runs the job again")
@@ -251,19 +320,21 @@ class FailureCause(BaseModel):
 
 
 class JobView(JobSummary):
-    allocation: Allocation
-    last_checkpoint: str | None = None
-    last_checkpoint_at: datetime | None = None
-    preemptions: int
-    extensions: int
-    max_runtime_s: float
-    exit_code: int | None = None
-    queued_at: datetime
-    pending_detail: str | None = None
-    expected_start: datetime | None = None
-    submitted_by: str
-    workflow_started: bool
-    spec: dict[str, Any]
+    allocation: Allocation = Field(description="where the live attempt runs (empty when it holds no GPUs)")
+    last_checkpoint: str | None = Field(
+        None, description="URI of the newest complete checkpoint; the next attempt resumes from it"
+    )
+    last_checkpoint_at: datetime | None = Field(None, description="when it was reported")
+    preemptions: int = Field(description="times the job was preempted", examples=[0])
+    extensions: int = Field(description="runtime extensions granted", examples=[0])
+    max_runtime_s: float = Field(description="how long it may run, in seconds, extensions included", examples=[14400])
+    exit_code: int | None = Field(None, description="the job's exit code once it ended", examples=[0])
+    queued_at: datetime = Field(description="when it (last) entered the queue")
+    pending_detail: str | None = Field(None, description="a sentence on why it waits (QUEUED only)")
+    expected_start: datetime | None = Field(None, description="the scheduler's estimate of its start (QUEUED only)")
+    submitted_by: str = Field(description="the principal that submitted it", examples=["alice"])
+    workflow_started: bool = Field(description="its workflow was started (the control plane owns it)")
+    spec: dict[str, Any] = Field(description="the submitted spec, as stored")
     gpu_use: GpuUse | None = Field(None, description="what its GPUs do; null when it holds none")
     rank_results: list[RankResult] = Field(
         default_factory=list, description="how each rank of the newest attempt with an ended rank ended"
@@ -274,8 +345,8 @@ class JobView(JobSummary):
 
 
 class JobList(BaseModel):
-    jobs: list[JobSummary]
-    next_cursor: str | None = None
+    jobs: list[JobSummary] = Field(description="newest first")
+    next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page; null on the last")
 
 
 class JobEvent(BaseModel):
@@ -340,10 +411,10 @@ class Explain(BaseModel):
 
 
 class QuotaEntry(BaseModel):
-    guaranteed: int
-    in_use: int = Field(description="GPUs of this type the team holds now (guaranteed and borrowed)")
-    borrowed: int = Field(description="of in_use, GPUs held beyond the guarantee (always preemptible)")
-    borrow_limit: int
+    guaranteed: int = Field(description="GPUs of this type the team is guaranteed", examples=[64])
+    in_use: int = Field(description="GPUs of this type the team holds now (guaranteed and borrowed)", examples=[16])
+    borrowed: int = Field(description="of in_use, GPUs held beyond the guarantee (always preemptible)", examples=[0])
+    borrow_limit: int = Field(description="idle GPUs beyond the guarantee the team may borrow", examples=[128])
 
 
 class TeamQuota(RootModel[dict[str, QuotaEntry]]):
@@ -351,32 +422,93 @@ class TeamQuota(RootModel[dict[str, QuotaEntry]]):
 
 
 class QuotaSet(BaseModel):
+    """One GPU type's quota: {"gpu_type": "h100", "guaranteed": 64, "reason": "..."}."""
+
     model_config = ConfigDict(extra="forbid")
-    gpu_type: Str64_1
-    guaranteed: int = Field(ge=0, le=10_000_000)
-    borrow_limit: int | None = Field(None, ge=0, le=10_000_000, description="unset = keep the current one (0 if new)")
-    reason: PlainText1000_1 = Field(description="recorded in the audit row")
+    gpu_type: Str64_1 = Field(description="the GPU type", examples=["h100"])
+    guaranteed: int = Field(ge=0, le=10_000_000, description="GPUs of this type guaranteed", examples=[64])
+    borrow_limit: int | None = Field(
+        None, ge=0, le=10_000_000, description="unset = keep the current one (0 if new)", examples=[128]
+    )
+    reason: PlainText1000_1 = Field(description="recorded in the audit row", examples=["Q3 rebalance"])
+
+
+class QuotaLimits(BaseModel):
+    """One GPU type's entry in the map shape of a quota write."""
+
+    model_config = ConfigDict(extra="forbid")
+    guaranteed: int = Field(ge=0, le=10_000_000, description="GPUs of this type guaranteed", examples=[3072])
+    borrow_limit: int | None = Field(
+        None, ge=0, le=10_000_000, description="unset = keep the current one (0 if new)", examples=[1024]
+    )
+    reason: PlainText1000_1 | None = Field(
+        None, description='recorded in the audit row; default "set by <admin>"', examples=["Q3 rebalance"]
+    )
+
+
+QuotaMap = Annotated[
+    dict[Str64_1, QuotaLimits],
+    Field(
+        min_length=1,
+        max_length=64,
+        description='GPU type -> its quota, e.g. {"h100": {"guaranteed": 3072, "borrow_limit": 1024}}',
+    ),
+]
+
+
+def _quota_shape(v: Any) -> str:
+    if isinstance(v, QuotaSet) or (isinstance(v, dict) and "gpu_type" in v):
+        return "single"
+    return "by_gpu_type"
+
+
+class QuotaBody(
+    RootModel[
+        Annotated[
+            Annotated[QuotaSet, Tag("single")] | Annotated[QuotaMap, Tag("by_gpu_type")],
+            Discriminator(_quota_shape),
+        ]
+    ]
+):
+    """A quota write: one GPU type ({"gpu_type", "guaranteed", "borrow_limit"?, "reason"}) or several at once
+    ({"h100": {"guaranteed", "borrow_limit"?, "reason"?}, ...}), applied in one transaction."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"h100": {"guaranteed": 64, "borrow_limit": 128}},
+                {"gpu_type": "h100", "guaranteed": 64, "reason": "Q3 rebalance"},
+            ]
+        }
+    )
+
+    def entries(self, default_reason: str) -> list[tuple[str, int, int | None, str]]:
+        """(gpu_type, guaranteed, borrow_limit or None, reason) per GPU type, in the body's order."""
+        b = self.root
+        if isinstance(b, QuotaSet):
+            return [(b.gpu_type, b.guaranteed, b.borrow_limit, b.reason)]
+        return [(g, q.guaranteed, q.borrow_limit, q.reason or default_reason) for g, q in b.items()]
 
 
 class QueueEntry(BaseModel):
-    job_id: str
-    name: str | None = None
-    priority_class: str
-    gpu_type: str
-    gpus: int
-    state: str
-    queue_position: int | None = None
-    pending_reason: str | None = None
-    expected_start: datetime | None = None
-    submitted_at: datetime
+    job_id: str = Field(description="the job's id", examples=["j-0f3c9a1b2d"])
+    name: str | None = Field(None, description="its label")
+    priority_class: str = Field(description="its priority class", examples=["research"])
+    gpu_type: str = Field(description="the GPU type it waits for", examples=["h100"])
+    gpus: int = Field(description="GPUs it needs", examples=[16])
+    state: str = Field(description="QUEUED", examples=["QUEUED"])
+    queue_position: int | None = Field(None, description="1-based position (null until a cycle ranks it)")
+    pending_reason: str | None = Field(None, description="why it waits", examples=["capacity"])
+    expected_start: datetime | None = Field(None, description="the scheduler's estimate of its start")
+    submitted_at: datetime = Field(description="when it was submitted")
 
 
 class TeamQueue(BaseModel):
-    team: str
-    usage: dict[str, QuotaEntry]
+    team: str = Field(description="the team", examples=["pretrain"])
+    usage: dict[str, QuotaEntry] = Field(description="GPU type -> the team's quota and use")
     counts: dict[str, int] = Field(description="jobs of the team by live state")
-    jobs: list[QueueEntry]
-    next_cursor: str | None = None
+    jobs: list[QueueEntry] = Field(description="queued jobs in queue order")
+    next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page; null on the last")
 
 
 class NodeSummary(BaseModel):

@@ -8,7 +8,10 @@ each retry, so a retry after a timeout never submits (or cancels) twice.
 ``--json`` prints the API's JSON for scripts; otherwise rich tables.
 
 Exit codes: 0 ok, 1 the API refused (its error code and sentence on stderr),
-3 the API could not be reached.
+3 the API could not be reached; ``submit --wait`` exits with the job's outcome
+(WAIT_EXIT_CODES). ``status --watch`` and ``list --watch`` redraw every
+WATCH_INTERVAL_S seconds (rich Live) until Ctrl-C (``status --watch``: or the job ends).
+Tables are as wide as their content when stdout is not a terminal (never cut at 80 columns).
 """
 
 from __future__ import annotations
@@ -17,19 +20,27 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
 import httpx
 import typer
 import yaml
-from rich.console import Console
+from rich.console import Console, RenderableType
+from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
 RETRY_STATUSES = {502, 503, 504}
 RETRY_DELAYS = (0.25, 0.5, 1.0, 2.0, 4.0)
+WATCH_INTERVAL_S = 2.0  # --watch and --wait poll the API this often
+PIPED_WIDTH = 10_000  # a table written to a pipe or file is as wide as its content
+TERMINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED", "TIMED_OUT")
+# submit --wait: the process's exit code is the job's outcome
+WAIT_EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 10, "CANCELLED": 11, "TIMED_OUT": 12}
+WAIT_INTERRUPTED = 130  # Ctrl-C while waiting: the job keeps running
 
 Url = Annotated[str | None, typer.Option("--url", help="API base URL (default: GPUFLEET_API_URL)", show_default=False)]
 Token = Annotated[
@@ -47,7 +58,17 @@ class CliError(Exception):
 
 
 def _out() -> Console:
+    """Rich output: the terminal's width (at least 120), or unbounded when stdout is piped."""
+    if not _is_tty():
+        return Console(soft_wrap=False, width=PIPED_WIDTH)
     return Console(soft_wrap=False, width=max(Console().width, 120))
+
+
+def _is_tty() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _err(message: str) -> None:
@@ -205,6 +226,88 @@ def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
     return t
 
 
+def _when(v: Any) -> datetime | None:
+    if not v:
+        return None
+    try:
+        at = datetime.fromisoformat(str(v))
+    except ValueError:
+        return None
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+
+def _duration(seconds: float | None) -> str:
+    """2h05m, 4m07s, 9s; '-' when unknown."""
+    if seconds is None:
+        return "-"
+    s = max(0, int(seconds))
+    if s >= 86_400:
+        return f"{s // 86_400}d{s % 86_400 // 3600:02d}h"
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def _elapsed_s(j: dict[str, Any], now: datetime | None = None) -> float | None:
+    """Seconds the job has run (to its end, once it ended); None before it started."""
+    started = _when(j.get("started_at"))
+    if started is None:
+        return None
+    end = _when(j.get("finished_at")) or now or datetime.now(UTC)
+    return (end - started).total_seconds()
+
+
+def _time_left_s(j: dict[str, Any], now: datetime | None = None) -> float | None:
+    """max_runtime minus elapsed, for a job that runs; None otherwise."""
+    elapsed = _elapsed_s(j, now)
+    if elapsed is None or j.get("max_runtime_s") is None or j["state"] in TERMINAL_STATES:
+        return None
+    return max(0.0, float(j["max_runtime_s"]) - elapsed)
+
+
+def _nodes(nodes: list[str] | None, show: int = 3) -> str:
+    if not nodes:
+        return "-"
+    more = f" +{len(nodes) - show}" if len(nodes) > show else ""
+    return ", ".join(nodes[:show]) + more
+
+
+def _watch(
+    fetch: Callable[[], Any],
+    render: Callable[[Any], RenderableType],
+    *,
+    as_json: bool,
+    done: Callable[[Any], bool] = lambda _: False,
+) -> Any:
+    """Redraw ``render(fetch())`` every WATCH_INTERVAL_S seconds until ``done`` or Ctrl-C (exit 0).
+    With --json, one JSON document per line per refresh; piped, one table per refresh.
+    Returns the last value fetched."""
+    value = fetch()
+    try:
+        if as_json or not _is_tty():
+            con = _out()
+            while True:
+                if as_json:
+                    sys.stdout.write(json.dumps(value, default=str) + "\n")
+                    sys.stdout.flush()
+                else:
+                    con.print(render(value))
+                if done(value):
+                    return value
+                time.sleep(WATCH_INTERVAL_S)
+                value = fetch()
+        with Live(render(value), console=_out(), auto_refresh=False, transient=False) as live:
+            while not done(value):
+                time.sleep(WATCH_INTERVAL_S)
+                value = fetch()
+                live.update(render(value), refresh=True)
+    except KeyboardInterrupt:
+        pass  # Ctrl-C ends the watch, not the job
+    return value
+
+
 # --- commands ---------------------------------------------------------------------------
 
 
@@ -213,11 +316,20 @@ def submit(
     idempotency_key: Annotated[
         str | None, typer.Option("--idempotency-key", help="reuse a key to retry an earlier submit safely")
     ] = None,
+    wait: Annotated[
+        bool,
+        typer.Option(
+            "--wait",
+            help="wait for the job to end, printing its state changes; the exit code is its outcome:"
+            " 0 SUCCEEDED, 10 FAILED, 11 CANCELLED, 12 TIMED_OUT (1: the API refused, 3: unreachable,"
+            " 130: Ctrl-C, the job keeps running)",
+        ),
+    ] = False,
     url: Url = None,
     token: Token = None,
     as_json: AsJson = False,
 ) -> None:
-    """Submit a job from a YAML file."""
+    """Submit a job from a YAML file (the shape of POST /v1/jobs; see examples/)."""
     try:
         text = sys.stdin.read() if str(file) == "-" else file.read_text()
         spec = yaml.safe_load(text)
@@ -231,18 +343,85 @@ def submit(
         raise typer.Exit(2)
     api = _client(url, token)
     r = _run(api.request, "POST", "/v1/jobs", json_body=spec, write=True, key=idempotency_key)
-    if as_json:
+    if as_json and not wait:
         return _print_json(r)
-    pos = r.get("queue_position")
-    where = f", position {pos}" + (" (estimate)" if r.get("queue_position_estimated") else "") if pos else ""
-    _out().print(f"submitted [bold]{r['job_id']}[/bold] ({r['state']}{where})")
+    if not as_json:
+        pos = r.get("queue_position")
+        where = f", position {pos}" + (" (estimate)" if r.get("queue_position_estimated") else "") if pos else ""
+        _out().print(f"submitted [bold]{r['job_id']}[/bold] ({r['state']}{where})")
+    if wait:
+        raise typer.Exit(_wait_for(api, r["job_id"], as_json=as_json))
 
 
-def status(job_id: str, url: Url = None, token: Token = None, as_json: AsJson = False) -> None:
+def _wait_for(api: ApiClient, job_id: str, *, as_json: bool) -> int:
+    """Poll the job until it ends; print each state change (or, with --json, the final job).
+    Returns the exit code for its outcome (WAIT_EXIT_CODES)."""
+    con = _out()
+    seen: tuple[str, int] | None = None
+    try:
+        while True:
+            j = _run(api.request, "GET", f"/v1/jobs/{job_id}")
+            now = (j["state"], j["attempt"])
+            if now != seen and not as_json:
+                seen = now
+                con.print(f"{job_id}: {_state_line(j)}", highlight=False)
+            if j["state"] in TERMINAL_STATES:
+                if as_json:
+                    _print_json(j)
+                return WAIT_EXIT_CODES.get(j["state"], 1)
+            time.sleep(WATCH_INTERVAL_S)
+    except KeyboardInterrupt:
+        _err(f"stopped waiting; {job_id} keeps running (gpufleet status {job_id} --watch, or cancel {job_id})")
+        return WAIT_INTERRUPTED
+
+
+def _state_line(j: dict[str, Any]) -> str:
+    """RUNNING (attempt 1) on b0-n0, b0-n1; QUEUED (position 3: capacity); SUCCEEDED (exit 0, 4m07s)."""
+    state, parts = j["state"], []
+    if j.get("attempt", 1) > 1:
+        parts.append(f"attempt {j['attempt']}")
+    if state == "QUEUED":
+        if j.get("queue_position"):
+            parts.append(f"position {j['queue_position']}")
+        if j.get("pending_reason"):
+            parts.append(str(j["pending_reason"]))
+    if state in TERMINAL_STATES:
+        if j.get("exit_code") is not None:
+            parts.append(f"exit {j['exit_code']}")
+        if _elapsed_s(j) is not None:
+            parts.append(f"ran {_duration(_elapsed_s(j))}")
+    line = state + (f" ({', '.join(parts)})" if parts else "")
+    nodes = (j.get("allocation") or {}).get("nodes") or j.get("nodes")
+    if nodes and state not in (*TERMINAL_STATES, "QUEUED"):
+        line += f" on {_nodes(nodes)}"
+    return line
+
+
+def status(
+    job_id: str,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="redraw every 2 s until the job ends or Ctrl-C")] = False,
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
     """A job's state, attempt, allocation and queue position."""
-    j = _run(_client(url, token).request, "GET", f"/v1/jobs/{job_id}")
+    api = _client(url, token)
+    if watch:
+        _watch(
+            lambda: _run(api.request, "GET", f"/v1/jobs/{job_id}"),
+            _status_view,
+            as_json=as_json,
+            done=lambda j: j["state"] in TERMINAL_STATES,
+        )
+        return
+    j = _run(api.request, "GET", f"/v1/jobs/{job_id}")
     if as_json:
         return _print_json(j)
+    _out().print(_status_view(j))
+
+
+def _status_view(j: dict[str, Any]) -> Table:
+    """The status table of one job (GET /v1/jobs/{id})."""
     rows = [
         ("job", j["job_id"]),
         ("name", j.get("name")),
@@ -268,7 +447,7 @@ def status(job_id: str, url: Url = None, token: Token = None, as_json: AsJson = 
     if j.get("finished_at") or j.get("exit_code") is not None:
         rows += [("finished", j.get("finished_at")), ("exit code", j.get("exit_code"))]
     rows += _failure_rows(j.get("failure"))
-    _out().print(_kv_table(f"job {j['job_id']}", rows))
+    return _kv_table(f"job {j['job_id']}", rows)
 
 
 def _failure_rows(f: dict[str, Any] | None) -> list[tuple[str, Any]]:
@@ -295,26 +474,57 @@ def list_jobs(
     state: Annotated[str | None, typer.Option(help="only jobs in this state (QUEUED, RUNNING, ...)")] = None,
     limit: Annotated[int, typer.Option(help="jobs per page")] = 50,
     all_pages: Annotated[bool, typer.Option("--all", help="follow every page")] = False,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="redraw every 2 s until Ctrl-C")] = False,
     url: Url = None,
     token: Token = None,
     as_json: AsJson = False,
 ) -> None:
-    """List jobs, newest first."""
+    """List jobs, newest first: state, elapsed, time left, nodes, and why queued ones wait."""
     api = _client(url, token)
-    jobs: list[dict] = []
-    cursor = None
-    while True:
-        page = _run(
-            api.request, "GET", "/v1/jobs", params={"team": team, "state": state, "limit": limit, "cursor": cursor}
-        )
-        jobs += page["jobs"]
-        cursor = page.get("next_cursor")
-        if not (all_pages and cursor):
-            break
+
+    def fetch() -> dict[str, Any]:
+        jobs: list[dict] = []
+        cursor = None
+        while True:
+            page = _run(
+                api.request,
+                "GET",
+                "/v1/jobs",
+                params={"team": team, "state": state, "limit": limit, "cursor": cursor},
+            )
+            jobs += page["jobs"]
+            cursor = page.get("next_cursor")
+            if not (all_pages and cursor):
+                break
+        return {"jobs": jobs, "next_cursor": cursor}
+
+    if watch:
+        _watch(fetch, _jobs_view, as_json=as_json)
+        return
+    page = fetch()
     if as_json:
-        return _print_json({"jobs": jobs, "next_cursor": cursor})
-    t = Table("job", "name", "team", "class", "gpus", "state", "attempt", "position", "submitted")
-    for j in jobs:
+        return _print_json(page)
+    _out().print(_jobs_view(page))
+
+
+def _jobs_view(page: dict[str, Any]) -> RenderableType:
+    now = datetime.now(UTC)
+    t = Table(
+        "job",
+        "name",
+        "team",
+        "class",
+        "gpus",
+        "state",
+        "attempt",
+        "position",
+        "submitted",
+        "elapsed",
+        "left",
+        "nodes",
+        "reason",
+    )
+    for j in page["jobs"]:
         t.add_row(
             j["job_id"],
             _fmt(j.get("name")),
@@ -325,10 +535,15 @@ def list_jobs(
             str(j["attempt"]),
             _fmt(j.get("queue_position")),
             str(j["submitted_at"])[:19],
+            _duration(_elapsed_s(j, now)),
+            _duration(_time_left_s(j, now)),
+            _nodes(j.get("nodes")),
+            _fmt(j.get("pending_reason")),
         )
-    _out().print(t)
-    if cursor:
-        _out().print(f"more: --all, or the API's cursor {cursor}")
+    if page.get("next_cursor"):
+        t.caption = f"more: --all, or the API's cursor {page['next_cursor']}"
+        t.caption_justify = "left"
+    return t
 
 
 def events(job_id: str, url: Url = None, token: Token = None, as_json: AsJson = False) -> None:

@@ -126,7 +126,12 @@ async def list_jobs(
         args.extend(after)
         where.append(f"(submitted_at, job_id) < (${len(args) - 1}, ${len(args)})")
     args.append(limit)
-    sql = f"SELECT {_JOB_COLUMNS} FROM jobs"
+    # the live attempt's nodes, for the list's nodes column
+    nodes = (
+        "(SELECT array_agg(DISTINCT l.node_id ORDER BY l.node_id) FROM leases l"
+        " WHERE l.job_id = jobs.job_id AND l.attempt = jobs.attempt AND l.state = 'live') AS nodes"
+    )
+    sql = f"SELECT {_JOB_COLUMNS}, {nodes} FROM jobs"
     if where:
         sql += " WHERE " + " AND ".join(where)
     sql += f" ORDER BY submitted_at DESC, job_id DESC LIMIT ${len(args)}"

@@ -65,6 +65,13 @@ async def set_quota(conn: asyncpg.Connection, quota: TeamQuota, *, actor: str, r
         )
 
 
+async def set_quotas(conn: asyncpg.Connection, changes: list[tuple[TeamQuota, str]], *, actor: str) -> None:
+    """Several quotas (each with its reason) in one transaction: all or none, one audit row each."""
+    async with conn.transaction():
+        for quota, reason in changes:
+            await set_quota(conn, quota, actor=actor, reason=reason)
+
+
 # the states a team's jobs are counted in (every state that is not terminal)
 LIVE_STATES = tuple(s.value for s in JobState if s not in TERMINAL)
 

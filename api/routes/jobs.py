@@ -87,6 +87,8 @@ def job_summary(row: asyncpg.Record) -> dict[str, Any]:
         "finished_at": row["finished_at"],
         "queue_position": row["queue_position"] if row["state"] == JobState.QUEUED else None,
         "pending_reason": row["pending_reason"] if row["state"] == JobState.QUEUED else None,
+        "max_runtime_s": row["max_runtime_s"],
+        "nodes": list(row["nodes"] or []) if "nodes" in row else None,
     }
 
 
@@ -95,6 +97,7 @@ def job_view(row: asyncpg.Record, ranks: list[asyncpg.Record]) -> dict[str, Any]
     spec = row["spec"] if isinstance(row["spec"], dict) else {}
     return {
         **job_summary(row),
+        "nodes": list(dict.fromkeys(r["node_id"] for r in ranks)),
         "allocation": {
             "nodes": list(dict.fromkeys(r["node_id"] for r in ranks)),
             "blocks": list(dict.fromkeys(r["block_id"] for r in ranks)),

@@ -7,13 +7,13 @@ from datetime import datetime
 from typing import Annotated, Any
 
 import asyncpg
-from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi import APIRouter, Body, Depends, Header, Query, Request
 
 from api import idempotency
 from api.auth import current_principal, require_admin, require_team_access
 from api.deps import TeamName, decode_cursor, encode_cursor, page_size, pool_of
 from api.errors import ERROR_RESPONSES, ApiError
-from api.schemas import QuotaSet, TeamQueue, TeamQuota
+from api.schemas import QuotaBody, TeamQueue, TeamQuota
 from common.settings import Principal
 from store import nodes, teams, tx
 
@@ -36,34 +36,52 @@ async def get_quota(request: Request, team: TeamName, principal: Principal = Dep
     return await teams.team_usage(pool, team)
 
 
-@router.put("/teams/{team}/quota", response_model=TeamQuota, summary="Set the team's quota for one GPU type (admin)")
+@router.put(
+    "/teams/{team}/quota", response_model=TeamQuota, summary="Set the team's quota for one or more GPU types (admin)"
+)
 async def put_quota(
     request: Request,
     team: TeamName,
-    body: QuotaSet,
+    body: Annotated[
+        QuotaBody,
+        Body(
+            openapi_examples={
+                "by_gpu_type": {
+                    "summary": "several GPU types at once (the reason defaults to 'set by <admin>')",
+                    "value": {"h100": {"guaranteed": 64, "borrow_limit": 128}},
+                },
+                "single": {
+                    "summary": "one GPU type, with a reason",
+                    "value": {"gpu_type": "h100", "guaranteed": 64, "reason": "Q3 rebalance"},
+                },
+            }
+        ),
+    ],
     idempotency_key: IdempotencyKey,
     principal: Principal = Depends(require_admin),
 ) -> Any:
-    """Audited with the admin and the reason; creates the team if it is new. Lowering a
-    guarantee re-marks the team's newest allocations as borrowed in the same transaction."""
+    """Two shapes: ``{"gpu_type": "h100", "guaranteed": 64, "borrow_limit": 128, "reason": "..."}``
+    (the reason is required) or ``{"h100": {"guaranteed": 64, "borrow_limit": 128, "reason": "..."}, ...}``
+    (several GPU types in one transaction; each reason defaults to "set by <admin>"). An unset
+    borrow_limit keeps the current one (0 for a new GPU type). Audited per GPU type with the
+    admin and the reason; creates the team if it is new. Lowering a guarantee re-marks the
+    team's newest allocations as borrowed in the same transaction."""
+    entries = body.entries(default_reason=f"set by {principal.name}")
 
     async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
         if not TEAM_NAME.fullmatch(team):
             raise ApiError(
                 422, "invalid_team_name", "a team name is lowercase letters, digits and dashes, starting with a letter"
             )
-        if not await nodes.gpu_type_exists(conn, body.gpu_type):
-            raise ApiError(422, "unknown_gpu_type", f"this cluster has no GPU type {body.gpu_type!r}")
-        borrow_limit = body.borrow_limit
-        if borrow_limit is None:
-            current = await teams.get_quota(conn, team, body.gpu_type)
-            borrow_limit = current["borrow_limit"] if current else 0
-        await teams.set_quota(
-            conn,
-            teams.TeamQuota(team=team, gpu_type=body.gpu_type, guaranteed=body.guaranteed, borrow_limit=borrow_limit),
-            actor=principal.name,
-            reason=body.reason,
-        )
+        changes: list[tuple[teams.TeamQuota, str]] = []
+        for gpu_type, guaranteed, borrow_limit, reason in entries:
+            if not await nodes.gpu_type_exists(conn, gpu_type):
+                raise ApiError(422, "unknown_gpu_type", f"this cluster has no GPU type {gpu_type!r}")
+            if borrow_limit is None:
+                current = await teams.get_quota(conn, team, gpu_type)
+                borrow_limit = current["borrow_limit"] if current else 0
+            changes.append((teams.TeamQuota(team, gpu_type, guaranteed, borrow_limit), reason))
+        await teams.set_quotas(conn, changes, actor=principal.name)
         return idempotency.Outcome(200, await teams.team_usage(conn, team))
 
     return await idempotency.run(request, principal, idempotency_key, work)
