@@ -518,9 +518,18 @@ class NodeSummary(BaseModel):
     gpus: int
     gpus_allocated: int
     state: str
-    reason: str | None = None
+    status: str = Field(
+        "",
+        description="the state and what it waits for before it moves on, e.g. `burn_in (waiting for 1 rank to exit)`",
+        examples=["burn_in (waiting for 1 rank to exit)", "draining (2 jobs to finish or be evicted)"],
+    )
+    waiting_for: str | None = Field(
+        None, description="what the state waits for (None when ready): ranks to exit, jobs to finish, a heartbeat"
+    )
+    live_ranks: int = Field(0, description="ranks on the node whose leases are live (not yet confirmed gone)")
+    reason: str | None = Field(None, description="why it entered its state (the health monitor's or an admin's)")
     drain_evict: bool = False
-    updated_at: datetime
+    updated_at: datetime = Field(description="when it entered its state")
     hot_spare: bool = Field(False, description="held free by the leader as a hot spare for a large gang's restarts")
     hot_spare_for: str | None = Field(
         None, description="the job it is held for (another team's job id is shown to admins only)"

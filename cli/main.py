@@ -94,11 +94,43 @@ def _settings():
 
 
 @app.command()
-def up() -> None:
+def up(
+    stop_jobs: bool = typer.Option(
+        False, "--stop-jobs", help="on stop, also stop running jobs' ranks (by default they keep running)"
+    ),
+    grace: float = typer.Option(30.0, "--grace", help="with --stop-jobs: seconds from SIGTERM to SIGKILL"),
+) -> None:
     """Bring the whole platform up on embedded defaults (Postgres, Temporal + UI, API, control, agents)."""
     from cli.up import run
 
-    raise typer.Exit(run(_settings()))
+    raise typer.Exit(run(_settings(), stop_jobs=stop_jobs, grace_s=grace))
+
+
+@app.command("stop-ranks")
+def stop_ranks_cmd(
+    state_dir: str = typer.Option(None, "--state-dir", help="the agents' state dir (default: GPUFLEET_STATE_DIR)"),
+    grace: float = typer.Option(30.0, "--grace", help="seconds from SIGTERM to SIGKILL"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="only say what runs"),
+) -> None:
+    """Stop the ranks this machine's agents started (they outlive `gpufleet up` and the agents):
+    SIGTERM through their supervisors, SIGKILL after the grace."""
+    from pathlib import Path
+
+    from cli.up import describe_ranks, live_ranks, stop_ranks
+
+    where = Path(state_dir).expanduser() if state_dir else _settings().state_dir
+    if dry_run:
+        ranks = live_ranks(where)
+        print(f"{describe_ranks(ranks)} running under {where}")
+        for r in ranks:
+            print(f"  {r.node_id:<10} {r.lease_id}")
+        return
+    found, killed = stop_ranks(where, grace)
+    if not found:
+        print(f"no rank runs under {where}")
+        return
+    how = f"{len(killed)} killed after {grace:g}s" if killed else "all exited"
+    print(f"stopped {describe_ranks(found)} ({how})")
 
 
 @db_app.command("migrate")
@@ -151,21 +183,71 @@ def agent(ctx: typer.Context) -> None:
 
 
 @app.command("settings")
-def settings_cmd(markdown: bool = typer.Option(False, "--markdown", help="the design doc's settings table")) -> None:
-    """Show every setting (environment variable, default, meaning)."""
+def settings_cmd(
+    markdown: bool = typer.Option(False, "--markdown", help="the design doc's settings table (defaults)"),
+    as_json: bool = typer.Option(False, "--json", help="the values in effect as JSON"),
+    changed: bool = typer.Option(False, "--changed", help="only the settings not at their default"),
+) -> None:
+    """Show every setting in effect here: its value, where it came from (default, env, a
+    secret's file) and its meaning. Secrets are redacted."""
     from cli.design_doc import settings_table
 
-    table_md = settings_table()
     if markdown:
-        print(table_md)
+        print(settings_table())
+        return
+    rows = settings_in_effect()
+    if changed:
+        rows = [r for r in rows if r["source"] != "default"]
+    if as_json:
+        _print_json(rows)
         return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("variable", "default", "meaning")
-    for line in table_md.splitlines()[2:]:
-        table.add_row(*(cell.strip().strip("`") for cell in line.strip("|").split(" | ")))
+    table = Table("variable", "value", "from", "meaning")
+    table.columns[0].no_wrap = True
+    for r in rows:
+        value = r["value"] if isinstance(r["value"], str) else json.dumps(r["value"])
+        where = r["source"] if r["detail"] in ("", r["variable"]) else f"{r['source']} {r['detail']}"
+        table.add_row(r["variable"], value, where, r["meaning"], style=None if r["source"] == "default" else "bold")
     Console().print(table)
+
+
+def _redacted(value: Any, secret: bool) -> Any:
+    """A secret's value as shown: ``<redacted>`` when set (with its number of entries for a map)."""
+    if not secret or value in (None, "", {}, []):
+        return value
+    if isinstance(value, dict):
+        return f"<redacted: {len(value)} {'entry' if len(value) == 1 else 'entries'}>"
+    return "<redacted>"
+
+
+def settings_in_effect() -> list[dict[str, Any]]:
+    """Every setting as this process reads it: variable, value (JSON; a secret redacted),
+    source (``default``, ``env``, ``file``: a secret's ``GPUFLEET_X_FILE``) with its detail
+    (the variable or the file), default and meaning."""
+    from common.settings import SECRET_FIELDS, Settings, setting_origins
+
+    values = _settings().model_dump(mode="json")
+    defaults = Settings.model_construct().model_dump(mode="json")
+    origins = setting_origins()
+    rows = []
+    for name, f in Settings.model_fields.items():
+        secret = name in SECRET_FIELDS
+        source, detail = origins[name]
+        rows.append(
+            {
+                "name": name,
+                "variable": f"GPUFLEET_{name.upper()}",
+                "value": _redacted(values[name], secret),
+                "source": source,
+                "detail": detail,
+                "default": _redacted(defaults[name], secret),
+                "secret": secret,
+                "meaning": f.description or "",
+            }
+        )
+    return rows
 
 
 @app.command("docs")

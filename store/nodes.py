@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -145,9 +146,55 @@ async def free_gpus(db: Db, gpu_type: str) -> int:
     )
 
 
+def _n(count: int, what: str) -> str:
+    return f"{count} {what}{'' if count == 1 else 's'}"
+
+
+def node_waits_for(
+    state: str,
+    *,
+    live_ranks: int,
+    live_jobs: int,
+    drain_evict: bool,
+    since: datetime,
+    now: datetime,
+    suspect_after_s: float,
+    down_after_s: float,
+) -> str | None:
+    """What a node in ``state`` waits for before it moves on (docs/design.md, Health), from what
+    Postgres knows: its live leases (one per rank not yet confirmed gone), the jobs they belong
+    to, and when it entered the state. None for a ready node. E.g. ``waiting for 1 rank to exit``."""
+    ranks, jobs = _n(live_ranks, "rank"), _n(live_jobs, "job")
+    at = since.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    if state == "ready":
+        return None
+    if state == "suspect":
+        silent = suspect_after_s + max(0.0, (now - since).total_seconds())
+        return f"no heartbeat for {silent:.0f} s: down at {down_after_s:.0f} s, ready when heard from"
+    if state == "down":
+        if live_ranks:
+            return f"since {at}: {ranks} of {jobs} being recovered elsewhere"
+        return f"since {at}: burn-in once its agent reports again with no rank left"
+    if state == "cordoned":
+        if live_ranks:
+            return f"since {at}: waiting for {ranks} of {jobs} to stop, then burn-in once the fault clears"
+        return f"since {at}: burn-in once the fault clears (and after a back-off if a burn-in failed)"
+    if state == "draining":
+        if live_jobs:
+            return f"{jobs} being evicted" if drain_evict else f"{jobs} to finish or be evicted"
+        return "drained: waiting for an admin return"
+    if state == "burn_in":
+        if live_ranks:
+            return f"waiting for {ranks} to exit"
+        return "the burn-in test runs (or starts at the next heartbeat): ready when it passes"
+    return None
+
+
 _NODE_COLUMNS = (
     "n.node_id, n.block_id, n.gpu_type, n.gpus, n.state, n.reason, n.drain_evict, n.updated_at, n.task_queue,"
     " n.agent_addr, (SELECT count(*) FROM allocations a WHERE a.node_id = n.node_id) AS gpus_allocated,"
+    " (SELECT count(*) FROM leases l WHERE l.node_id = n.node_id AND l.state = 'live') AS live_ranks,"
+    " (SELECT count(DISTINCT l.job_id) FROM leases l WHERE l.node_id = n.node_id AND l.state = 'live') AS live_jobs,"
     " (SELECT h.job_id FROM hot_spares h WHERE h.node_id = n.node_id) AS hot_spare_for,"
     " (SELECT j.team FROM hot_spares h JOIN jobs j ON j.job_id = h.job_id WHERE h.node_id = n.node_id) AS hot_spare_team"
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import asyncpg
@@ -25,7 +26,7 @@ from api.schemas import (
     ReturnBody,
     storable,
 )
-from common.settings import Principal
+from common.settings import Principal, Settings
 from proto.auth import node_log_key
 from store import node_credentials, nodes
 
@@ -36,11 +37,24 @@ Filter = Annotated[str | None, Query(max_length=200), AfterValidator(lambda v: v
 NOT_DRAINABLE = ("down", "cordoned")
 
 
-def node_summary(r: asyncpg.Record, principal: Principal) -> dict[str, Any]:
+def node_summary(r: asyncpg.Record, principal: Principal, settings: Settings, now: datetime) -> dict[str, Any]:
     spare_for = r["hot_spare_for"]
     if spare_for is not None and not (principal.admin or principal.team == r["hot_spare_team"]):
         spare_for = None  # another team's job id: hidden, as on the node's leases
+    waits = nodes.node_waits_for(
+        r["state"],
+        live_ranks=r["live_ranks"],
+        live_jobs=r["live_jobs"],
+        drain_evict=r["drain_evict"],
+        since=r["updated_at"],
+        now=now,
+        suspect_after_s=settings.suspect_after_s,
+        down_after_s=settings.down_after_s,
+    )
     return {
+        "status": f"{r['state']} ({waits})" if waits else r["state"],
+        "waiting_for": waits,
+        "live_ranks": r["live_ranks"],
         "node_id": r["node_id"],
         "block_id": r["block_id"],
         "gpu_type": r["gpu_type"],
@@ -77,7 +91,12 @@ async def list_nodes(
         rows = rows[:n]
         next_cursor = encode_cursor("nodes", [rows[-1]["node_id"]])
     spares = await nodes.count_hot_spares(pool, state=state, block=block, gpu_type=gpu_type)
-    return {"nodes": [node_summary(r, principal) for r in rows], "next_cursor": next_cursor, "hot_spares": spares}
+    settings, now = settings_of(request), datetime.now(UTC)
+    return {
+        "nodes": [node_summary(r, principal, settings, now) for r in rows],
+        "next_cursor": next_cursor,
+        "hot_spares": spares,
+    }
 
 
 @router.get("/nodes/{node_id}", response_model=NodeView, summary="One node: state, GPUs and live leases")
@@ -93,7 +112,7 @@ async def get_node(request: Request, node_id: NodeId, principal: Principal = Dep
     def visible(team: str) -> bool:
         return principal.admin or principal.team == team
 
-    out = node_summary(node, principal)
+    out = node_summary(node, principal, settings_of(request), datetime.now(UTC))
     out["task_queue"] = node["task_queue"] if principal.admin else None
     out["agent_addr"] = node["agent_addr"] if principal.admin else None
     out["gpu_slots"] = [

@@ -126,9 +126,13 @@ class Leadership:
         else:
             self.lose("renewal refused (expired or deposed)")
 
-    def lose(self, why: str) -> None:
+    def lose(self, why: str, *, expected: bool = False) -> None:
+        """Give the epoch up (``on_lose``): a warning, unless ``expected`` (a clean stop)."""
         if self.epoch is not None:
-            log.warning("control %s loses leadership (epoch %d): %s", self.holder, self.epoch, why)
+            if expected:
+                log.info("control %s leaves leadership (epoch %d): %s", self.holder, self.epoch, why)
+            else:
+                log.warning("control %s loses leadership (epoch %d): %s", self.holder, self.epoch, why)
             self.epoch = None
             self.on_lose(why)
 
@@ -136,9 +140,12 @@ class Leadership:
         """Stop the loop; with ``resign`` give the lease up so a successor need not wait."""
         self._stopping.set()
         epoch = self.epoch
+        resigned = False
         if resign and epoch is not None:
             try:
                 await rows.resign_leadership(self.pool, scope=self.scope, holder=self.holder, epoch=epoch)
+                resigned = True
             except Exception as e:
                 log.warning("resign failed: %s", e)
-        self.lose("stopping")
+        why = "stopping (resigned: a successor takes over at once)" if resigned else "stopping"
+        self.lose(why, expected=True)

@@ -83,6 +83,7 @@ class AgentProcess:
         self.temporal_error = ""
         self._tasks: list[asyncio.Task] = []
         self._workers: list = []
+        self._stopping = False  # stop() has begun: workers ending is expected, not an outage
 
     async def start(self) -> None:
         s = self.settings
@@ -136,10 +137,15 @@ class AgentProcess:
                 backoff = 0.5
                 log.info("agent: Temporal workers running (%d)", len(self._workers))
                 await asyncio.gather(*(w.run() for w in self._workers))
+                if self._stopping:
+                    return
                 raise RuntimeError("Temporal workers stopped")
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                if self._stopping:
+                    log.debug("agent: Temporal workers ended while stopping: %s", e)
+                    return
                 self.temporal_connected = False
                 self.temporal_error = f"{type(e).__name__}: {str(e)[:300]}"
                 log.warning("agent: Temporal unavailable (%s); ranks keep running; retrying in %.1fs",
@@ -158,6 +164,7 @@ class AgentProcess:
 
     async def stop(self) -> None:
         """Stop serving; every rank keeps running under its supervisor."""
+        self._stopping = True
         await self._shutdown_workers()
         for t in self._tasks:
             t.cancel()
