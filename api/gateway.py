@@ -79,15 +79,6 @@ class TemporalGateway:
                 raise ControlUnavailable(str(e) or type(e).__name__) from e
             return self._client
 
-    async def start_job(self, job_id: str) -> None:
-        """Start ``JobWorkflow`` (workflow id = job id); already started counts as done."""
-        try:
-            # The first workflow task waits for the allocation signal (or the delay): a job
-            # placed at once costs one workflow task less (start and allocation in one).
-            await self._start_job_workflow(job_id, start_delay=timedelta(seconds=self.settings.job_start_delay_s))
-        except WorkflowAlreadyStartedError:
-            return
-
     async def cancel_job(self, job_id: str, request: CancelRequest) -> None:
         """Signal ``cancel``; signal-with-start, so a job whose workflow was never
         started (Temporal was down at submit) is started and cancelled at once."""

@@ -84,8 +84,6 @@ async def run(
     principal: Principal,
     key: str | None,
     work: Callable[[asyncpg.Connection], Awaitable[Outcome]],
-    *,
-    on_replay: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
 ) -> JSONResponse:
     """Claim ``key``, run ``work`` in the same transaction, store and return its response."""
     key = validate_key(key)
@@ -134,8 +132,6 @@ async def run(
                 stored = outcome.body if outcome.stored_body is None else jsonable_encoder(outcome.stored_body)
                 await idempotency_keys.complete_key(conn, principal.name, key, outcome.status, stored)
     if replay is not None:
-        if on_replay is not None:
-            await on_replay(replay[1])
         return JSONResponse(replay[1], status_code=replay[0], headers={REPLAYED_HEADER: "true"})
     assert outcome is not None
     if outcome.after_commit is not None:

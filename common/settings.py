@@ -213,11 +213,6 @@ class Settings(BaseSettings):
         description="deliberate breakages, for the chaos checker's own tests: ack_before_durable (control acks a"
         " report before it is stored), skip_epoch_check (allocation writes ignore the epoch); dev only",
     )
-    job_start_delay_s: float = Field(
-        300.0,
-        ge=0,
-        description="a new job workflow's first task waits this long unless a signal (allocation, cancel) comes first",
-    )
     allocation_resignal_s: float = Field(
         5.0, description="retry an allocation or preemption signal that Temporal did not accept after this (doubling)"
     )
@@ -227,7 +222,7 @@ class Settings(BaseSettings):
     workflow_reconcile_s: float = Field(
         60.0,
         gt=0,
-        description="every active job is checked for a running workflow this often (one is started when missing)",
+        description="every placed job (not QUEUED) is checked for a running workflow this often (one is started when missing)",
     )
     placement_wake_min_s: float = Field(
         0.1, description="least time between two placement cycles (a burst of changes runs one cycle)"

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 from temporalio.client import Client
+from temporalio.common import SearchAttributeKey
 from temporalio.contrib.pydantic import PydanticJSONPlainPayloadConverter, PydanticPayloadConverter
 from temporalio.converter import DataConverter
 from temporalio.worker import Replayer, Worker
@@ -55,6 +56,28 @@ def sandbox_runner() -> SandboxedWorkflowRunner:
 async def connect(settings: Settings, address: str | None = None) -> Client:
     target = address or settings.temporal_address or f"127.0.0.1:{settings.temporal_port}"
     return await Client.connect(target, namespace=settings.temporal_namespace, data_converter=DATA_CONVERTER)
+
+
+async def ensure_search_attributes(client: Client, namespace: str, keys: Sequence[SearchAttributeKey]) -> bool:
+    """Register the custom search attributes ``keys`` on ``namespace`` where missing. False
+    when the server refuses (no operator rights, say): starters then set none."""
+    from temporalio.api.enums.v1 import IndexedValueType
+    from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
+    from temporalio.service import RPCError
+
+    try:
+        have = await client.operator_service.list_search_attributes(ListSearchAttributesRequest(namespace=namespace))
+        missing = {k.name: IndexedValueType.ValueType(int(k.indexed_value_type)) for k in keys
+                   if k.name not in have.custom_attributes}  # fmt: skip
+        if missing:
+            await client.operator_service.add_search_attributes(
+                AddSearchAttributesRequest(search_attributes=missing, namespace=namespace)
+            )
+        return True
+    except RPCError as e:
+        if "already exists" in str(e).lower():
+            return True  # another process registered them meanwhile
+        return False
 
 
 def make_worker(

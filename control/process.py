@@ -39,7 +39,7 @@ from temporalio.service import RPCError
 
 from common.db import pool_from_settings
 from common.settings import Settings
-from common.temporal import connect
+from common.temporal import connect, ensure_search_attributes
 from control.agent_link import AuthFailure, ReportRefused
 from control.health.monitor import HealthMonitor
 from control.job_workers import JobWorkerChildren, control_queue_worker
@@ -56,6 +56,7 @@ from store import leadership as leadership_rows
 from store import node_credentials
 from store.tx import Pool
 from store.wake import WakeListener
+from workflows import search_attributes
 
 log = logging.getLogger("gpufleet.control")
 
@@ -139,6 +140,10 @@ class ControlProcess:
             self._client = await connect(s)
         self.signals = JobSignals(self.pool, self.client, s)
         self.leader = LeaderState(self.pool, s, self.signals)
+        if await ensure_search_attributes(self.client, s.temporal_namespace, search_attributes.KEYS):
+            self.signals.labels = self.leader.labels_of  # job histories carry team, class, size, state
+        else:
+            log.warning("Temporal refused gpufleet's search attributes: job workflows start without them")
         self.metrics = ControlMetrics(self.holder, s.gpu_hour_usd)
         self.cycles = PlacementCycles(
             self.leader, self.signals, self.client, actor=f"placement:{self.holder}", metrics=self.metrics

@@ -171,17 +171,6 @@ async def load_job(db: Db, job_id: str) -> tuple[asyncpg.Record | None, list[asy
         return job, await live_gang(conn, job_id, job["attempt"])
 
 
-async def unstarted_queued_jobs(db: Db, *, older_than_s: float, limit: int = 500) -> list[str]:
-    """QUEUED jobs whose workflow the API has not (yet) started."""
-    rows = await db.fetch(
-        "SELECT job_id FROM jobs WHERE state = 'QUEUED' AND NOT workflow_started"
-        " AND submitted_at < now() - make_interval(secs => $1) ORDER BY submitted_at LIMIT $2",
-        older_than_s,
-        limit,
-    )
-    return [r["job_id"] for r in rows]
-
-
 async def job_attempts(db: Db, job_ids: Sequence[str]) -> dict[str, tuple[str, int, Any]]:
     """job_id -> (state, attempt, started_at) for the failure -> restart clock."""
     rows = await db.fetch(

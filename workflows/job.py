@@ -42,6 +42,7 @@ from common.contracts import (
 from placement.lifecycle import TERMINAL, JobState, allowed_change
 from workflows import activity_interfaces as acts
 from workflows import messages as m
+from workflows import search_attributes
 
 MAX_IN_FLIGHT = 400  # activities in flight per workflow stay under 500 (docs/design.md)
 HISTORY_LIMIT = 3000  # continue-as-new well before ~4,096 events
@@ -132,6 +133,8 @@ class JobWorkflow:
         self._stopping = False
         self._start_tasks: list[asyncio.Task] = []
         self._sem = asyncio.Semaphore(MAX_IN_FLIGHT)
+        self._labels: m.JobLabels | None = None
+        self._shown: tuple[str, int] | None = None  # (state, attempt) in the search attributes
 
     # ------------------------------------------------------------------ handlers
 
@@ -232,6 +235,12 @@ class JobWorkflow:
     async def run(self, inp: m.JobInput) -> m.JobResult:
         self._job_id = inp.job_id
         self._attempt = inp.attempt
+        self._labels = inp.labels
+        if inp.labels is not None:  # what the starter (or the previous run) set
+            sa = workflow.info().typed_search_attributes
+            shown_state, shown_attempt = sa.get(search_attributes.STATE), sa.get(search_attributes.ATTEMPT)
+            if shown_state is not None and shown_attempt is not None:
+                self._shown = (shown_state, shown_attempt)
         if inp.cancel is not None and self._cancel is None:
             self._cancel = inp.cancel
         if inp.allocation is not None:
@@ -248,6 +257,7 @@ class JobWorkflow:
         self._extensions_used = snap.extensions
         if snap.state in TERMINAL:
             return m.JobResult(inp.job_id, snap.state, snap.attempt, reason="already finished")
+        self._show(snap.state)
         # drop anything that arrived for an older attempt before we knew ours
         if self._earlier_success is not None and self._earlier_success.attempt > self._attempt:
             self._earlier_success = None
@@ -299,6 +309,7 @@ class JobWorkflow:
     async def _adopt_running(self) -> m.JobResult:
         snap = self._require_snap()
         self._state = JobState.RUNNING
+        self._show(JobState.RUNNING)
         self._running_since = snap.started_at or workflow.now()
         self._deadline = self._running_since + timedelta(seconds=snap.max_runtime_s)
         self._checkpoint = snap.last_checkpoint
@@ -354,6 +365,7 @@ class JobWorkflow:
             await self._stop_all("job is " + res.state)
             return m.JobResult(self._job_id, res.state, res.attempt, reason="state changed during start")
         self._state = JobState.RUNNING
+        self._show(JobState.RUNNING)
         self._running_since = workflow.now()
         self._deadline = self._running_since + timedelta(seconds=snap.max_runtime_s)
         return await self._supervise()
@@ -399,13 +411,19 @@ class JobWorkflow:
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 workflow.continue_as_new(
                     m.JobInput(
-                        self._job_id, self._attempt, snap.last_checkpoint, carry=self._carry(), cancel=self._cancel
+                        self._job_id,
+                        self._attempt,
+                        snap.last_checkpoint,
+                        carry=self._carry(),
+                        cancel=self._cancel,
+                        labels=self._labels,
                     )
                 )
 
     async def _preempt(self) -> m.JobResult:
         self._expect(JobState.PREEMPTING)  # the leader marked it so (or it already was)
         self._state = JobState.PREEMPTING
+        self._show(JobState.PREEMPTING)
         req = self._preempts.get(self._attempt)
         await self._stop_all(req.reason if req else "preempted")
         if self._cancel is not None:
@@ -447,6 +465,7 @@ class JobWorkflow:
                 m.JobTransition(self._job_id, self._attempt, JobState.CANCELLING, req.reason, actor=req.actor),
             )
             self._state = JobState.CANCELLING
+        self._show(JobState.CANCELLING)
         await self._stop_all("cancelled: " + req.reason)
         return await self._finish(JobState.CANCELLED, req.reason, actor=req.actor)
 
@@ -786,6 +805,7 @@ class JobWorkflow:
             ),
         )
         self._state = res.state
+        self._show(res.state)
         return m.JobResult(self._job_id, res.state, res.attempt, exit_code=exit_code, reason=reason)
 
     async def _requeue(self, cause: str, reason: str, *, job_fault: bool, epoch: int | None = None) -> m.JobResult:
@@ -817,9 +837,20 @@ class JobWorkflow:
                     res.resume_from,
                     cancel=self._cancel,
                     allocation=self._allocs.get(res.attempt),
+                    labels=self._labels,
                 )
             )
         return m.JobResult(self._job_id, res.state, res.attempt, reason=reason)
+
+    def _show(self, state: str) -> None:
+        """Keep the state and attempt search attributes current (runs started with labels only:
+        the attributes are registered, and histories recorded before never upsert)."""
+        if self._labels is None or self._shown == (state, self._attempt):
+            return
+        workflow.upsert_search_attributes(
+            [search_attributes.STATE.value_set(state), search_attributes.ATTEMPT.value_set(self._attempt)]
+        )
+        self._shown = (state, self._attempt)
 
     async def _local(self, fn: Callable[[A], Awaitable[R]], arg: A) -> R:
         return await workflow.execute_local_activity(

@@ -41,6 +41,18 @@ ACT_RESTART_REPLICA = "restart_replica"
 
 
 @dataclass(frozen=True)
+class JobLabels:
+    """What operators filter job histories by (workflows/search_attributes.py): set as search
+    attributes by whoever starts the workflow."""
+
+    team: str
+    priority_class: str
+    gpu_type: str
+    gpus: int
+    submitted_at: float  # unix seconds
+
+
+@dataclass(frozen=True)
 class JobInput:
     job_id: str
     attempt: int = 1
@@ -51,6 +63,9 @@ class JobInput:
     # signals the previous run received but did not act on, handed to the next run
     cancel: CancelRequest | None = None
     allocation: Allocation | None = None
+    # set by a starter that registered gpufleet's search attributes and set them at start:
+    # this run keeps their state and attempt current (runs recorded without it never upsert)
+    labels: JobLabels | None = None
 
 
 @dataclass(frozen=True)

@@ -138,19 +138,10 @@ async def submit_job(
     principal: Principal = Depends(current_principal),
 ) -> Any:
     """Admission-checked; the job row, its `submitted` event, its audit row and the
-    idempotency key commit in one transaction; then the job's workflow starts
-    (when Temporal is unreachable the job stays QUEUED and control starts it later)."""
+    idempotency key commit in one transaction, and that is all a submit does: the job waits
+    in Postgres, and its workflow starts when the leader allocates its GPUs (its start and
+    allocation in one workflow task), so a submit never waits on Temporal."""
     settings = settings_of(request)
-    pool = pool_of(request)
-    gateway = gateway_of(request)
-
-    async def start_workflow(job_id: str) -> None:
-        try:
-            await gateway.start_job(job_id)
-        except ControlUnavailable as e:
-            log.warning("job %s committed; its workflow will be started by control (%s)", job_id, e)
-            return
-        await jobs.mark_workflow_started(pool, [job_id])
 
     async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
         max_runtime_s = await admit(conn, settings, principal, job)
@@ -195,20 +186,9 @@ async def submit_job(
             "queue_position": position,
             "queue_position_estimated": True,
         }
+        return idempotency.Outcome(202, body, headers={"Location": f"/v1/jobs/{job_id}"})
 
-        async def after() -> None:
-            await start_workflow(job_id)
-
-        return idempotency.Outcome(202, body, after_commit=after, headers={"Location": f"/v1/jobs/{job_id}"})
-
-    async def on_replay(body: dict[str, Any]) -> None:
-        job_id = body.get("job_id") if isinstance(body, dict) else None
-        if job_id:
-            row = await jobs.get_job(pool, job_id)
-            if row is not None and not row["workflow_started"] and row["state"] == JobState.QUEUED:
-                await start_workflow(job_id)
-
-    return await idempotency.run(request, principal, idempotency_key, work, on_replay=on_replay)
+    return await idempotency.run(request, principal, idempotency_key, work)
 
 
 # --- reads --------------------------------------------------------------------------------

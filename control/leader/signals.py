@@ -7,8 +7,9 @@ needed. A new leader re-derives what to send from the store (every STARTING and
 PREEMPTING job), so nothing here needs to survive a change of leader.
 
 ``signal_allocation`` and ``signal_preempt`` are signal-with-start: a committed gang or a
-victim always reaches a workflow, even one that was never started (the API could not
-reach Temporal) or that failed. A workflow that completed is not started again (it ends
+victim always reaches a workflow. A new job's workflow starts with its allocation (the API
+starts none at submit), so its history begins when it was placed; one that failed is
+started again. A workflow that completed is not started again (it ends
 only when its job has ended: a late re-signal to a finished job is a no-op); one that
 failed or was terminated is, since Postgres says the job is still active.
 """
@@ -17,17 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from temporalio.client import Client
-from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from common.settings import Settings
 from placement.lifecycle import JobState
-from store import allocations
+from store import allocations, jobs
 from store.tx import Db
 from workflows import messages as m
+from workflows import search_attributes
 from workflows.job import JobWorkflow
 
 log = logging.getLogger("gpufleet.control.leader")
@@ -52,51 +55,50 @@ async def start_with_signal(
     arg: object,
     *,
     reuse: WorkflowIDReusePolicy = WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY,
+    labels: m.JobLabels | None = None,
+    state: str = JobState.STARTING,
+    attempt: int = 1,
 ) -> bool:
     """Signal the job's workflow, starting it when none runs (signal-with-start). False: its
-    workflow completed (the job ended) and is not started again."""
+    workflow completed (the job ended) and is not started again. With ``labels`` a started
+    run carries gpufleet's search attributes (registered first: ``ensure_search_attributes``)."""
     try:
         await client.start_workflow(
             JobWorkflow.run,
-            m.JobInput(job_id=job_id),
+            m.JobInput(job_id=job_id, labels=labels),
             id=job_id,
             task_queue=settings.control_task_queue,
             id_reuse_policy=reuse,
             start_signal=signal,
             start_signal_args=[arg],
+            search_attributes=search_attributes.at_start(labels, state, attempt) if labels is not None else None,
         )
         return True
     except WorkflowAlreadyStartedError:
         return False
 
 
-async def signal_allocation(client: Client, settings: Settings, alloc: m.Allocation) -> bool:
-    """Deliver ``allocated`` (starting the workflow if none runs). False: the job's workflow
-    has completed, nobody will act on it."""
-    return await start_with_signal(client, settings, alloc.job_id, m.SIGNAL_ALLOCATED, alloc)
+async def signal_allocation(
+    client: Client, settings: Settings, alloc: m.Allocation, labels: m.JobLabels | None = None
+) -> bool:
+    """Deliver ``allocated``, starting the workflow if none runs: a new job's workflow starts
+    here, its start and allocation in one workflow task. False: the job's workflow has
+    completed, nobody will act on it."""
+    return await start_with_signal(
+        client, settings, alloc.job_id, m.SIGNAL_ALLOCATED, alloc,
+        labels=labels, state=JobState.STARTING, attempt=alloc.attempt,
+    )  # fmt: skip
 
 
-async def signal_preempt(client: Client, settings: Settings, req: m.PreemptRequest) -> bool:
+async def signal_preempt(
+    client: Client, settings: Settings, req: m.PreemptRequest, labels: m.JobLabels | None = None
+) -> bool:
     """Deliver ``preempt`` (starting the workflow if none runs: a victim without a workflow
     would hold its GPUs for ever). False: the job's workflow has completed."""
-    return await start_with_signal(client, settings, req.job_id, m.SIGNAL_PREEMPT, req)
-
-
-async def start_job_workflow(client: Client, settings: Settings, job_id: str) -> bool:
-    """Start a QUEUED job's workflow if it is not running (docs/design.md, Submit). True
-    when a workflow now runs (or ran) for it."""
-    try:
-        await client.start_workflow(
-            JobWorkflow.run,
-            m.JobInput(job_id=job_id),
-            id=job_id,
-            task_queue=settings.control_task_queue,
-            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-        )
-        return True
-    except WorkflowAlreadyStartedError:
-        return True
+    return await start_with_signal(
+        client, settings, req.job_id, m.SIGNAL_PREEMPT, req, labels=labels, state=JobState.PREEMPTING,
+        attempt=req.attempt,
+    )  # fmt: skip
 
 
 @dataclass
@@ -118,6 +120,8 @@ class JobSignals:
         self.pending: dict[str, _Pending] = {}
         self._sem = asyncio.Semaphore(IN_FLIGHT)
         self._in_flight: set[asyncio.Task] = set()
+        # a job's search-attribute labels, when the namespace has them (ControlProcess sets it)
+        self.labels: Callable[[str], m.JobLabels | None] = lambda _job_id: None
 
     def clear(self) -> None:
         self.pending.clear()
@@ -173,13 +177,18 @@ class JobSignals:
     async def _signal(self, msg: m.Allocation | m.PreemptRequest) -> None:
         async with self._sem:
             try:
+                labels = self.labels(msg.job_id)
                 if isinstance(msg, m.Allocation):
-                    await signal_allocation(self.client, self.settings, msg)
+                    await signal_allocation(self.client, self.settings, msg, labels)
                 else:
-                    await signal_preempt(self.client, self.settings, msg)
+                    await signal_preempt(self.client, self.settings, msg, labels)
             except Exception as e:  # re-sent later
                 log.warning("signal to %s failed: %s", msg.job_id, e)
                 return
+            try:
+                await jobs.mark_workflow_started(self.db, [msg.job_id])
+            except Exception as e:  # informational (GET /v1/jobs/{id}): the next signal marks it
+                log.debug("cannot mark %s's workflow started: %s", msg.job_id, e)
             # accepted: recorded in the workflow's history (or the workflow has closed), so
             # re-sending would only load a busy server
             p = self.pending.get(msg.job_id)

@@ -29,6 +29,7 @@ from store import allocations, job_spec, leader_view
 from store.allocations import LeaseRow
 from store.change_feed import ChangeFeed
 from store.tx import Pool
+from workflows import messages as m
 
 log = logging.getLogger("gpufleet.control.leader")
 
@@ -114,6 +115,14 @@ class LeaderState:
         self._adopt: list[tuple[str, str, int]] = []
         self.needs_rebuild = False
         self.lease_cache: dict[str, LeaseRow] = {}  # lease rows read so far (rows never change but for state)
+
+    def labels_of(self, job_id: str) -> m.JobLabels | None:
+        """What its workflow's search attributes say about the job (None: not known here)."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return None
+        spec = job.spec
+        return m.JobLabels(spec.team, str(spec.priority), spec.gpu_type, spec.total_gpus, spec.submit_time)
 
     def is_leader(self, epoch: int) -> bool:
         return self.epoch is not None and self.epoch == epoch and self.cluster is not None

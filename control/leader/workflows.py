@@ -1,12 +1,10 @@
 """Every active job has a running workflow (docs/design.md, Reports and ownership).
 
-A job's GPUs are held by its live leases; only its workflow releases them. A job whose
-workflow never started (the API could not reach Temporal), or whose workflow failed or
-was terminated, would hold them for ever. While this process leads:
-
-* every ``UNSTARTED_SWEEP_S``, QUEUED jobs the API did not manage to start get their
-  workflow (as before);
-* every ``workflow_reconcile_s``, every active job (any state but a final one) unchanged
+A job's GPUs are held by its live leases; only its workflow releases them. A QUEUED job
+needs none: its allocation starts it (signal-with-start, control/leader/signals.py). A
+placed job whose workflow failed or was terminated would hold its GPUs for ever. While this
+process leads, every ``workflow_reconcile_s``, every placed job (any state but QUEUED and
+the final ones) unchanged
   for that long is checked against Temporal's visibility; one with no running workflow
   (confirmed with a describe: visibility lags) gets one, started with what it needs:
   STARTING its allocation, PREEMPTING its preemption, RUNNING and CANCELLING nothing (the
@@ -29,7 +27,7 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from common.settings import Settings
-from control.leader.signals import allocation_for, start_job_workflow, start_with_signal
+from control.leader.signals import allocation_for, start_with_signal
 from placement.lifecycle import JobState
 from store import jobs
 from store.tx import Pool
@@ -38,7 +36,7 @@ from workflows.job import JobWorkflow
 
 log = logging.getLogger("gpufleet.control.leader")
 
-UNSTARTED_SWEEP_S = 5.0
+CHECK_EVERY_S = 5.0  # how often a leader looks whether the full check is due
 IN_FLIGHT = 8
 
 
@@ -60,15 +58,14 @@ class WorkflowOwnership:
         self._sem = asyncio.Semaphore(IN_FLIGHT)
 
     async def run(self, leading: Callable[[], bool]) -> None:
-        """While ``leading()``: the quick sweep of unstarted QUEUED jobs, and the full check."""
+        """While ``leading()``: the full check every ``workflow_reconcile_s``."""
         next_full = time.monotonic() + self.settings.workflow_reconcile_s
         while True:
-            await asyncio.sleep(UNSTARTED_SWEEP_S)
+            await asyncio.sleep(CHECK_EVERY_S)
             if not leading():
                 next_full = time.monotonic() + self.settings.workflow_reconcile_s
                 continue
             try:
-                await self.start_unstarted()
                 if time.monotonic() >= next_full:
                     next_full = time.monotonic() + self.settings.workflow_reconcile_s
                     self.last = await self.reconcile_once()
@@ -76,21 +73,6 @@ class WorkflowOwnership:
                 raise
             except Exception as e:  # Postgres or Temporal unreachable: next time
                 log.warning("workflow ownership check: %s", e)
-
-    async def start_unstarted(self) -> int:
-        ids = await jobs.unstarted_queued_jobs(self.pool, older_than_s=UNSTARTED_SWEEP_S)
-        started: list[str] = []
-        for jid in ids:
-            try:
-                if await asyncio.wait_for(
-                    start_job_workflow(self.client, self.settings, jid), self.settings.api_temporal_timeout_s
-                ):
-                    started.append(jid)
-            except Exception as e:
-                log.warning("cannot start the workflow of %s: %s", jid, e)
-                break  # Temporal is likely down: the next sweep tries again
-        await jobs.mark_workflow_started(self.pool, started)
-        return len(started)
 
     async def running_workflows(self) -> set[str]:
         """Ids of running job workflows, from Temporal's visibility."""
@@ -107,6 +89,8 @@ class WorkflowOwnership:
     async def reconcile_once(self) -> ReconcileStats:
         stats = ReconcileStats()
         active = await jobs.active_jobs(self.pool, unchanged_for_s=self.settings.workflow_reconcile_s)
+        # a QUEUED job needs no workflow (its allocation starts one); a requeued one keeps its own
+        active = [r for r in active if r["state"] != JobState.QUEUED]
         stats.checked = len(active)
         if not active:
             return stats

@@ -114,3 +114,11 @@ async def worker(temporal_env, task_queue):
 
 async def submit(client: httpx.AsyncClient, token: str = ALPHA, key: str | None = None, **over) -> httpx.Response:
     return await client.post("/v1/jobs", json=job_body(**over), headers=auth(token, key or new_key()))
+
+
+async def start_as_placed(temporal_env, task_queue: str, job_id: str) -> None:
+    """What the leader's allocation does for a job (a submit starts no workflow): its
+    workflow starts, here the stand-in."""
+    from workflows.messages import JOB_WORKFLOW, JobInput
+
+    await temporal_env.client.start_workflow(JOB_WORKFLOW, JobInput(job_id=job_id), id=job_id, task_queue=task_queue)

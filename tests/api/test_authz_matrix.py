@@ -13,7 +13,7 @@ import pytest
 from api.main import route_table
 from store import allocations, leadership
 from tests.api.agent_server import AgentLogServer
-from tests.api.conftest import ADMIN, ALPHA, BETA, auth, job_body, new_key, submit
+from tests.api.conftest import ADMIN, ALPHA, BETA, auth, job_body, new_key, start_as_placed, submit
 from tests.foundation.builders import gang
 
 WHO = {"none": None, "teamless": "tok-nobody", "other": BETA, "own": ALPHA, "admin": ADMIN}
@@ -63,12 +63,17 @@ class Ctx:
     client: Any
     pool: Any
     agent: AgentLogServer
+    temporal_env: Any
+    task_queue: str
 
     async def job(self) -> str:
-        """A fresh queued job of team alpha (a cancel or extend gets its own)."""
+        """A fresh job of team alpha with its workflow started, as a placed one has (a cancel
+        or extend gets its own)."""
         r = await submit(self.client, token=ADMIN)
         assert r.status_code == 202, r.text
-        return r.json()["job_id"]
+        job_id = r.json()["job_id"]
+        await start_as_placed(self.temporal_env, self.task_queue, job_id)
+        return job_id
 
     async def running_job(self) -> str:
         job_id = await self.job()
@@ -126,8 +131,8 @@ async def test_every_route_has_a_matrix_entry(app):
     assert set(MATRIX) - routes == set(), "MATRIX names routes the app no longer serves"
 
 
-async def test_authorization_matrix(app, client, pool, worker, agent):
-    ctx = Ctx(client, pool, agent)
+async def test_authorization_matrix(app, client, pool, worker, agent, temporal_env, task_queue):
+    ctx = Ctx(client, pool, agent, temporal_env, task_queue)
     failures = []
     for method, template in route_table(app):
         for who, token in WHO.items():
@@ -145,8 +150,9 @@ async def test_authorization_matrix(app, client, pool, worker, agent):
     assert not failures, "\n".join(failures)
 
 
-async def test_writes_record_the_principal_in_the_audit_trail(client, pool, worker):
+async def test_writes_record_the_principal_in_the_audit_trail(client, pool, worker, temporal_env, task_queue):
     job_id = (await submit(client)).json()["job_id"]
+    await start_as_placed(temporal_env, task_queue, job_id)
     await client.post(f"/v1/jobs/{job_id}:extend", json={"by": "10m"}, headers=auth(ALPHA, new_key()))
     await client.delete(f"/v1/jobs/{job_id}", headers=auth(ALPHA, new_key()))
     await client.put(

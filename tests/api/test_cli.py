@@ -23,7 +23,7 @@ from api.main import create_app
 from cli.user_cmd import register
 from store import allocations, leadership
 from tests.api.agent_server import AgentLogServer
-from tests.api.conftest import ADMIN, ALPHA
+from tests.api.conftest import ADMIN, ALPHA, start_as_placed
 from tests.foundation.builders import gang
 from tests.support import eventually_sync
 
@@ -96,7 +96,7 @@ async def run(cli_app, *args: str, url: str, token: str = ALPHA, env: dict | Non
     return await asyncio.to_thread(invoke, cli_app, *args, url=url, token=token, env=env)
 
 
-async def test_submit_follow_logs_cancel(cli_app, server, pool, temporal_env, worker, agent, tmp_path):
+async def test_submit_follow_logs_cancel(cli_app, server, pool, temporal_env, worker, agent, tmp_path, task_queue):
     spec = tmp_path / "job.yaml"
     spec.write_text(JOB_YAML)
     r = await run(cli_app, "submit", "-f", str(spec), "--json", url=server.url)
@@ -105,7 +105,7 @@ async def test_submit_follow_logs_cancel(cli_app, server, pool, temporal_env, wo
     row = await pool.fetchrow(
         "SELECT team, name, spec, max_runtime_s, workflow_started FROM jobs WHERE job_id = $1", job_id
     )
-    assert row["name"] == "cli-job" and row["max_runtime_s"] == 4 * 3600 and row["workflow_started"]
+    assert row["name"] == "cli-job" and row["max_runtime_s"] == 4 * 3600 and not row["workflow_started"]
     assert row["spec"]["command"] == ["python", "train.py", "--lr", "0.1"]
 
     r = await run(cli_app, "status", job_id, url=server.url)
@@ -123,6 +123,7 @@ async def test_submit_follow_logs_cancel(cli_app, server, pool, temporal_env, wo
     [lease] = await allocations.commit_gang(
         pool, scope="placement", epoch=epoch, job_id=job_id, attempt=1, placements=gang(("b0-n0", tuple(range(8))))
     )
+    await start_as_placed(temporal_env, task_queue, job_id)  # as the allocation does
     agent.logs[lease] = b"epoch 0 loss 2.31\n"
     agent.follow_lines[lease] = [b"epoch 1 loss 1.70\n", b"epoch 2 loss 1.21\n"]
     r = await run(cli_app, "logs", "-f", "--stream", "stdout", job_id, url=server.url)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from temporalio.service import RPCError, RPCStatusCode
 
 from store import allocations, leadership
 from store.audit import write_job_event
-from tests.api.conftest import ADMIN, ALPHA, BETA, auth, new_key, submit
+from tests.api.conftest import ADMIN, ALPHA, BETA, auth, new_key, start_as_placed, submit
 from tests.foundation.builders import gang
-from tests.support import eventually, force_job_state
-from workflows.messages import JOB_WORKFLOW, JobInput
+from tests.support import force_job_state
 
 
-async def test_submit_commits_job_event_audit_and_key_then_starts_the_workflow(client, pool, temporal_env, task_queue):
+async def test_submit_commits_job_event_audit_and_key_and_starts_no_workflow(client, pool, temporal_env, task_queue):
     r = await submit(client, name="first", env={"LR": "0.1"})
     assert r.status_code == 202, r.text
     body = r.json()
@@ -26,7 +26,11 @@ async def test_submit_commits_job_event_audit_and_key_then_starts_the_workflow(c
     assert row["max_runtime_s"] == 7200 and row["replicas"] == 1 and row["gpus_per_replica"] == 4
     assert row["spec"]["image"] == "registry/llm:1" and row["spec"]["env"] == {"LR": "0.1"}
     assert row["spec"]["checkpoint"] == {"preemptible": True, "grace_seconds": 30.0}
-    assert row["workflow_started"] is True
+    # the job waits in Postgres: its workflow starts with its allocation (the leader's)
+    assert row["workflow_started"] is False
+    with pytest.raises(RPCError) as e:
+        await temporal_env.client.get_workflow_handle(job_id).describe()
+    assert e.value.status == RPCStatusCode.NOT_FOUND
     ev = await pool.fetch("SELECT * FROM job_events WHERE job_id = $1", job_id)
     assert [(e["event"], e["from_state"], e["to_state"], e["actor"]) for e in ev] == [
         ("submitted", None, "QUEUED", "alice")
@@ -34,15 +38,6 @@ async def test_submit_commits_job_event_audit_and_key_then_starts_the_workflow(c
     audit = await pool.fetch("SELECT * FROM audit WHERE subject = $1", job_id)
     assert [(a["actor"], a["action"]) for a in audit] == [("alice", "submit")]
     assert await pool.fetchval("SELECT status FROM idempotency_keys WHERE principal = 'alice'") == "done"
-    # the workflow exists under the job id, with JobInput(job_id), on the control task queue
-    handle = temporal_env.client.get_workflow_handle(job_id)
-    desc = await handle.describe()
-    assert desc.id == job_id and desc.workflow_type == JOB_WORKFLOW and desc.task_queue == task_queue
-    history = await handle.fetch_history()
-    started = history.events[0].workflow_execution_started_event_attributes
-    [payload] = started.input.payloads
-    decoded = temporal_env.client.data_converter.payload_converter.from_payload(payload, JobInput)
-    assert decoded == JobInput(job_id=job_id)
 
 
 async def test_get_job_shows_state_allocation_and_pending_reason(client, pool):
@@ -174,18 +169,27 @@ async def test_cancel_of_a_finished_job_is_409_and_writes_nothing(client, pool):
     assert await pool.fetchval("SELECT count(*) FROM idempotency_keys") == 1  # the submit's only
 
 
-async def test_cancel_of_a_job_whose_workflow_never_started_starts_and_cancels_it(client, pool, temporal_env, worker):
-    job_id = (await submit(client)).json()["job_id"]
-    # as if Temporal had been down at submit: terminate the workflow run and forget it started
-    await temporal_env.client.get_workflow_handle(job_id).terminate("test")
-    await pool.execute("UPDATE jobs SET workflow_started = false WHERE job_id = $1", job_id)
+async def test_cancel_of_a_queued_job_starts_its_workflow_with_the_cancel(
+    client, pool, temporal_env, worker, task_queue
+):
+    job_id = (await submit(client)).json()["job_id"]  # queued: no workflow yet
     r = await client.delete(f"/v1/jobs/{job_id}", headers=auth(ALPHA, new_key()))
-    # REJECT_DUPLICATE: a closed run is never re-run, so the API reports the job finished
+    assert r.status_code == 202, r.text
+    result = await temporal_env.client.get_workflow_handle(job_id).result()
+    assert result.startswith("CANCELLED by alice")
+    # a job whose run closed is never run again (REJECT_DUPLICATE): the API reports it finished
+    other = (await submit(client)).json()["job_id"]
+    await start_as_placed(temporal_env, task_queue, other)
+    await temporal_env.client.get_workflow_handle(other).terminate("test")
+    r = await client.delete(f"/v1/jobs/{other}", headers=auth(ALPHA, new_key()))
     assert r.status_code == 409 and r.json()["error"]["code"] == "job_terminal"
 
 
-async def test_extend_asks_the_workflow(client, pool, worker):
+async def test_extend_asks_the_workflow(client, pool, worker, temporal_env, task_queue):
     job_id = (await submit(client)).json()["job_id"]
+    r = await client.post(f"/v1/jobs/{job_id}:extend", json={"by": "1h"}, headers=auth(ALPHA, new_key()))
+    assert r.status_code == 409 and r.json()["error"]["code"] == "extension_not_running"  # no workflow yet
+    await start_as_placed(temporal_env, task_queue, job_id)
     r = await client.post(
         f"/v1/jobs/{job_id}:extend", json={"by": "1h", "reason": "almost done"}, headers=auth(ALPHA, new_key())
     )
@@ -208,9 +212,10 @@ async def test_extend_asks_the_workflow(client, pool, worker):
     assert r.status_code == 409 and r.json()["error"]["code"] == "job_terminal"
 
 
-async def test_extend_without_a_reachable_control_plane_is_503(client, pool):
+async def test_extend_without_a_reachable_control_plane_is_503(client, pool, temporal_env, task_queue):
     # no worker polls this test's task queue: the update is never accepted
     job_id = (await submit(client)).json()["job_id"]
+    await start_as_placed(temporal_env, task_queue, job_id)
     r = await client.post(f"/v1/jobs/{job_id}:extend", json={"by": "1h"}, headers=auth(ALPHA, new_key()))
     assert r.status_code == 503 and r.json()["error"]["code"] == "control_plane_unavailable"
     assert await pool.fetchval("SELECT count(*) FROM audit WHERE action = 'extend_request'") == 0
@@ -245,15 +250,12 @@ async def test_submit_while_temporal_is_down_is_still_202(settings, pool, cluste
         assert await pool.fetchval("SELECT count(*) FROM audit WHERE action = 'cancel_request'") == 0
 
 
-async def test_replayed_submit_starts_a_workflow_that_never_started(client, pool, temporal_env):
+async def test_a_replayed_submit_answers_the_first_response_and_adds_nothing(client, pool):
     key = new_key()
-    job_id = (await submit(client, key=key)).json()["job_id"]
-    await temporal_env.client.get_workflow_handle(job_id).terminate("test")
-    await pool.execute("UPDATE jobs SET workflow_started = false WHERE job_id = $1", job_id)
+    first = (await submit(client, key=key)).json()
     r = await submit(client, key=key)
-    assert r.status_code == 202 and r.json()["job_id"] == job_id
-    # already started (and closed) counts as started
-    await eventually(lambda: pool.fetchval("SELECT workflow_started FROM jobs WHERE job_id = $1", job_id))
+    assert r.status_code == 202 and r.json() == first and r.headers.get("idempotent-replayed") == "true"
+    assert await pool.fetchval("SELECT count(*) FROM jobs") == 1
 
 
 async def test_a_block_limit_with_a_wait_is_stored_and_reaches_the_engine(client, pool):

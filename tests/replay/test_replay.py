@@ -26,7 +26,7 @@ HISTORIES = Path(__file__).parent / "histories"
 RECORD = os.environ.get("GPUFLEET_RECORD_HISTORIES") == "1"
 # histories are kept per workflow-code version (<name>-<version>-<run>.json): older versions
 # stay committed so patched branches keep replaying; recording writes this version only
-VERSION = "v4"
+VERSION = "v5"
 
 
 def _histories() -> list[Path]:
@@ -76,11 +76,12 @@ async def test_record_histories(stand):
         old.unlink()
     c = stand.client
     # success
-    ok = await stand.submit("rec-ok", command=[PY, "-c", "import time; time.sleep(0.3)"])
+    # each workflow starts as in production: with its allocation (signal-with-start, labels)
+    ok = await stand.submit("rec-ok", command=[PY, "-c", "import time; time.sleep(0.3)"], start=False)
     await stand.allocate(ok, (stand.nodes[0], (0,)))
     assert (await stand.result(ok)).state == "SUCCEEDED"
     # preemption and resume
-    tr = await stand.submit("rec-train", command=[PY, TRAIN, "40", "0.05", "5"], grace_s=5.0)
+    tr = await stand.submit("rec-train", command=[PY, TRAIN, "40", "0.05", "5"], grace_s=5.0, start=False)
     await stand.allocate(tr, (stand.nodes[0], (0,)))
     await stand.wait_state(tr, "RUNNING")
     lease_dir = stand.agent.root / stand.nodes[0] / f"{tr}.a1.r0"
@@ -97,7 +98,7 @@ async def test_record_histories(stand):
     await stand.allocate(tr, (stand.nodes[1], (0,)))
     assert (await stand.result(tr)).state == "SUCCEEDED"
     # cancel while running
-    cx = await stand.submit("rec-cancel", command=[PY, "-c", "import time; time.sleep(60)"], grace_s=1.0)
+    cx = await stand.submit("rec-cancel", command=[PY, "-c", "import time; time.sleep(60)"], grace_s=1.0, start=False)
     await stand.allocate(cx, (stand.nodes[2], (0,)))
     await stand.wait_state(cx, "RUNNING")
     await c.get_workflow_handle(cx).signal("cancel", {"actor": "alice", "reason": "recorded"})
@@ -109,7 +110,7 @@ async def test_record_histories(stand):
         "import os, sys, time; time.sleep(0.5);"
         " sys.exit(3) if (os.environ['RANK'] == '2' and os.environ['GPUFLEET_ATTEMPT'] == '1') else None",
     ]
-    g = await stand.submit("rec-gang", command=cmd, replicas=4, gpus_per_replica=8, grace_s=1.0)
+    g = await stand.submit("rec-gang", command=cmd, replicas=4, gpus_per_replica=8, grace_s=1.0, start=False)
     await stand.allocate(g, *[(n, tuple(range(8))) for n in stand.nodes[:4]])
     await stand.wait_state(g, "QUEUED", attempt=2)
     await stand.allocate(g, *[(n, tuple(range(8))) for n in stand.nodes[:4]])

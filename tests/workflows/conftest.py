@@ -8,10 +8,11 @@ import pytest
 
 from activities.job_activities import JobActivities
 from common.aio import cancel_and_wait
-from common.temporal import make_worker
+from common.temporal import ensure_search_attributes, make_worker
 from control.report_delivery import ReportDelivery
 from tests.workflows.fake_agent import FakeAgent
 from tests.workflows.harness import Stand, scaled_settings, seed
+from workflows import search_attributes
 from workflows.job import JobWorkflow
 
 
@@ -25,6 +26,7 @@ async def stand(pool, temporal_env, tmp_path, settings_overrides):
     settings = scaled_settings(tmp_path, **settings_overrides)
     client = temporal_env.client
     nodes, epoch = await seed(pool, settings)
+    assert await ensure_search_attributes(client, settings.temporal_namespace, search_attributes.KEYS)
     # the agent's reports take the durable path: stored, then delivered (here, by the stand)
     reports = ReportDelivery(pool, client, settings)
     delivery = asyncio.create_task(reports.run(lambda: True))

@@ -101,8 +101,12 @@ class Stand:
                     gpu_type,
                 )
                 await audit.write_job_event(conn, job_id, 1, "submitted", None, "QUEUED", "test", "submitted")
-        if start:
-            await signals.start_job_workflow(self.client, self.settings, job_id)
+        if start:  # waiting for its allocation, as a re-queued job's next run does
+            from workflows.job import JobWorkflow
+
+            await self.client.start_workflow(
+                JobWorkflow.run, m.JobInput(job_id=job_id), id=job_id, task_queue=self.settings.control_task_queue
+            )
         return job_id
 
     async def allocate(
@@ -121,7 +125,12 @@ class Stand:
         )
         alloc = await signals.allocation_for(self.pool, self.settings, job_id, attempt)
         assert alloc is not None
-        await signals.signal_allocation(self.client, self.settings, alloc)
+        row = await self.pool.fetchrow("SELECT * FROM jobs WHERE job_id = $1", job_id)
+        labels = m.JobLabels(
+            row["team"], row["priority_class"], row["gpu_type"], row["replicas"] * row["gpus_per_replica"],
+            row["submitted_at"].timestamp(),
+        )  # fmt: skip
+        await signals.signal_allocation(self.client, self.settings, alloc, labels)  # as the leader does
         return alloc
 
     async def preempt(self, job_id: str, *, by_job: str | None = None) -> None:

@@ -119,13 +119,13 @@ async def test_a_lost_allocation_signal_is_resent(cluster, monkeypatch):
     real = signals.signal_allocation
     dropped: list[str] = []
 
-    async def lossy(client, settings, alloc):
+    async def lossy(client, settings, alloc, labels=None):
         if alloc.job_id == "p-lost" and not dropped:
             dropped.append(alloc.job_id)
             # the RPC failed (Temporal unreachable): a signal Temporal accepted is in the
             # workflow's history and cannot be lost, so only a failed send needs a resend
             raise RPCError("connection reset", RPCStatusCode.UNAVAILABLE, b"")
-        return await real(client, settings, alloc)
+        return await real(client, settings, alloc, labels)
 
     monkeypatch.setattr(signals, "signal_allocation", lossy)
     c1 = await start("c1")
@@ -236,22 +236,24 @@ async def assert_no_gpu_had_two_live_leases(pool) -> None:
     assert not overlaps, [dict(r) for r in overlaps]
 
 
-async def test_control_starts_the_workflow_of_a_queued_job_that_lacks_one(cluster, monkeypatch):
-    import control.leader.workflows as ownership
+async def test_a_queued_job_costs_temporal_nothing_until_it_is_placed(cluster):
+    """A QUEUED job has no workflow (its allocation starts one); the leader's ownership check
+    leaves it alone, and a cancel reaches it by signal-with-start."""
+    from temporalio.service import RPCError
 
-    monkeypatch.setattr(ownership, "UNSTARTED_SWEEP_S", 0.5)
     stand, start = cluster
     c1 = await start("c1")
     await leading(c1)
     job = await stand.submit("p-orphan", replicas=5, gpus_per_replica=8, start=False)  # never placeable here
+    await stand.pool.execute("UPDATE jobs SET updated_at = now() - interval '1 hour' WHERE job_id = $1", job)
+    stats = await c1.ownership.reconcile_once()
+    assert (stats.checked, stats.started) == (0, 0)
+    with pytest.raises(RPCError) as e:
+        await stand.client.get_workflow_handle(job).describe()
+    assert e.value.status == RPCStatusCode.NOT_FOUND
+    from workflows import messages as m
 
-    async def started():
-        return await stand.pool.fetchval("SELECT workflow_started FROM jobs WHERE job_id = $1", job)
-
-    await eventually(started, timeout=15, what="the sweep starting its workflow")
-    desc = await stand.client.get_workflow_handle(job).describe()
-    assert desc.status.name == "RUNNING"
-    await stand.client.get_workflow_handle(job).signal("cancel", {"actor": "test"})
+    await signals.start_with_signal(stand.client, stand.settings, job, m.SIGNAL_CANCEL, m.CancelRequest(actor="test"))
     assert (await stand.result(job)).state == "CANCELLED"
 
 
