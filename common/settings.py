@@ -219,6 +219,11 @@ class Settings(BaseSettings):
     report_delivery_poll_s: float = Field(
         1.0, gt=0, description="the leader looks for stored agent reports not yet in their job's workflow this often"
     )
+    job_search_attributes: bool = Field(
+        True,
+        description="job workflows carry team, class, GPU type, GPUs, state and attempt as Temporal search attributes"
+        " (filterable in the UI; costs the server a visibility write per state change)",
+    )
     workflow_reconcile_s: float = Field(
         60.0,
         gt=0,

@@ -140,7 +140,9 @@ class ControlProcess:
             self._client = await connect(s)
         self.signals = JobSignals(self.pool, self.client, s)
         self.leader = LeaderState(self.pool, s, self.signals)
-        if await ensure_search_attributes(self.client, s.temporal_namespace, search_attributes.KEYS):
+        if not s.job_search_attributes:
+            pass
+        elif await ensure_search_attributes(self.client, s.temporal_namespace, search_attributes.KEYS):
             self.signals.labels = self.leader.labels_of  # job histories carry team, class, size, state
         else:
             log.warning("Temporal refused gpufleet's search attributes: job workflows start without them")
