@@ -140,3 +140,18 @@ async def control(settings):
     await c.start()
     yield c
     await c.stop()
+
+
+@pytest.fixture
+async def agent(settings, control):
+    """An agent process hosting two simulated nodes, linked to the fake control (no Temporal)."""
+    from worker_agent.agent import AgentProcess
+
+    a = AgentProcess(settings, ["node-a", "node-b"], backend="simulated", temporal=False,
+                     control_addresses=[control.server.address], listen="127.0.0.1:0")  # fmt: skip
+    await a.start()
+    yield a
+    await a.stop()
+    for node in a.nodes.values():
+        for st in node.leases.values():
+            kill_group_quietly(st.pid)

@@ -23,7 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.agent.conftest import PY, TRAIN_COUNTER, Control, kill_group_quietly, script, start_task, wait_for
 from tests.agent.test_units import FakeNVML
-from worker_agent.agent import AgentProcess
 from worker_agent.metrics import METRIC_NAMES
 from worker_agent.nvml import NvmlBackend, SimulatedBackend
 
@@ -171,21 +170,6 @@ def test_real_backend_counts_xids_beyond_the_history():
 
 
 # ------------------------------------------------- heartbeats and /metrics (in process)
-
-
-@pytest.fixture
-async def agent(settings):
-    control = Control(settings)
-    await control.start()
-    a = AgentProcess(settings, ["node-a", "node-b"], backend="simulated", temporal=False,
-                     control_addresses=[control.server.address], listen="127.0.0.1:0")  # fmt: skip
-    await a.start()
-    yield a
-    await a.stop()
-    for node in a.nodes.values():
-        for st in node.leases.values():
-            kill_group_quietly(st.pid)
-    await control.stop()
 
 
 def _families(text: str) -> dict:

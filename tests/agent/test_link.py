@@ -15,7 +15,7 @@ from common.contracts import StopTask
 from proto import agent_pb2 as pb
 from proto import agent_pb2_grpc as pbg
 from proto.auth import lease_log_token, node_credential, node_log_key, node_metadata
-from tests.agent.conftest import Control, kill_group_quietly, make_settings, pid_alive, script, start_task, wait_for
+from tests.agent.conftest import Control, make_settings, pid_alive, script, start_task, wait_for
 from tests.support import holds
 from worker_agent import statefiles as sf
 from worker_agent.agent import AgentProcess
@@ -23,18 +23,6 @@ from worker_agent.nvml import write_fault
 
 SLEEPER = "import time\nprint('hello from the rank', flush=True)\nwhile True:\n    time.sleep(0.05)\n"
 SPINNER = "print('hello from the rank', flush=True)\nwhile True:\n    pass\n"  # one core busy: GPUs in use
-
-
-@pytest.fixture
-async def agent(settings, control):
-    a = AgentProcess(settings, ["node-a", "node-b"], backend="simulated", temporal=False,
-                     control_addresses=[control.server.address], listen="127.0.0.1:0")  # fmt: skip
-    await a.start()
-    yield a
-    await a.stop()
-    for node in a.nodes.values():
-        for st in node.leases.values():
-            kill_group_quietly(st.pid)
 
 
 async def test_heartbeats_carry_the_design_fields_and_acks_confirm_leases(agent, control, tmp_path):
