@@ -363,6 +363,7 @@ class JobWorkflow:
         if res.state != JobState.RUNNING:
             # e.g. the job was ended behind our back: make sure nothing keeps running
             await self._stop_all("job is " + res.state)
+            self._show(res.state)
             return m.JobResult(self._job_id, res.state, res.attempt, reason="state changed during start")
         self._state = JobState.RUNNING
         self._show(JobState.RUNNING)
@@ -840,6 +841,7 @@ class JobWorkflow:
                     labels=self._labels,
                 )
             )
+        self._show(res.state)  # e.g. FAILED: no attempts left
         return m.JobResult(self._job_id, res.state, res.attempt, reason=reason)
 
     def _show(self, state: str) -> None:

@@ -54,3 +54,18 @@ async def test_a_history_starts_at_placement_with_real_times_and_filters_by_team
     desc = await c.get_workflow_handle(job).describe()
     assert desc.close_time is not None and desc.close_time > desc.start_time  # a real, positive duration
     assert await _listed(c, f'GpufleetTeam = "beta" AND WorkflowId = "{job}"') == []
+
+
+async def test_a_job_that_fails_for_good_reads_failed_in_its_history(stack):
+    job = await stack.submit(command=[PY, "-c", "import sys; sys.exit(3)"])
+    row = await stack.wait_state(job, "FAILED", timeout=60)
+    from workflows import search_attributes as keys
+
+    async def final():
+        sa = (await stack.client.get_workflow_handle(job).describe()).typed_search_attributes
+        return sa if sa.get(keys.STATE) == "FAILED" else None
+
+    sa = await eventually(final, timeout=10, what="GpufleetState FAILED")
+    assert sa.get(keys.ATTEMPT) == row["attempt"]
+    listed = f'GpufleetTeam = "alpha" AND GpufleetState = "FAILED" AND WorkflowId = "{job}"'
+    await eventually(lambda: _listed(stack.client, listed), timeout=10, what="listed as FAILED")
