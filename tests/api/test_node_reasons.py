@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from datetime import UTC, datetime, timedelta
 
 import typer
@@ -80,8 +81,10 @@ async def test_a_suspect_node_says_how_long_it_has_been_silent(client, pool):
         " WHERE node_id = 'b1-n0'"
     )
     n = await node(client, "b1-n0")
-    # the API's settings: suspect after 30 s (the default), suspect for 12 s since
-    assert n["status"].startswith("suspect (no heartbeat for 42 s"), n["status"]
+    # the API's settings: suspect after 30 s (the default), suspect for 12 s since (plus the
+    # seconds the request itself took on a busy machine)
+    silent = re.match(r"suspect \(no heartbeat for (\d+) s: ", n["status"])
+    assert silent and 42 <= int(silent.group(1)) <= 45, n["status"]
 
 
 async def test_gpufleet_nodes_shows_what_a_state_waits_for(client, settings, pool):
