@@ -185,15 +185,16 @@ class JobSignals:
             except Exception as e:  # re-sent later
                 log.warning("signal to %s failed: %s", msg.job_id, e)
                 return
-            try:
-                await jobs.mark_workflow_started(self.db, [msg.job_id])
-            except Exception as e:  # informational (GET /v1/jobs/{id}): the next signal marks it
-                log.debug("cannot mark %s's workflow started: %s", msg.job_id, e)
             # accepted: recorded in the workflow's history (or the workflow has closed), so
             # re-sending would only load a busy server
             p = self.pending.get(msg.job_id)
             if p is not None and p.message is msg:
                 del self.pending[msg.job_id]
+        # outside the Temporal slots: a Postgres round trip holds no signal of another job back
+        try:
+            await jobs.mark_workflow_started(self.db, [msg.job_id])
+        except Exception as e:  # informational (GET /v1/jobs/{id}): the next signal marks it
+            log.debug("cannot mark %s's workflow started: %s", msg.job_id, e)
 
     async def close(self) -> None:
         for t in list(self._in_flight):
