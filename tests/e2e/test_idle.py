@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.e2e.conftest import PY
-from tests.e2e.test_metrics import scrape
+from tests.e2e.test_metrics import samples, scrape
 from tests.support import eventually
 
 pytestmark = pytest.mark.e2e
@@ -82,13 +82,7 @@ async def test_ten_percent_idle_with_demand_queued_shows_its_cost(stack):
     assert sum(m.get("gpufleet_gpus_idle_with_demand", {}).values()) == 0
     assert (await stack.job(blocked))["state"] == "QUEUED"
 
-    r = await stack.http.get("/metrics")
-    api = {}
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for fam in text_string_to_metric_families(r.text):
-        for s in fam.samples:
-            api.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    api = samples((await stack.http.get("/metrics")).text)
     assert sum(api["gpufleet_cluster_idle_gpus"].values()) == 4
     assert api["gpufleet_cluster_idle_gpu_cost_usd_per_hour"][()] == pytest.approx(4 * price)
 

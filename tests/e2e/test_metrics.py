@@ -22,7 +22,11 @@ SLEEP = [PY, "-c", "import time; time.sleep(600)"]
 async def scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     """name -> {sorted label pairs: value}, samples of every family."""
     async with httpx.AsyncClient(timeout=5) as http:
-        text = (await http.get(url)).text
+        return samples((await http.get(url)).text)
+
+
+def samples(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """An exposition's samples: name -> {sorted label pairs: value}."""
     out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
