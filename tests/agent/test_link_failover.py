@@ -109,7 +109,8 @@ async def test_a_leader_learned_from_a_redirect_is_tried_like_a_configured_one(s
         again.server.port = int(addr.rsplit(":", 1)[1])
         await again.start()
         await wait_for(lambda: again.server.table.get("node-l"), timeout=15, what="back at the learned leader")
-        assert link.connected_to == addr
+        # the server has the heartbeat before the agent has its ack: wait for the ack too
+        await wait_for(lambda: link.connected_to == addr, timeout=5, what="acknowledged by the learned leader")
     finally:
         await agent.stop()
         await again.stop()
