@@ -115,6 +115,11 @@ class Settings(BaseSettings):
     # --- processes ---------------------------------------------------------
     api_host: str = Field("127.0.0.1", description="API listen address")
     api_port: int = Field(8000, description="API listen port")
+    api_reuse_port: bool = Field(
+        False,
+        description="bind the API's port with SO_REUSEPORT, so several `gpufleet api` processes share one address"
+        " (the kernel spreads connections across them; one dying leaves the others serving)",
+    )
     control_task_queue: str = Field(
         "gpufleet-control", description="task queue of JobWorkflow, BurnInWorkflow and their control activities"
     )
@@ -387,6 +392,12 @@ class Settings(BaseSettings):
     log_token_ttl_s: float = Field(60.0, gt=0, description="how long a per-lease log token is valid")
     api_url: str | None = Field(None, description="where the CLI reaches the API; unset = http://api_host:api_port")
     token: str | None = Field(None, description="the CLI's bearer token")
+    client_retry_s: float = Field(
+        30.0,
+        ge=0,
+        description="the CLI retries a request that reached no API (connection refused or reset, 502/503/504, its"
+        " Idempotency-Key still in flight) with backoff for this long, with the same key, then gives up",
+    )
 
     # --- demo cluster seeded by `make up` -----------------------------------
     demo_blocks: int = Field(4, description="demo cluster: blocks")
