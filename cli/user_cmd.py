@@ -4,7 +4,11 @@ explain, queue, quota get|set, nodes, drain, return-node.
 They talk HTTP to the API (never to Temporal or Postgres). The URL and token come
 from ``--url`` / ``--token`` or the settings (``GPUFLEET_API_URL``, ``GPUFLEET_TOKEN``).
 Every write sends an Idempotency-Key generated once per invocation and reused on
-each retry, so a retry after a timeout never submits (or cancels) twice.
+each retry, so a retry after a timeout never submits (or cancels) twice. A request that
+reached no API (connection refused or reset, the API died mid-request, 502/503/504, or its key
+still in flight on another API process) is retried with backoff for ``client_retry_s``
+(GPUFLEET_CLIENT_RETRY_S, 30 s), reads and writes alike: with two API processes on one
+address, one dying costs a caller a retry, never an error or a second job.
 ``--json`` prints the API's JSON for scripts; otherwise rich tables.
 
 Exit codes: 0 ok, 1 the API refused (its error code and sentence on stderr),
@@ -17,6 +21,7 @@ Tables are as wide as their content when stdout is not a terminal (never cut at 
 from __future__ import annotations
 
 import json
+import random
 import sys
 import time
 import uuid
@@ -34,6 +39,7 @@ from rich.markup import escape
 from rich.table import Table
 
 RETRY_STATUSES = {502, 503, 504}
+# the backoff between attempts (each drawn in [d/2, d]); the last repeats until client_retry_s has passed
 RETRY_DELAYS = (0.25, 0.5, 1.0, 2.0, 4.0)
 WATCH_INTERVAL_S = 2.0  # --watch and --wait poll the API this often
 PIPED_WIDTH = 10_000  # a table written to a pipe or file is as wide as its content
@@ -90,12 +96,14 @@ def resolve(url: str | None, token: str | None) -> tuple[str, str | None]:
 
 
 class ApiClient:
-    """A small synchronous client: retries with backoff, one idempotency key per call."""
+    """A small synchronous client: retries with backoff for ``retry_s``, one idempotency key per call."""
 
-    def __init__(self, url: str, token: str | None, timeout: float = 30.0) -> None:
+    def __init__(self, url: str, token: str | None, timeout: float = 30.0, retry_s: float | None = None) -> None:
         self.url = url
         self.token = token
         self.timeout = timeout
+        self.retry_s = _default_retry_s() if retry_s is None else retry_s
+        self.retries: list[str] = []  # why each retry this client made happened, in order
 
     def _headers(self, key: str | None = None) -> dict[str, str]:
         h = {"Accept": "application/json", "User-Agent": "gpufleet-cli"}
@@ -115,18 +123,31 @@ class ApiClient:
         write: bool = False,
         key: str | None = None,
     ) -> Any:
+        """One call to the API. A write carries ``key`` (or one made here) on every attempt, so
+        whichever API process an attempt reaches, and whether or not an earlier attempt's work
+        committed before its process died, the API does it once and replays its answer."""
         key = (key or f"cli-{uuid.uuid4()}") if write else None  # one key per invocation, reused on retry
         params = {k: v for k, v in (params or {}).items() if v is not None}
+        deadline = time.monotonic() + self.retry_s
         last: Exception | None = None
-        for _attempt, delay in enumerate((0.0, *RETRY_DELAYS)):
-            if delay:
-                time.sleep(delay)
+        attempt = 0
+        while True:
+            if attempt:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                delay = RETRY_DELAYS[min(attempt, len(RETRY_DELAYS)) - 1]
+                time.sleep(min(left, random.uniform(delay / 2, delay)))
+                self.retries.append(_why(last))
+            attempt += 1
             try:
                 with httpx.Client(timeout=self.timeout) as client:
                     r = client.request(
                         method, self.url + path, json=json_body, params=params, headers=self._headers(key)
                     )
-            except httpx.TransportError as e:
+            except httpx.UnsupportedProtocol as e:  # a URL no retry can mend
+                raise CliError(f"cannot reach the API at {self.url}: {e}", code="unreachable", exit_code=3) from e
+            except httpx.TransportError as e:  # refused, reset, or the process died mid-request
                 last = e
                 continue
             if r.status_code in RETRY_STATUSES or (r.status_code == 409 and _code(r) == "idempotency_key_in_flight"):
@@ -160,6 +181,13 @@ class ApiClient:
                 if failures > len(RETRY_DELAYS):
                     raise CliError(f"lost the log stream from {self.url}: {e}", code="unreachable", exit_code=3) from e
                 time.sleep(RETRY_DELAYS[failures - 1])
+
+
+def _why(e: Exception | None) -> str:
+    """A retry's reason, short: the transport error's type or the API's error code."""
+    if isinstance(e, CliError):
+        return e.code or "error"
+    return type(e).__name__
 
 
 def _code(r: httpx.Response) -> str:
@@ -201,7 +229,24 @@ def _run(fn, *args: Any, **kwargs: Any) -> Any:
 
 def _client(url: str | None, token: str | None) -> ApiClient:
     base, tok = _run(resolve, url, token)
-    return ApiClient(base, tok)
+    return ApiClient(base, tok, retry_s=_retry_s())
+
+
+def _retry_s() -> float:
+    """client_retry_s from the settings (its default when they do not load: ``resolve`` says why
+    when it needs them)."""
+    from common.settings import Settings
+
+    try:
+        return Settings().client_retry_s
+    except Exception:
+        return _default_retry_s()
+
+
+def _default_retry_s() -> float:
+    from common.settings import Settings
+
+    return float(Settings.model_fields["client_retry_s"].default)
 
 
 def _print_json(obj: Any) -> None:

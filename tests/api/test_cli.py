@@ -11,6 +11,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
@@ -216,9 +217,13 @@ def test_url_and_token_come_from_settings(cli_app, monkeypatch):
 
 
 def test_unreachable_api_exits_3(cli_app, monkeypatch):
+    """Refused connections are retried for client_retry_s, then exit 3."""
     monkeypatch.setattr("cli.user_cmd.RETRY_DELAYS", (0.01,))
+    monkeypatch.setenv("GPUFLEET_CLIENT_RETRY_S", "0.3")
+    started = time.monotonic()
     r = invoke(cli_app, "status", "j-1", url="http://127.0.0.1:1", token="t")
     assert r.exit_code == 3 and "cannot reach the API" in r.stderr
+    assert 0.3 <= time.monotonic() - started < 10
 
 
 class _Flaky(BaseHTTPRequestHandler):
@@ -262,6 +267,66 @@ def test_a_retry_reuses_the_invocations_idempotency_key(cli_app, tmp_path, monke
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+class _DiesMidRequest(BaseHTTPRequestHandler):
+    """Drops the first request's connection after reading it (an API process killed
+    mid-request: the client sees a reset, not an answer), then answers 202."""
+
+    protocol_version = "HTTP/1.1"
+    seen: ClassVar[list[str]] = []
+
+    def log_message(self, *a) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        _DiesMidRequest.seen.append(self.headers.get("Idempotency-Key"))
+        if len(_DiesMidRequest.seen) == 1:
+            # RST rather than FIN, as the kernel does for a killed process with unread data
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            self.close_connection = True
+            return
+        body = b'{"job_id": "j-1", "state": "QUEUED", "queue_position": 1}'
+        self.send_response(202)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_a_request_whose_api_died_mid_request_is_retried_with_its_key(monkeypatch):
+    from cli.user_cmd import ApiClient
+
+    monkeypatch.setattr("cli.user_cmd.RETRY_DELAYS", (0.01,))
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _DiesMidRequest)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        _DiesMidRequest.seen = []
+        api = ApiClient(f"http://127.0.0.1:{srv.server_address[1]}", "t", retry_s=5)
+        r = api.request("POST", "/v1/jobs", json_body={"x": 1}, write=True)
+        assert r["job_id"] == "j-1"
+        assert len(_DiesMidRequest.seen) == 2 and _DiesMidRequest.seen[0] == _DiesMidRequest.seen[1]
+        assert len(api.retries) == 1 and api.retries[0] in ("RemoteProtocolError", "ReadError"), api.retries
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_the_api_socket_shares_its_port_only_with_reuse_port():
+    from cli.api_cmd import bind_socket
+
+    a = bind_socket("127.0.0.1", 0, reuse_port=True)
+    port = a.getsockname()[1]
+    a.listen()
+    b = bind_socket("127.0.0.1", port, reuse_port=True)
+    b.listen()
+    try:
+        with pytest.raises(OSError):
+            bind_socket("127.0.0.1", port, reuse_port=False)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_gpufleet_api_serve_runs_uvicorn_and_stops_cleanly(db_dsn, tmp_path):
