@@ -7,7 +7,9 @@ the shell's part around ``placement.plan`` / ``placement.apply``:
 * **cycle**: ``plan`` then ``apply`` (everything commits); placements start at once
   (``SimOptions.start_latency_s`` later if set), preemptions send SIGTERM: the victim
   stops at the end of its grace period (or finishes first, if it would), loses the work
-  since its last checkpoint and is re-queued (attempt + 1, same submit time);
+  since its last checkpoint and is re-queued (attempt + 1, same submit time); the loss is
+  also priced by the SIGTERM cost model (``sim.costs``, reported beside; the schedule is
+  the same);
 * **completion**: the attempt's work is done (SUCCEEDED) or its max_runtime is reached
   (TIMED_OUT, per attempt as ``RunningJob.end_time`` assumes);
 * **spread placement** (``SimOptions.spread_slowdown``, off by default): a gang placed in
@@ -64,6 +66,7 @@ from placement import (
     plan,
     requeue_spec,
 )
+from sim.costs import restart_s, saves_on_sigterm
 from sim.failures import Fault
 from sim.metrics import Metrics
 from sim.records import JobRecord
@@ -139,8 +142,10 @@ class Simulation:
         name: str = "policy",
         faults: tuple[Fault, ...] = (),
         options: SimOptions | None = None,
+        seed: int = 0,
     ) -> None:
         self.workload = workload
+        self.seed = seed  # picks the jobs that save on SIGTERM in the second cost model (sim.costs)
         self.policy = policy
         self.name = name
         self.faults = faults
@@ -194,6 +199,7 @@ class Simulation:
             if job.submit >= end:
                 continue
             rec = JobRecord(job, job_spec(job), charge_of(job, self._node_gpus[job.gpu_type]))
+            rec.saves_on_sigterm = saves_on_sigterm(job.job_id, self.seed, job.checkpoint_s is not None)
             self.recs[job.job_id] = rec
             self._push(job.submit, ARRIVAL, rec)
         for f in self.faults:
@@ -456,11 +462,19 @@ class Simulation:
             return
         self.state.release(rec.job.job_id, self.now)
         lost_from = rec.saved_at() if rec.job.checkpoint_s is not None else rec.attempt_start
+        sigterm_at = rec.sigterm_at
         lost_h = self._release_and_requeue(rec, preempted=True, front=False, lost_from=lost_from)
         rec.preemptions += 1
-        self.metrics.lost_preemption(rec, lost_h)
-        self._note(f"stopped {rec.job.job_id} lost={lost_h:.2f} GPU-h")
+        # the SIGTERM model: a job that saves on SIGTERM loses its grace and its restart instead
+        saved = rec.saves_on_sigterm and sigterm_at is not None
+        alt_h = self._sigterm_saver_loss(rec, cast(float, sigterm_at)) if saved else lost_h
+        self.metrics.lost_preemption(rec, lost_h, alt_h, saved)
+        self._note(f"stopped {rec.job.job_id} lost={lost_h:.2f} GPU-h (sigterm model {alt_h:.2f})")
         self._mark()
+
+    def _sigterm_saver_loss(self, rec: JobRecord, sigterm_at: float) -> float:
+        """GPU-hours a preemption costs a job that saves on SIGTERM: its grace, then its restart."""
+        return rec.charge * (max(0.0, self.now - sigterm_at) + restart_s(rec.job.gpus)) / 3600.0
 
     def _checkpoint(self, rec: JobRecord, token: int) -> None:
         if token != rec.token or rec.phase != "running":
@@ -491,7 +505,8 @@ class Simulation:
                 lost_from = rec.saved_at() if rec.job.checkpoint_s is not None else rec.attempt_start
                 lost_h = self._release_and_requeue(rec, preempted=True, front=True, lost_from=lost_from)
                 rec.preemptions += 1
-                m.lost_preemption(rec, lost_h)
+                # the fault comes before the save at the grace's end: both models lose the same
+                m.lost_preemption(rec, lost_h, lost_h, False)
             else:
                 lost_from = rec.saved_at() if rec.job.checkpoint_s is not None else rec.attempt_start
                 lost_h = self._release_and_requeue(rec, preempted=False, front=True, lost_from=lost_from)

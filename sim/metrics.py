@@ -19,7 +19,13 @@
 * GPU-hours lost to preemption (GPUs x time since the last checkpoint, or since start
   for a job that cannot checkpoint, up to the end of the grace period), to failures, and
   to spread placement (the extra time a gang spread beyond its max_blocks runs, when the
-  run models it: ``SimOptions.spread_slowdown``);
+  run models it: ``SimOptions.spread_slowdown``); beside them, the same causes priced by
+  the SIGTERM cost model (``sim.costs``: a job that saves on SIGTERM loses its grace and
+  its restart time instead);
+* jobs balance at the window's end, over jobs submitted in it (warm-up jobs excluded):
+  submitted = finished + running (or stopping) + queued (never started) + requeued
+  (started, then preempted or failed, and queued again); ``outcomes`` counts window jobs
+  only, ``outcomes_of_warmup_jobs`` the warm-up jobs that ended in the window;
 * borrowed-GPU reclaim time: from the cycle that preempts borrowed work for a job to
   that job's start (reclaims begun in the window, even if the job starts in the drain);
   the bound is the grace of the victims stopping for it (all of them, borrowed or not:
@@ -41,6 +47,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from placement import ClusterState, NodeHealth, Policy
+from sim.costs import restart_s
 from sim.records import JobRecord
 from sim.workload import CLASSES, SIZE_BUCKETS, Workload, size_bucket
 
@@ -109,9 +116,17 @@ class Metrics:
         self.preempt_per_job: Counter = Counter()
         self.reclaims: list[tuple[float, float]] = []  # (time to start, bound)
         self.lost_pre_h = 0.0
+        # the SIGTERM cost model (sim.costs): preemption losses re-priced, savers and the rest apart
+        self.lost_pre_sig_h = 0.0
+        self.lost_pre_sig_saved_h = 0.0
+        self.lost_pre_sig_restart_h = 0.0
+        self.lost_pre_sig_not_saved_h = 0.0
+        self.pre_saved = 0
+        self.pre_not_saved = 0
         self.lost_fail_h = 0.0
         self.lost_spread_h = 0.0
-        self.outcomes: Counter = Counter()
+        self.outcomes: Counter = Counter()  # jobs submitted in the window that ended in it
+        self.outcomes_warmup: Counter = Counter()  # warm-up jobs that ended in the window
         self.useful_h = 0.0
         self.large: list[dict] = []
         self.faults_in_window = 0
@@ -136,8 +151,12 @@ class Metrics:
         self.cycle_interval = 1.0
         self.closed = False  # the window has ended: only first starts (waits) are still measured
         self.stopped_at = self.end  # when the run stopped (the end of the drain, if any)
-        self.queued_at_window_end = 0
-        self.running_at_window_end = 0
+        self.queued_at_window_end = 0  # never started by the window's end
+        self.running_at_window_end = 0  # running or stopping in its grace period
+        self.stopping_at_window_end = 0  # of those, stopping
+        self.requeued_at_window_end = 0  # started, then preempted or failed, and queued again
+        self.done_at_window_end = 0  # ended (the phase, beside the outcome events that count them)
+        self.other_at_window_end = 0  # none of the above (the balance does not hold then)
         self._teams = [(t.name, gt, g) for t in workload.teams for gt, g, _ in t.quotas]
 
     # ------------------------------------------------------------------ step functions
@@ -215,10 +234,18 @@ class Metrics:
         for rec in recs:
             if rec.job.submit < 0:
                 continue
-            if rec.first_start is None:
-                self.queued_at_window_end += 1
             if rec.phase in ("running", "stopping"):
                 self.running_at_window_end += 1
+                self.stopping_at_window_end += rec.phase == "stopping"
+            elif rec.phase == "queued":
+                if rec.first_start is None:
+                    self.queued_at_window_end += 1
+                else:
+                    self.requeued_at_window_end += 1
+            elif rec.phase == "done":
+                self.done_at_window_end += 1
+            else:
+                self.other_at_window_end += 1
         self.closed = True
 
     # ------------------------------------------------------------------ hooks
@@ -298,12 +325,21 @@ class Metrics:
     def ended(self, rec: JobRecord, outcome: str, now: float) -> None:
         self.stale = True
         if now >= 0 and not self.closed:
-            self.outcomes[outcome] += 1
+            (self.outcomes if rec.job.submit >= 0 else self.outcomes_warmup)[outcome] += 1
 
-    def lost_preemption(self, rec: JobRecord, h: float) -> None:
+    def lost_preemption(self, rec: JobRecord, h: float, h_sigterm: float, saved_on_sigterm: bool) -> None:
+        """A preemption's loss: ``h`` by today's accounting, ``h_sigterm`` by the SIGTERM model."""
         self.stale = True
         if self.t >= 0 and not self.closed:
             self.lost_pre_h += h
+            self.lost_pre_sig_h += h_sigterm
+            if saved_on_sigterm:
+                self.pre_saved += 1
+                self.lost_pre_sig_saved_h += h_sigterm
+                self.lost_pre_sig_restart_h += rec.charge * restart_s(rec.job.gpus) / 3600.0
+            else:
+                self.pre_not_saved += 1
+                self.lost_pre_sig_not_saved_h += h_sigterm
 
     def lost_failure(self, rec: JobRecord, h: float) -> None:
         self.stale = True
@@ -423,6 +459,26 @@ class Metrics:
             }
         return out
 
+    def _balance(self, submitted: int) -> dict:
+        """submitted = finished + running + queued + requeued at the window's end.
+
+        ``finished`` counts the jobs' end events (``outcomes``), the rest their phases at the
+        window's end, and ``submitted`` the workload's window jobs, so ``holds`` checks the
+        event accounting against the state; ``requeued`` are jobs started, then preempted or
+        failed and queued again.
+        """
+        finished = sum(self.outcomes.values())
+        parts = finished + self.running_at_window_end + self.queued_at_window_end + self.requeued_at_window_end
+        return {
+            "submitted": submitted,
+            "finished": finished,
+            "running": self.running_at_window_end,
+            "of_which_stopping": self.stopping_at_window_end,
+            "queued": self.queued_at_window_end,
+            "requeued": self.requeued_at_window_end,
+            "holds": parts == submitted and finished == self.done_at_window_end and not self.other_at_window_end,
+        }
+
     def summary(self, recs: dict[str, JobRecord], policy: Policy, cycles: int) -> dict:
         end = self.end
         if not self.closed:
@@ -513,6 +569,13 @@ class Metrics:
                 )
                 if self.i_healthy
                 else None,
+                # the same, with preemptions priced by the SIGTERM model (sim.costs; restarts
+                # are charged as lost GPU-hours of the same allocation)
+                "healthy_gpu_pct_net_of_lost_work_sigterm_model": r(
+                    100.0 * (alloc_h - self.lost_pre_sig_h - self.lost_fail_h - self.lost_spread_h) / healthy_h, 2
+                )
+                if self.i_healthy
+                else None,
             },
             "idle": {
                 "gpu_hours": r(idle_h, 1),
@@ -535,6 +598,20 @@ class Metrics:
                 "preemption": r(self.lost_pre_h, 3),
                 "failures": r(self.lost_fail_h, 3),
                 "spread_placement": r(self.lost_spread_h, 3),
+                "preemption_pct_of_allocated": r(100.0 * self.lost_pre_h / alloc_h, 3) if alloc_h else None,
+            },
+            # the second cost model, beside the default one above (sim.costs): a job that saves on
+            # SIGTERM loses its grace and its restart, one that cannot its work since its checkpoint
+            "lost_gpu_hours_sigterm_model": {
+                "preemption": r(self.lost_pre_sig_h, 3),
+                "failures": r(self.lost_fail_h, 3),
+                "spread_placement": r(self.lost_spread_h, 3),
+                "preemption_pct_of_allocated": r(100.0 * self.lost_pre_sig_h / alloc_h, 3) if alloc_h else None,
+                "preemption_saved_on_sigterm": r(self.lost_pre_sig_saved_h, 3),
+                "of_which_restart": r(self.lost_pre_sig_restart_h, 3),
+                "preemption_not_saved": r(self.lost_pre_sig_not_saved_h, 3),
+                "preemptions_saved_on_sigterm": self.pre_saved,
+                "preemptions_not_saved": self.pre_not_saved,
             },
             "reclaim": {
                 "count": len(self.reclaims),
@@ -574,11 +651,14 @@ class Metrics:
             "jobs": {
                 "submitted": submitted,
                 "started": started,
+                # at the window's end, jobs submitted in it (warm-up jobs excluded)
+                "balance": self._balance(submitted),
                 "still_queued_at_window_end": self.queued_at_window_end,
                 "never_started": never_started,
                 "running_at_window_end": self.running_at_window_end,
                 "drain_h": r((self.stopped_at - end) / 3600.0, 3),
                 "outcomes": dict(sorted(self.outcomes.items())),
+                "outcomes_of_warmup_jobs": dict(sorted(self.outcomes_warmup.items())),
                 "restarts": self.restarts,
                 "backfill_placements": self.backfills,
                 "serving_replicas_replaced": self.replacements,

@@ -23,6 +23,7 @@ class JobRecord:
         "reclaim_at",
         "reclaim_grace",
         "saved",
+        "saves_on_sigterm",
         "sigterm_at",
         "spec",
         "token",
@@ -47,6 +48,7 @@ class JobRecord:
         self.reclaim_grace = 0.0
         self.end_kind = ""
         self.pace = 1.0  # wall seconds per second of work in this attempt (> 1: spread placement)
+        self.saves_on_sigterm = False  # the SIGTERM cost model's draw (sim.costs), set by the simulation
 
     def saved_at(self) -> float:
         """When the newest checkpoint of the running attempt was taken (its start if none)."""

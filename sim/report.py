@@ -91,6 +91,13 @@ def rows(report: dict) -> list[tuple[str, list[str]]]:
             f" ({_num(p['jobs']['drain_h'], 1)} h)"
         ),
     )
+
+    def balance(p: dict) -> str:
+        b = p["jobs"]["balance"]
+        eq = "=" if b["holds"] else "≠"
+        return f"{b['submitted']} {eq} {b['finished']} + {b['running']} + {b['queued']} + {b['requeued']}"
+
+    row("jobs at the window's end: submitted = finished + running + queued + requeued", balance)
     row(
         "large-gang placements: min blocks / ≤ max_blocks / all",
         lambda p: (
@@ -119,6 +126,20 @@ def rows(report: dict) -> list[tuple[str, list[str]]]:
             f"{_num(p['lost_gpu_hours']['preemption'])} / {_num(p['lost_gpu_hours']['failures'])}"
             f" / {_num(p['lost_gpu_hours']['spread_placement'])}"
         ),
+    )
+    row(
+        "… the same, SIGTERM cost model (preemption: saved on SIGTERM + not saved)",
+        lambda p: (
+            f"{_num(p['lost_gpu_hours_sigterm_model']['preemption'])}"
+            f" ({_num(p['lost_gpu_hours_sigterm_model']['preemption_saved_on_sigterm'])}"
+            f" + {_num(p['lost_gpu_hours_sigterm_model']['preemption_not_saved'])})"
+            f" / {_num(p['lost_gpu_hours_sigterm_model']['failures'])}"
+            f" / {_num(p['lost_gpu_hours_sigterm_model']['spread_placement'])}"
+        ),
+    )
+    row(
+        "net of lost work, SIGTERM cost model",
+        lambda p: _pct(p["allocation"]["healthy_gpu_pct_net_of_lost_work_sigterm_model"]),
     )
     row(
         "borrowed-GPU reclaim: p50 / p99 (n, over grace+2 cycles)",

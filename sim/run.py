@@ -22,6 +22,7 @@ from dataclasses import asdict, fields, replace
 from typing import Any
 
 from placement import PRESETS, Policy
+from sim import costs
 from sim.core import SimOptions, Simulation
 from sim.failures import FailureModel, fault_schedule
 from sim.workload import CLASSES, Workload
@@ -112,6 +113,7 @@ def run_policies(
         "failure_model": asdict(failures) if failures else None,
         "faults_scheduled": len(faults),
         "options": asdict(options),
+        "cost_models": costs.describe(),
         "policies": {},
     }
     sims = {}
@@ -119,7 +121,7 @@ def run_policies(
         preset, policy = resolve_policy(name)
         if on_start:
             on_start(name)
-        sim = Simulation(workload, policy, name, faults, options)
+        sim = Simulation(workload, policy, name, faults, options, seed=seed)
         cb = (lambda f, n=name: on_progress(n, f)) if on_progress else None
         res = sim.run(cb)
         base = name.split(":")[0]

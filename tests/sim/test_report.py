@@ -1,0 +1,168 @@
+"""The honest report (issue 22): jobs balance and the SIGTERM preemption cost model beside today's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from sim.core import SimOptions
+from sim.costs import SIGTERM_SAVE_SHARE, restart_s, saves_on_sigterm
+from sim.failures import FailureModel
+from sim.report import markdown_table
+from sim.run import run_policies, to_json
+from sim.seed import SeedConfig, seed_workload
+from sim.traces import TraceOptions, load_trace
+from sim.workload import ClusterSpec
+
+from .helpers import HOUR, job, preemptions, simulate, workload
+
+FIX = Path(__file__).parent / "fixtures"
+
+# ---------------------------------------------------------------------- jobs balance
+
+
+def _balanced(p: dict) -> None:
+    b = p["jobs"]["balance"]
+    assert b["holds"], b
+    assert b["submitted"] == b["finished"] + b["running"] + b["queued"] + b["requeued"]
+    assert b["submitted"] == p["jobs"]["submitted"]
+    assert b["finished"] == sum(p["jobs"]["outcomes"].values())
+    assert b["queued"] == p["jobs"]["still_queued_at_window_end"]
+
+
+@pytest.mark.parametrize(
+    "seed, cfg",
+    [
+        (1, dict(days=0.04, nodes=64, warmup_h=0.5, load_scale=3.0, submissions_per_day=120_000)),
+        (2, dict(days=0.04, nodes=64, warmup_h=0.5, load_scale=3.0, submissions_per_day=120_000)),
+        (3, dict(days=0.03, nodes=64, warmup_h=0.5)),
+        (7, dict(days=0.05, nodes=96, warmup_h=0.3, load_scale=2.0, submissions_per_day=80_000)),
+    ],
+)
+def test_jobs_balance_on_seed_workloads_for_every_policy(seed: int, cfg: dict) -> None:
+    wl = seed_workload(SeedConfig(seed=seed, **cfg))
+    rep = run_policies(wl, seed=seed, failures=FailureModel(rate_per_gpu_hour=1e-2), options=SimOptions(drain_s=HOUR))
+    for p in rep["policies"].values():
+        _balanced(p)
+    assert "submitted = finished + running + queued + requeued" in markdown_table(rep)
+
+
+@pytest.mark.parametrize("fmt", ["generic", "philly", "alibaba"])
+def test_jobs_balance_on_trace_replays(fmt: str) -> None:
+    cluster = ClusterSpec.uniform(16, 8)
+    wl = load_trace(FIX / f"{fmt if fmt != 'alibaba' else 'alibaba_pods'}.csv", cluster, TraceOptions(format=fmt))
+    wl = replace(wl, end=wl.end / 2)  # cut the window: jobs are still running and queued at its end
+    rep = run_policies(wl, failures=FailureModel(rate_per_gpu_hour=1e-2))
+    for p in rep["policies"].values():
+        _balanced(p)
+
+
+def test_a_job_requeued_before_the_windows_end_is_counted_and_warmup_jobs_are_not() -> None:
+    # the reclaim scenario (tests/sim/test_scenarios.py) cut at 1.5 h: a2 and a3 are
+    # preempted at 1 h and wait, queued again, until b0/b1 end at 2 h. Two warm-up jobs:
+    # w0 ends before the window, w1 in it (an outcome of a warm-up job, outside the balance)
+    a_jobs = [job(f"a{i}", "A", float(i), 10 * HOUR, checkpoint_s=600.0) for i in range(4)]
+    b_jobs = [job(f"b{i}", "B", HOUR + i, 1 * HOUR) for i in range(2)]
+    warm = [job("w0", "B", -2 * HOUR, 0.5 * HOUR), job("w1", "B", -1 * HOUR, 1.25 * HOUR)]
+    wl = workload(a_jobs + b_jobs + warm, {"A": (16, 32), "B": (16, 32)}, blocks=1, end=1.5 * HOUR)
+    wl = replace(wl, warmup=2 * HOUR)
+    sim, res = simulate(wl, drain_s=0.0)
+    assert {pr.victim for _, pr in preemptions(sim)} == {"a2", "a3"}
+    assert sim.recs["a2"].phase == "queued" and sim.recs["a2"].first_start is not None
+    b = res["jobs"]["balance"]
+    assert (b["submitted"], b["finished"], b["running"], b["queued"], b["requeued"]) == (6, 0, 4, 0, 2)
+    assert b["holds"]
+    assert res["jobs"]["outcomes"] == {}
+    assert res["jobs"]["outcomes_of_warmup_jobs"] == {"succeeded": 1}
+
+
+# ---------------------------------------------------------------------- the SIGTERM cost model
+
+
+@pytest.mark.parametrize("gpus, seconds", [(1, 120.0), (8, 120.0), (9, 300.0), (1023, 300.0), (1024, 600.0)])
+def test_restart_time_by_size(gpus: int, seconds: float) -> None:
+    assert restart_s(gpus) == seconds
+
+
+def test_seventy_percent_of_checkpointing_jobs_save_deterministically_per_job_and_seed() -> None:
+    ids = [f"job-{i}" for i in range(20_000)]
+    share = sum(saves_on_sigterm(j, 1, True) for j in ids) / len(ids)
+    assert abs(share - SIGTERM_SAVE_SHARE) < 0.015
+    assert [saves_on_sigterm(j, 1, True) for j in ids[:200]] == [saves_on_sigterm(j, 1, True) for j in ids[:200]]
+    assert [saves_on_sigterm(j, 1, True) for j in ids[:200]] != [saves_on_sigterm(j, 2, True) for j in ids[:200]]
+    assert not any(saves_on_sigterm(j, 1, False) for j in ids[:200])  # cannot checkpoint: cannot save
+
+
+def _reclaim_run(seed: int):
+    # team A runs 4 x 8 GPUs (2 borrowed, checkpoints every 10 min) from ~0; at 1 h team B
+    # reclaims 16 GPUs: a2 and a3 get SIGTERM with a 30 s grace, 10 min after a checkpoint
+    a_jobs = [job(f"a{i}", "A", float(i), 10 * HOUR, checkpoint_s=600.0, grace_s=30.0) for i in range(4)]
+    b_jobs = [job(f"b{i}", "B", HOUR + i, 1 * HOUR, grace_s=30.0) for i in range(2)]
+    wl = workload(a_jobs + b_jobs, {"A": (16, 32), "B": (16, 32)}, blocks=1, end=3 * HOUR)
+    from placement import PRESETS
+    from sim.core import Simulation
+
+    sim = Simulation(wl, PRESETS["gpufleet"], "t", (), SimOptions(keep_log=True), seed=seed)
+    return sim, sim.run()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_sigterm_model_prices_each_preemption_beside_todays(seed: int) -> None:
+    sim, res = _reclaim_run(seed)
+    victims = {pr.victim: (now, pr) for now, pr in preemptions(sim)}
+    assert set(victims) == {"a2", "a3"}
+    today = sig = saved_h = 0.0
+    n_saved = 0
+    for v, (now, pr) in victims.items():
+        # today: the work since the last 10-min checkpoint, up to the end of the grace
+        lost = 8 * ((now + pr.grace_s) - (v == "a2") * 2.0 - (v == "a3") * 3.0 - 3000.0) / 3600.0
+        today += lost
+        if saves_on_sigterm(v, seed, True):
+            n_saved += 1
+            h = 8 * (pr.grace_s + 120.0) / 3600.0  # grace + restart of a <= 8-GPU job
+            sig += h
+            saved_h += h
+        else:
+            sig += lost
+    assert res["lost_gpu_hours"]["preemption"] == pytest.approx(today, abs=2e-3)
+    m = res["lost_gpu_hours_sigterm_model"]
+    assert m["preemption"] == pytest.approx(sig, abs=2e-3)
+    assert m["preemption_saved_on_sigterm"] == pytest.approx(saved_h, abs=2e-3)
+    assert m["of_which_restart"] == pytest.approx(n_saved * 8 * 120.0 / 3600.0, abs=2e-3)
+    assert (m["preemptions_saved_on_sigterm"], m["preemptions_not_saved"]) == (n_saved, 2 - n_saved)
+    assert m["failures"] == res["lost_gpu_hours"]["failures"]
+    a = res["allocation"]
+    assert a["healthy_gpu_pct_net_of_lost_work_sigterm_model"] == pytest.approx(
+        100 * (a["allocated_gpu_hours"] - m["preemption"]) / a["healthy_gpu_hours"], abs=0.06
+    )  # allocated_gpu_hours is rounded to 0.1 of 96 healthy GPU-hours
+
+
+def test_the_sigterm_model_changes_no_other_figure() -> None:
+    # the seed only picks who saves on SIGTERM: the schedule and today's figures are the same
+    _, r1 = _reclaim_run(1)
+    _, r2 = _reclaim_run(2)
+    for res in (r1, r2):
+        res.pop("timing")
+        res.pop("lost_gpu_hours_sigterm_model")
+        res["allocation"].pop("healthy_gpu_pct_net_of_lost_work_sigterm_model")
+    assert r1 == r2
+
+
+def test_sigterm_model_on_a_seed_run_is_deterministic_and_reported() -> None:
+    wl = seed_workload(
+        SeedConfig(days=0.04, nodes=64, warmup_h=0.5, seed=1, load_scale=3.0, submissions_per_day=120_000)
+    )
+    opts = SimOptions(drain_s=HOUR)
+    rep = run_policies(wl, ["ours", "kueue-like"], seed=1, failures=None, options=opts)
+    assert to_json(rep, timings=False) == to_json(
+        run_policies(wl, ["ours", "kueue-like"], seed=1, failures=None, options=opts), timings=False
+    )
+    assert rep["cost_models"]["sigterm_model"]["save_on_sigterm_share_of_checkpointing_jobs"] == 0.7
+    for p in rep["policies"].values():
+        m = p["lost_gpu_hours_sigterm_model"]
+        assert m["preemptions_saved_on_sigterm"] + m["preemptions_not_saved"] == p["preemptions"]["total"]
+        assert m["preemption"] == pytest.approx(m["preemption_saved_on_sigterm"] + m["preemption_not_saved"], abs=1e-2)
+    assert rep["policies"]["ours"]["preemptions"]["total"] > 0
+    assert "SIGTERM cost model" in markdown_table(rep)
