@@ -141,60 +141,130 @@ def run_policies(
     return out
 
 
+# comparisons: ours counts as better or worse than a baseline only past these margins
+MARGIN_PCT_POINTS = 0.5  # percentages (allocation): points
+MARGIN_RELATIVE = 0.05  # counts, hours, waits: share of the larger of the two values
+
+
 def checks(report: dict) -> dict:
-    """The issue's acceptance criteria, evaluated on the report (for ``ours`` when present)."""
+    """The issue's acceptance criteria, evaluated on the report (for ``ours`` when present).
+
+    A check is ``true`` or ``false``, or ``null`` when there is nothing to judge (no prod
+    job of <= 8 GPUs, no reclaim, no large gang, demand never above capacity); ``why_null``
+    says why. A comparison with a baseline (``better_*_than``) is ``true`` (better by at
+    least the margin), ``false`` (worse by at least the margin), ``"tie"`` (within it) or
+    ``null`` (nothing to compare); margins: ``MARGIN_PCT_POINTS`` for percentages,
+    ``MARGIN_RELATIVE`` for counts, hours and waits. ``"tie"`` is a truthy string: read
+    these with ``is True``.
+    """
     pol = report["policies"]
     if "ours" not in pol:
         return {}
     o = pol["ours"]
+    why: dict[str, str] = {}
+
+    def judged(key: str, value: bool | None, reason: str) -> bool | None:
+        if value is None:
+            why[key] = reason
+        return value
+
     a = o["allocation"]["healthy_gpu_pct_while_demand_exceeds_capacity"]
     small = {c: o["wait_s"]["by_class_and_size"][c]["<=8"]["p95"] for c in CLASSES}
     prod_small = [small[c] for c in ("prod-serving", "prod-batch") if small[c] is not None]
     lg = o["large_gangs"]
     rc = o["reclaim"]
+    no_over = "demand never exceeded capacity in the window"
+    no_prod = "no prod-serving or prod-batch job of <= 8 GPUs in the window"
+    guaranteed = any(any(g > 0 for g in t.get("guaranteed", {}).values()) for t in o.get("teams", {}).values())
     res: dict = {
         "alloc_while_demand_exceeds_capacity_pct": a,
-        "alloc_floor_90": a is not None and a >= 90.0,
-        "alloc_target_95": a is not None and a >= 95.0,
+        "alloc_floor_90": judged("alloc_floor_90", None if a is None else a >= 90.0, no_over),
+        "alloc_target_95": judged("alloc_target_95", None if a is None else a >= 95.0, no_over),
         "p95_wait_le8_by_class_s": small,
-        "prod_p95_wait_le8_floor_600s": all(x <= 600 for x in prod_small),
-        "prod_p95_wait_le8_target_120s": all(x <= 120 for x in prod_small),
-        "reclaim_within_grace_plus_2_cycles": rc["over_grace_plus_2_cycles"] == 0,
-        "no_team_starved": not o["starved_teams"],
-        "large_gangs_in_min_blocks_or_max_blocks": lg["in_min_blocks_or_within_max_blocks"] == lg["placements"],
+        "prod_p95_wait_le8_floor_600s": judged(
+            "prod_p95_wait_le8_floor_600s", all(x <= 600 for x in prod_small) if prod_small else None, no_prod
+        ),
+        "prod_p95_wait_le8_target_120s": judged(
+            "prod_p95_wait_le8_target_120s", all(x <= 120 for x in prod_small) if prod_small else None, no_prod
+        ),
+        "reclaim_within_grace_plus_2_cycles": judged(
+            "reclaim_within_grace_plus_2_cycles",
+            rc["over_grace_plus_2_cycles"] == 0 if rc.get("count", 1) else None,
+            "no borrowed capacity was reclaimed in the window",
+        ),
+        "no_team_starved": judged(
+            "no_team_starved",
+            not o["starved_teams"] if guaranteed else None,
+            "no team has a guarantee: starvation is defined against one",
+        ),
+        "large_gangs_in_min_blocks_or_max_blocks": judged(
+            "large_gangs_in_min_blocks_or_max_blocks",
+            lg["in_min_blocks_or_within_max_blocks"] == lg["placements"] if lg["placements"] else None,
+            "no gang of >= 1,024 GPUs was placed in the window",
+        ),
     }
-    better_alloc = {}
-    better_net = {}
-    better_large = {}
+    better_alloc: dict[str, bool | str | None] = {}
+    better_net: dict[str, bool | str | None] = {}
+    better_large: dict[str, bool | str | None] = {}
     ours_large = o["wait_s"]["large_gangs"]
     for name, p in pol.items():
         if name == "ours":
             continue
         better_alloc[name] = _higher(o, p, "healthy_gpu_pct")
         better_net[name] = _higher(o, p, "healthy_gpu_pct_net_of_lost_work")
-        theirs = p["wait_s"]["large_gangs"]
-        better_large[name] = _better_wait(ours_large, theirs)
+        better_large[name] = _better_wait(ours_large, p["wait_s"]["large_gangs"])
+        if better_large[name] is None:
+            why[f"better_large_gang_wait_than.{name}"] = "no gang of >= 1,024 GPUs submitted in the window"
     res["better_allocation_than"] = better_alloc
     # held GPUs count as allocated even when their work is thrown away or (with
     # --spread-slowdown) runs slow: this compares what is left of them
     res["better_allocation_net_of_lost_work_than"] = better_net
     res["better_large_gang_wait_than"] = better_large
+    res["margins"] = {"pct_points": MARGIN_PCT_POINTS, "relative": MARGIN_RELATIVE}
+    res["why_null"] = why
     return res
 
 
-def _higher(ours: dict, theirs: dict, key: str) -> bool:
-    mine = ours["allocation"][key]
-    return mine is not None and mine > (theirs["allocation"][key] or 0)
+def compare(ours: float | None, theirs: float | None, *, margin: float, relative: bool, higher_is_better: bool):
+    """``True`` (ours better by at least the margin), ``False`` (worse by at least it), ``"tie"``,
+    or ``None`` when either value is missing. ``relative``: the margin is a share of the larger
+    absolute value (a count, hours, a wait); else it is in the values' unit (percentage points)."""
+    if ours is None or theirs is None:
+        return None
+    m = margin * max(abs(ours), abs(theirs)) if relative else margin
+    d = ours - theirs if higher_is_better else theirs - ours
+    if abs(d) < m - 1e-12 or d == 0:
+        return "tie"
+    return d > 0
 
 
-def _better_wait(ours: dict, theirs: dict) -> bool:
-    """Lower mean wait and no more jobs left waiting (waits are followed into the drain; one
-    still queued when the run stops counts as waited so far)."""
-    if not ours["n"]:
-        return False
-    if not theirs["n"]:
-        return True
-    return ours["censored"] <= theirs["censored"] and (ours["mean"] or 0) < (theirs["mean"] or 0)
+def _higher(ours: dict, theirs: dict, key: str) -> bool | str | None:
+    return compare(
+        ours["allocation"][key],
+        theirs["allocation"][key],
+        margin=MARGIN_PCT_POINTS,
+        relative=False,
+        higher_is_better=True,
+    )
+
+
+def _better_wait(ours: dict, theirs: dict) -> bool | str | None:
+    """Mean wait (5%) and gangs left waiting when the run stopped (5% of the count), together:
+    better or worse on one and tied on the other decides; better on one and worse on the
+    other is a tie. Waits are followed into the drain; one still queued when the run stops
+    counts as waited so far. ``None`` when there is no large gang."""
+    if not ours["n"] or not theirs["n"]:
+        return None
+    mean = compare(ours["mean"], theirs["mean"], margin=MARGIN_RELATIVE, relative=True, higher_is_better=False)
+    left = compare(
+        float(ours["censored"]),
+        float(theirs["censored"]),
+        margin=MARGIN_RELATIVE,
+        relative=True,
+        higher_is_better=False,
+    )
+    votes = {v for v in (mean, left) if v is not None and v != "tie"}
+    return votes.pop() if len(votes) == 1 else "tie"
 
 
 def to_json(report: dict, *, timings: bool = True) -> str:

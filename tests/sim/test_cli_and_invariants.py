@@ -124,7 +124,8 @@ def _policy_report(alloc: float, net: float, large_mean: float | None, large_n: 
             "large_gangs": {"n": large_n, "mean": large_mean, "censored": censored},
         },
         "large_gangs": {"placements": 3, "in_min_blocks_or_within_max_blocks": 3},
-        "reclaim": {"over_grace_plus_2_cycles": 0},
+        "reclaim": {"count": 2, "over_grace_plus_2_cycles": 0},
+        "teams": {"t": {"guaranteed": {"h100": 8}}},
         "starved_teams": [],
     }
 
@@ -139,18 +140,35 @@ def test_checks_compare_ours_with_every_baseline_in_the_same_report() -> None:
             "starver": _policy_report(80.0, 80.0, 4000.0, 10, 4),
             "finisher": _policy_report(80.0, 80.0, 5000.0, 10, 0),  # longer mean, but leaves none waiting
             "idle": _policy_report(60.0, 60.0, None, 0, 0),  # no large gang at all
+            "close": _policy_report(85.6, 83.4, 3500.0, 10, 1),  # within every margin
         }
     }
     c = checks(rep)
     assert (c["alloc_floor_90"], c["alloc_target_95"]) == (True, False)
     assert c["prod_p95_wait_le8_target_120s"] and c["no_team_starved"]
-    assert c["better_allocation_than"] == {"wasteful": False, "starver": True, "finisher": True, "idle": True}
+    # better or worse by 0.5 points at least, else a tie
+    assert c["better_allocation_than"] == {
+        "wasteful": False,
+        "starver": True,
+        "finisher": True,
+        "idle": True,
+        "close": "tie",
+    }
     assert c["better_allocation_net_of_lost_work_than"] == {
         "wasteful": True,
         "starver": True,
         "finisher": True,
         "idle": True,
+        "close": "tie",
     }
-    # a lower mean wait and no more gangs left waiting
-    assert c["better_large_gang_wait_than"] == {"wasteful": False, "starver": True, "finisher": False, "idle": True}
+    # mean wait (5%) and gangs left waiting together: a longer mean with fewer gangs left is a
+    # tie; no large gang at all leaves nothing to compare
+    assert c["better_large_gang_wait_than"] == {
+        "wasteful": False,
+        "starver": True,
+        "finisher": "tie",
+        "idle": None,
+        "close": "tie",
+    }
+    assert c["why_null"] == {"better_large_gang_wait_than.idle": "no gang of >= 1,024 GPUs submitted in the window"}
     assert checks({"policies": {"fifo": _policy_report(1, 1, None, 0, 0)}}) == {}

@@ -1,4 +1,5 @@
-"""The honest report (issue 22): jobs balance and the SIGTERM preemption cost model beside today's."""
+"""The honest report (issue 22): jobs balance, checks with nothing to judge, comparison
+margins, and the SIGTERM preemption cost model beside today's."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from sim.core import SimOptions
 from sim.costs import SIGTERM_SAVE_SHARE, restart_s, saves_on_sigterm
 from sim.failures import FailureModel
 from sim.report import markdown_table
-from sim.run import run_policies, to_json
+from sim.run import checks, compare, run_policies, to_json
 from sim.seed import SeedConfig, seed_workload
 from sim.traces import TraceOptions, load_trace
 from sim.workload import ClusterSpec
@@ -76,6 +77,85 @@ def test_a_job_requeued_before_the_windows_end_is_counted_and_warmup_jobs_are_no
     assert b["holds"]
     assert res["jobs"]["outcomes"] == {}
     assert res["jobs"]["outcomes_of_warmup_jobs"] == {"succeeded": 1}
+
+
+# ---------------------------------------------------------------------- checks and margins
+
+
+@pytest.mark.parametrize(
+    "ours, theirs, margin, relative, higher, expected",
+    [
+        (86.0, 85.5, 0.5, False, True, True),  # exactly the margin: better
+        (86.0, 85.51, 0.5, False, True, "tie"),
+        (86.0, 86.49, 0.5, False, True, "tie"),
+        (86.0, 86.5, 0.5, False, True, False),
+        (83.52, 85.9, 0.5, False, True, False),
+        (100.0, 95.0, 0.05, True, False, False),  # a count: 5% of the larger
+        (100.0, 95.1, 0.05, True, False, "tie"),
+        (95.0, 100.0, 0.05, True, False, True),
+        (0.0, 0.0, 0.05, True, False, "tie"),
+        (0.0, 1.0, 0.05, True, False, True),
+        (None, 1.0, 0.5, False, True, None),
+        (1.0, None, 0.5, False, True, None),
+    ],
+)
+def test_compare_needs_the_margin_to_call_better_or_worse(ours, theirs, margin, relative, higher, expected) -> None:
+    assert compare(ours, theirs, margin=margin, relative=relative, higher_is_better=higher) == expected
+
+
+def _quiet_policy(alloc_over: float | None = None, *, prod: bool = False, large: int = 0) -> dict:
+    empty = {"n": 0, "p95": None, "mean": None, "censored": 0}
+    wait = {"n": 3, "p95": 30.0} if prod else empty
+    return {
+        "allocation": {
+            "healthy_gpu_pct": 40.0,
+            "healthy_gpu_pct_while_demand_exceeds_capacity": alloc_over,
+            "healthy_gpu_pct_net_of_lost_work": 40.0,
+        },
+        "wait_s": {
+            "by_class_and_size": {
+                c: {"<=8": wait if c.startswith("prod") else empty}
+                for c in ("prod-serving", "prod-batch", "research", "preemptible")
+            },
+            "large_gangs": {"n": large, "mean": 60.0 if large else None, "censored": 0},
+        },
+        "large_gangs": {"placements": large, "in_min_blocks_or_within_max_blocks": large},
+        "reclaim": {"count": 0, "over_grace_plus_2_cycles": 0},
+        "teams": {"t": {"guaranteed": {"h100": 0}}},
+        "starved_teams": [],
+    }
+
+
+@pytest.mark.parametrize(
+    "key, reason",
+    [
+        ("alloc_floor_90", "demand never exceeded capacity in the window"),
+        ("alloc_target_95", "demand never exceeded capacity in the window"),
+        ("prod_p95_wait_le8_floor_600s", "no prod-serving or prod-batch job of <= 8 GPUs in the window"),
+        ("prod_p95_wait_le8_target_120s", "no prod-serving or prod-batch job of <= 8 GPUs in the window"),
+        ("reclaim_within_grace_plus_2_cycles", "no borrowed capacity was reclaimed in the window"),
+        ("no_team_starved", "no team has a guarantee: starvation is defined against one"),
+        ("large_gangs_in_min_blocks_or_max_blocks", "no gang of >= 1,024 GPUs was placed in the window"),
+    ],
+)
+def test_a_check_with_nothing_to_judge_is_null_with_its_reason(key: str, reason: str) -> None:
+    c = checks({"policies": {"ours": _quiet_policy(), "fifo": _quiet_policy()}})
+    assert c[key] is None
+    assert c["why_null"][key] == reason
+    assert c["better_large_gang_wait_than"] == {"fifo": None}
+    assert c["better_allocation_than"] == {"fifo": "tie"}
+
+
+def test_checks_with_something_to_judge_are_true_or_false() -> None:
+    ours = _quiet_policy(91.0, prod=True, large=2)
+    ours["teams"]["t"]["guaranteed"]["h100"] = 8
+    c = checks({"policies": {"ours": ours}})
+    assert (c["alloc_floor_90"], c["alloc_target_95"]) == (True, False)
+    assert c["prod_p95_wait_le8_target_120s"] is True and c["no_team_starved"] is True
+    assert c["large_gangs_in_min_blocks_or_max_blocks"] is True
+    assert c["reclaim_within_grace_plus_2_cycles"] is None  # still nothing reclaimed
+    assert set(c["why_null"]) == {"reclaim_within_grace_plus_2_cycles"}
+    assert c["margins"] == {"pct_points": 0.5, "relative": 0.05}
 
 
 # ---------------------------------------------------------------------- the SIGTERM cost model
