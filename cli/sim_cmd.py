@@ -4,6 +4,7 @@ Mounted by cli/main.py as ``app.command("sim")(sim)``; also ``python -m cli.sim_
 
     gpufleet sim --workload seed --days 1 --seed 1 --json out.json --plots out/
     gpufleet sim --workload seed --days 1 --policies ours
+    gpufleet sim --workload seed --days 1 --seeds 1-5 --json seeds.json --table seeds.md
     gpufleet sim --workload trace.csv --format generic --days 2
     gpufleet sim --workload openb_pod_list_default.csv --format alibaba \\
         --trace-start 10000000 --arrival-scale 20 --size-scale 8 --teams 8 --days 1
@@ -12,6 +13,9 @@ All four policies by default (ours, fifo, kueue-like, slurm-like: presets of
 placement.PRESETS), on the same workload and the same fault schedule. The JSON holds one
 object per policy (wall-clock figures under each policy's ``timing``); ``--plots`` writes
 allocation.png and wait_cdf.png; ``--table`` writes the side-by-side markdown table.
+With ``--seeds`` the JSON holds ``runs`` (each seed's report, as above), ``across_seeds``
+(each policy's min/median/max per metric, sim/seeds.py) and the table shows min / median /
+max of the headline metrics; plots go to ``<plots>/seed-N/``.
 This module parses arguments, shows progress and prints; the simulation is in sim/.
 """
 
@@ -30,6 +34,12 @@ def sim(
         None, "--days", help="simulated days measured (seed: default 1; trace: default the whole trace)"
     ),
     seed: int = typer.Option(1, "--seed", help="seed for the workload, faults and trace draws"),
+    seeds: str | None = typer.Option(
+        None,
+        "--seeds",
+        help="run several seeds (1-5, 1,3,7 or 1-3,7; replaces --seed): each seed's report, and each"
+        " policy's min/median/max per metric",
+    ),
     policies: str = typer.Option(
         "ours,fifo,kueue-like,slurm-like",
         "--policies",
@@ -96,17 +106,21 @@ def sim(
 ) -> None:
     """Simulate policies side by side on the seed workload or a trace (same workload, same faults)."""
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from sim.core import SimOptions
     from sim.failures import FailureModel
-    from sim.report import markdown_table, write_plots
-    from sim.run import DEFAULT_POLICIES, resolve_policy, run_policies, to_json
+    from sim.report import markdown_table, seeds_table, write_plots
+    from sim.run import DEFAULT_POLICIES, resolve_policy, to_json
     from sim.seed import SeedConfig, seed_workload
+    from sim.seeds import across_seeds, parse_seeds
     from sim.traces import TraceError, TraceOptions, load_topology_csv, load_trace
     from sim.workload import ClusterSpec
 
     console = Console(stderr=True)
+    try:
+        seed_list = parse_seeds(seeds) if seeds is not None else [seed]
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--seeds") from None
     names = [p.strip() for p in policies.split(",") if p.strip()] or list(DEFAULT_POLICIES)
     for n in names:
         try:
@@ -117,55 +131,59 @@ def sim(
         cluster = load_topology_csv(topology, gpus_per_node)
     else:
         cluster = ClusterSpec.uniform(nodes or 3000, block_nodes, gpus_per_node)
-    try:
-        if workload == "seed":
-            if topology is not None:
-                raise typer.BadParameter("the seed workload builds its own uniform cluster", param_hint="--topology")
-            wl = seed_workload(
-                SeedConfig(
-                    days=days if days is not None else 1.0,
-                    seed=seed,
-                    warmup_h=warmup_h if warmup_h is not None else 6.0,
-                    nodes=nodes or 3000,
-                    block_nodes=block_nodes,
-                    gpus_per_node=gpus_per_node,
-                    load_scale=load_scale,
-                    one_block_wait_s=one_block_wait if one_block_wait >= 0 else None,
-                )
-            )
-        else:
-            path = Path(workload)
-            if not path.is_file():
-                raise typer.BadParameter(f"no such file: {workload} (or use 'seed')", param_hint="--workload")
-            wl = load_trace(
-                path,
-                cluster,
-                TraceOptions(
-                    format=fmt,
-                    arrival_scale=arrival_scale,
-                    size_scale=size_scale,
-                    duration_scale=duration_scale,
-                    start=trace_start,
-                    days=days,
-                    warmup_h=warmup_h or 0.0,
-                    teams=teams,
-                    team_assign=team_assign,
-                    default_class=default_class,
-                    seed=seed,
-                    gpu_type=cluster.gpu_types()[0],
-                ),
-            )
-    except TraceError as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from None
+    if workload == "seed" and topology is not None:
+        raise typer.BadParameter("the seed workload builds its own uniform cluster", param_hint="--topology")
 
-    summary = wl.summary()
-    if not quiet:
-        console.print(
-            f"[bold]{summary['name']}[/bold]: {summary['jobs_measured']:,} jobs in {summary['days']} day(s)"
-            f" (+{summary['warmup_h']} h warm-up), {summary['gpus']:,} GPUs in {summary['blocks']} blocks,"
-            f" offered load {summary['offered_load']}"
-        )
+    def build(run_seed: int):
+        try:
+            if workload == "seed":
+                wl = seed_workload(
+                    SeedConfig(
+                        days=days if days is not None else 1.0,
+                        seed=run_seed,
+                        warmup_h=warmup_h if warmup_h is not None else 6.0,
+                        nodes=nodes or 3000,
+                        block_nodes=block_nodes,
+                        gpus_per_node=gpus_per_node,
+                        load_scale=load_scale,
+                        one_block_wait_s=one_block_wait if one_block_wait >= 0 else None,
+                    )
+                )
+            else:
+                path = Path(workload)
+                if not path.is_file():
+                    raise typer.BadParameter(f"no such file: {workload} (or use 'seed')", param_hint="--workload")
+                wl = load_trace(
+                    path,
+                    cluster,
+                    TraceOptions(
+                        format=fmt,
+                        arrival_scale=arrival_scale,
+                        size_scale=size_scale,
+                        duration_scale=duration_scale,
+                        start=trace_start,
+                        days=days,
+                        warmup_h=warmup_h or 0.0,
+                        teams=teams,
+                        team_assign=team_assign,
+                        default_class=default_class,
+                        seed=run_seed,
+                        gpu_type=cluster.gpu_types()[0],
+                    ),
+                )
+        except TraceError as e:
+            console.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(2) from None
+
+        summary = wl.summary()
+        if not quiet:
+            console.print(
+                f"[bold]{summary['name']}[/bold]: {summary['jobs_measured']:,} jobs in {summary['days']} day(s)"
+                f" (+{summary['warmup_h']} h warm-up), {summary['gpus']:,} GPUs in {summary['blocks']} blocks,"
+                f" offered load {summary['offered_load']}"
+            )
+        return wl
+
     failures = FailureModel(rate_per_gpu_hour=failure_rate) if failure_rate > 0 else None
     options = SimOptions(
         cycle_interval_s=cycle_interval,
@@ -174,6 +192,56 @@ def sim(
         spread_slowdown=spread_slowdown,
         drain_s=drain_h * 3600.0,
     )
+
+    reports: dict[int, dict] = {}
+    for run_seed in seed_list:
+        wl = build(run_seed)
+        label = f"seed {run_seed} " if len(seed_list) > 1 else ""
+        reports[run_seed] = _run_one(wl, names, run_seed, failures, options, console, quiet, label)
+
+    if len(seed_list) == 1:
+        report = reports[seed_list[0]]
+        text = to_json(report)
+        md = markdown_table(report)
+    else:
+        # each seed's own report, and each policy's min/median/max per metric over them
+        report = {
+            "seeds": seed_list,
+            "across_seeds": across_seeds(reports),
+            "runs": {str(k): v for k, v in reports.items()},
+        }
+        text = to_json(report)
+        md = seeds_table(report["across_seeds"])
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(text)
+    if table is not None:
+        table.parent.mkdir(parents=True, exist_ok=True)
+        table.write_text(md)
+    if plots is not None:
+        for run_seed, rep in reports.items():
+            where = plots if len(seed_list) == 1 else plots / f"seed-{run_seed}"
+            for p in write_plots(rep, where):
+                if not quiet:
+                    console.print(f"plot: {p}")
+    if not quiet:
+        console.print(md, markup=False, highlight=False, soft_wrap=True)
+        if len(seed_list) == 1:
+            chk = report.get("checks") or {}
+            if chk:
+                console.print({k: v for k, v in chk.items() if not isinstance(v, dict)})
+        else:
+            console.print(report["across_seeds"]["checks"])
+    if json_out is None:
+        sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _run_one(wl, names: list[str], seed: int, failures, options, console, quiet: bool, label: str) -> dict:
+    """Every policy over one seed's workload and faults, with a progress bar per policy."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from sim.run import run_policies
 
     progress = Progress(
         TextColumn("{task.description:<12}"),
@@ -184,8 +252,7 @@ def sim(
         console=console,
         disable=quiet,
     )
-    tasks = {n: progress.add_task(n, total=1.0, start=False) for n in names}
-    done: dict[str, dict] = {}
+    tasks = {n: progress.add_task(label + n, total=1.0, start=False) for n in names}
 
     def on_start(name: str) -> None:
         progress.start_task(tasks[name])
@@ -194,12 +261,11 @@ def sim(
         progress.update(tasks[name], completed=frac)
 
     def on_done(name: str, res: dict) -> None:
-        done[name] = res
         progress.update(tasks[name], completed=1.0)
         progress.stop_task(tasks[name])
 
     with progress:
-        report = run_policies(
+        return run_policies(
             wl,
             names,
             seed=seed,
@@ -209,26 +275,6 @@ def sim(
             on_progress=on_progress,
             on_done=on_done,
         )
-    text = to_json(report)
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(text)
-    md = markdown_table(report)
-    if table is not None:
-        table.parent.mkdir(parents=True, exist_ok=True)
-        table.write_text(md)
-    if plots is not None:
-        for p in write_plots(report, plots):
-            if not quiet:
-                console.print(f"plot: {p}")
-    if not quiet:
-        console.print(md, markup=False, highlight=False, soft_wrap=True)
-        chk = report.get("checks") or {}
-        if chk:
-            console.print({k: v for k, v in chk.items() if not isinstance(v, dict)})
-    if json_out is None:
-        sys.stdout.write(text)
-    sys.stdout.flush()
 
 
 def main() -> None:

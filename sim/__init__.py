@@ -12,8 +12,10 @@ Modules:
   cluster from a host-to-switch topology CSV;
 * ``sim.failures``: GPU/node fault schedule (per GPU-hour rate, repair, burn-in);
 * ``sim.core``: the event loop (``Simulation``), one policy at a time;
-* ``sim.metrics``: what a run measures; ``sim.run``: several policies on the same workload
-  and faults, the JSON and the acceptance checks; ``sim.report``: markdown table, plots.
+* ``sim.metrics``: what a run measures; ``sim.costs``: the SIGTERM preemption cost model
+  reported beside today's accounting; ``sim.run``: several policies on the same workload
+  and faults, the JSON and the acceptance checks (with their margins); ``sim.seeds``:
+  several seeds, min/median/max per metric; ``sim.report``: markdown tables, plots.
 
 Use::
 

@@ -1,6 +1,8 @@
 """Reports of a run: the side-by-side markdown table and the plots (matplotlib, Agg).
 
 * ``markdown_table(report)``: one column per policy, one row per headline metric.
+* ``seeds_table(across)``: several seeds (sim/seeds.py): min / median / max per policy of
+  the headline metrics;
 * ``write_plots(report, dir)``: ``allocation.png`` (allocated % of healthy GPUs over
   time, one line per policy, with demand in the background) and ``wait_cdf.png``
   (queue-wait CDFs, one panel per class, one line per policy). Returns the paths.
@@ -169,6 +171,52 @@ def markdown_table(report: dict) -> str:
     lines = ["| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for label, cells in rows(report):
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# (label, dotted path in a policy's report, format) of the rows of ``seeds_table``
+SEED_ROWS: tuple[tuple[str, str, str], ...] = (
+    ("allocated % of healthy GPUs", "allocation.healthy_gpu_pct", "pct"),
+    ("… while demand exceeds capacity", "allocation.healthy_gpu_pct_while_demand_exceeds_capacity", "pct"),
+    ("… net of lost work", "allocation.healthy_gpu_pct_net_of_lost_work", "pct"),
+    ("… net of lost work, SIGTERM cost model", "allocation.healthy_gpu_pct_net_of_lost_work_sigterm_model", "pct"),
+    ("allocated GPU-hours", "allocation.allocated_gpu_hours", "num"),
+    ("teams starved", "starved_teams_count", "num"),
+    ("GPU-hours lost to preemption", "lost_gpu_hours.preemption", "num"),
+    ("… SIGTERM cost model", "lost_gpu_hours_sigterm_model.preemption", "num"),
+    ("GPU-hours lost to failures", "lost_gpu_hours.failures", "num"),
+    ("preemptions", "preemptions.total", "num"),
+    ("wait ≤8 GPUs, prod-serving p95", "wait_s.by_class_and_size.prod-serving.<=8.p95", "s"),
+    ("wait ≤8 GPUs, prod-batch p95", "wait_s.by_class_and_size.prod-batch.<=8.p95", "s"),
+    ("wait 9-1023 GPUs, mean", "wait_s.by_size.9-1023.mean", "s"),
+    ("large gangs (≥1,024): wait mean", "wait_s.large_gangs.mean", "s"),
+    ("large gangs never started", "wait_s.large_gangs.censored", "num"),
+)
+
+
+def seeds_table(across: dict) -> str:
+    """min / median / max over the seeds of each headline metric, one column per policy."""
+    pols = across["policies"]
+    names = list(pols)
+    seeds = ", ".join(str(s) for s in across["seeds"])
+    fmt = {"pct": _pct, "num": lambda x: _num(x, 1 if x is not None and x != int(x) else 0), "s": fmt_s}
+    lines = [
+        f"| metric (min / median / max over seeds {seeds}) | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for label, path, kind in SEED_ROWS:
+        f = fmt[kind]
+        cells = []
+        for n in names:
+            st = pols[n].get(path)
+            cells.append("–" if not st or not st["n"] else " / ".join(f(st[k]) for k in ("min", "median", "max")))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    bal = across.get("jobs_balance_holds", {})
+    lines.append(
+        "| jobs balance holds (seeds) | "
+        + " | ".join(f"{bal.get(n, {}).get('true', 0)} of {len(across['seeds'])}" for n in names)
+        + " |"
+    )
     return "\n".join(lines) + "\n"
 
 

@@ -1,19 +1,24 @@
 """The honest report (issue 22): jobs balance, checks with nothing to judge, comparison
-margins, and the SIGTERM preemption cost model beside today's."""
+margins, several seeds, and the SIGTERM preemption cost model beside today's."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import typer
+from typer.testing import CliRunner
 
+from cli.sim_cmd import sim
 from sim.core import SimOptions
 from sim.costs import SIGTERM_SAVE_SHARE, restart_s, saves_on_sigterm
 from sim.failures import FailureModel
-from sim.report import markdown_table
+from sim.report import markdown_table, seeds_table
 from sim.run import checks, compare, run_policies, to_json
 from sim.seed import SeedConfig, seed_workload
+from sim.seeds import across_seeds, flatten, parse_seeds
 from sim.traces import TraceOptions, load_trace
 from sim.workload import ClusterSpec
 
@@ -156,6 +161,103 @@ def test_checks_with_something_to_judge_are_true_or_false() -> None:
     assert c["reclaim_within_grace_plus_2_cycles"] is None  # still nothing reclaimed
     assert set(c["why_null"]) == {"reclaim_within_grace_plus_2_cycles"}
     assert c["margins"] == {"pct_points": 0.5, "relative": 0.05}
+
+
+# ---------------------------------------------------------------------- several seeds
+
+
+@pytest.mark.parametrize(
+    "text, seeds",
+    [("1-5", [1, 2, 3, 4, 5]), ("1,3,7", [1, 3, 7]), ("1-3,7", [1, 2, 3, 7]), (" 4 ", [4]), ("2,2,1-2", [2, 1])],
+)
+def test_parse_seeds(text: str, seeds: list[int]) -> None:
+    assert parse_seeds(text) == seeds
+
+
+@pytest.mark.parametrize("bad", ["", "a", "5-1", "1-", "1-2000"])
+def test_parse_seeds_rejects(bad: str) -> None:
+    with pytest.raises(ValueError):
+        parse_seeds(bad)
+
+
+def _fake_report(alloc: float, starved: list[str], over: float | None, balance: bool = True) -> dict:
+    return {
+        "policies": {
+            "ours": {
+                "allocation": {"healthy_gpu_pct": alloc, "healthy_gpu_pct_while_demand_exceeds_capacity": over},
+                "starved_teams": starved,
+                "jobs": {"balance": {"submitted": 3, "holds": balance}},
+                "series": {"t_h": [0.0, 1.0]},
+                "timing": {"wall_s": 12.0},
+            }
+        },
+        "checks": {"alloc_floor_90": None if over is None else over >= 90, "better_allocation_than": {"fifo": "tie"}},
+    }
+
+
+def test_across_seeds_min_median_max_per_metric_and_check_counts() -> None:
+    reps = {
+        1: _fake_report(80.0, [], 92.0),
+        2: _fake_report(90.0, ["a", "b"], None),
+        3: _fake_report(70.0, ["a"], 85.0, balance=False),
+    }
+    a = across_seeds(reps)
+    assert a["seeds"] == [1, 2, 3]
+    ours = a["policies"]["ours"]
+    assert ours["allocation.healthy_gpu_pct"] == {"min": 70.0, "median": 80.0, "max": 90.0, "n": 3}
+    # null on seed 2: summarized over the seeds that have it
+    assert ours["allocation.healthy_gpu_pct_while_demand_exceeds_capacity"] == {
+        "min": 85.0,
+        "median": 88.5,
+        "max": 92.0,
+        "n": 2,
+    }
+    assert ours["starved_teams_count"] == {"min": 0, "median": 1.0, "max": 2, "n": 3}
+    assert not any(k.startswith(("series", "timing")) for k in ours)
+    assert a["jobs_balance_holds"] == {"ours": {"false": 1, "true": 2}}
+    assert a["checks"]["alloc_floor_90"] == {"false": 1, "null": 1, "true": 1}
+    assert a["checks"]["better_allocation_than.fifo"] == {"tie": 3}
+    assert "| allocated % of healthy GPUs | 70.0% / 80.0% / 90.0% |" in seeds_table(a)
+
+
+def test_flatten_keeps_numbers_by_path() -> None:
+    assert flatten({"a": {"b": 1, "c": [1, 2], "d": True, "e": None}, "starved_teams": ["x"], "_s": 3}) == {
+        "a.b": 1,
+        "a.e": None,
+        "starved_teams_count": 1,
+    }
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer(add_completion=False)
+    app.command()(sim)
+    return app
+
+
+def test_cli_seeds_reports_each_seed_and_min_median_max(tmp_path: Path) -> None:
+    out = tmp_path / "seeds.json"
+    args = ["--workload", "seed", "--days", "0.02", "--nodes", "64", "--warmup-h", "0.2", "--drain-h", "1",
+            "--policies", "ours,fifo", "--quiet"]  # fmt: skip
+    r = CliRunner().invoke(_app(), [*args, "--seeds", "1,3", "--json", str(out), "--table", str(tmp_path / "t.md")])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(out.read_text())
+    assert rep["seeds"] == [1, 3] and list(rep["runs"]) == ["1", "3"]
+    assert rep["runs"]["3"]["seed"] == 3 and list(rep["runs"]["3"]["policies"]) == ["ours", "fifo"]
+    st = rep["across_seeds"]["policies"]["ours"]["allocation.healthy_gpu_pct"]
+    per_seed = sorted(rep["runs"][s]["policies"]["ours"]["allocation"]["healthy_gpu_pct"] for s in ("1", "3"))
+    assert (st["min"], st["max"], st["n"]) == (per_seed[0], per_seed[1], 2)
+    assert (tmp_path / "t.md").read_text().startswith("| metric (min / median / max over seeds 1, 3) | ours | fifo |")
+    # each seed's report is the one a single-seed run gives (timings aside)
+    one = tmp_path / "one.json"
+    r = CliRunner().invoke(_app(), [*args, "--json", str(one), "--seed", "3"])
+    assert r.exit_code == 0, r.output
+    single = json.loads(one.read_text())
+    for p in (single, rep["runs"]["3"]):
+        for pol in p["policies"].values():
+            pol.pop("timing")
+    assert single == rep["runs"]["3"]
+    r = CliRunner().invoke(_app(), ["--seeds", "5-1", "--quiet"])
+    assert r.exit_code == 2 and "seeds" in r.output
 
 
 # ---------------------------------------------------------------------- the SIGTERM cost model

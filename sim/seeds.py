@@ -1,0 +1,126 @@
+"""Several seeds of one run: each seed's own report, and each policy's min/median/max per metric.
+
+``gpufleet sim --seeds 1-5`` (or ``1,3,7``, or ``1-3,7``) builds the workload and the
+fault schedule of each seed and runs every policy on it (``sim.run.run_policies``), then
+``across_seeds`` gathers, for each policy, every numeric figure of its per-seed reports
+(flattened to a dotted path: ``allocation.healthy_gpu_pct``, ``wait_s.by_size.>=1024.mean``,
+...) into ``{"min", "median", "max", "n"}``, and counts each check's verdicts over the seeds.
+A figure that is ``null`` on some seeds (nothing to measure there) is summarized over the
+seeds that have it (``n``). Wall-clock timings, the time series and lists are left out.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+
+_SKIP = {"series", "timing"}  # the time series; wall-clock figures (not deterministic)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"1-5"`` -> [1, 2, 3, 4, 5]; ``"1,3,7"``; ``"1-3,7"``. Order kept, duplicates dropped."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, dash, hi = part.partition("-")
+        try:
+            a = int(lo)
+            b = int(hi) if dash else a
+        except ValueError:
+            raise ValueError(f"bad seed list {text!r}: use 1-5, 1,3,7 or 1-3,7") from None
+        if b < a:
+            raise ValueError(f"bad seed range {part!r}: the end is below the start")
+        if b - a >= 1000:
+            raise ValueError(f"seed range {part!r} is too long (at most 1,000 seeds)")
+        for s in range(a, b + 1):
+            if s not in out:
+                out.append(s)
+    if not out:
+        raise ValueError(f"no seed in {text!r}")
+    return out
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, float]:
+    """Numeric leaves of a policy's report by dotted path (booleans and lists left out; the
+    starved teams counted as ``starved_teams_count``)."""
+    out: dict[str, float] = {}
+    for k, v in d.items():
+        if not isinstance(k, str) or k.startswith("_") or k in _SKIP:
+            continue
+        path = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, path + "."))
+        elif isinstance(v, bool):
+            continue
+        elif isinstance(v, int | float):
+            out[path] = v
+        elif v is None:
+            out.setdefault(path, None)  # type: ignore[arg-type]
+        elif k == "starved_teams" and isinstance(v, list):
+            out[f"{path}_count"] = len(v)
+    return out
+
+
+def _stats(xs: list[float]) -> dict:
+    if not xs:
+        return {"min": None, "median": None, "max": None, "n": 0}
+    return {"min": min(xs), "median": round(float(statistics.median(xs)), 4), "max": max(xs), "n": len(xs)}
+
+
+def across_seeds(reports: dict[int, dict]) -> dict:
+    """Per policy, per metric: min/median/max over the seeds; per check: its verdicts' counts."""
+    seeds = list(reports)
+    names: list[str] = []
+    for rep in reports.values():
+        for n in rep["policies"]:
+            if n not in names:
+                names.append(n)
+    policies: dict[str, dict] = {}
+    for name in names:
+        flat = [flatten(reports[s]["policies"][name]) for s in seeds if name in reports[s]["policies"]]
+        paths: list[str] = []
+        for f in flat:
+            for p in f:
+                if p not in paths:
+                    paths.append(p)
+        policies[name] = {p: _stats([f[p] for f in flat if f.get(p) is not None]) for p in paths}
+    balance: dict[str, Counter] = {name: Counter() for name in names}
+    for s in seeds:
+        for name, p in reports[s]["policies"].items():
+            balance[name][_label(p["jobs"]["balance"]["holds"])] += 1
+    checks: dict[str, dict] = {}
+    for s in seeds:
+        for key, v in _verdicts(reports[s].get("checks") or {}).items():
+            checks.setdefault(key, Counter())[_label(v)] += 1
+    return {
+        "seeds": seeds,
+        "policies": policies,
+        # seeds on which each policy's jobs balance (submitted = finished + running + queued + requeued)
+        "jobs_balance_holds": {name: dict(sorted(c.items())) for name, c in balance.items()},
+        # for each check of ours: on how many seeds it was true, false, tie or null
+        "checks": {k: dict(sorted(c.items())) for k, c in checks.items()},
+    }
+
+
+def _verdicts(chk: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for k, v in chk.items():
+        if k in ("why_null", "margins", "p95_wait_le8_by_class_s"):
+            continue
+        if isinstance(v, dict):
+            out.update(_verdicts(v, f"{prefix}{k}."))
+        elif isinstance(v, bool) or v is None or v == "tie":
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _label(v: object) -> str:
+    if v is None:
+        return "null"
+    if v is True:
+        return "true"
+    if v is False:
+        return "false"
+    return str(v)
