@@ -206,7 +206,9 @@ def checks(report: dict) -> dict:
     better_alloc: dict[str, bool | str | None] = {}
     better_net: dict[str, bool | str | None] = {}
     better_large: dict[str, bool | str | None] = {}
+    better_mid: dict[str, bool | str | None] = {}
     ours_large = o["wait_s"]["large_gangs"]
+    ours_mid = o["wait_s"]["by_size"]["9-1023"] if "by_size" in o["wait_s"] else None
     for name, p in pol.items():
         if name == "ours":
             continue
@@ -215,11 +217,17 @@ def checks(report: dict) -> dict:
         better_large[name] = _better_wait(ours_large, p["wait_s"]["large_gangs"])
         if better_large[name] is None:
             why[f"better_large_gang_wait_than.{name}"] = "no gang of >= 1,024 GPUs submitted in the window"
+        if ours_mid is not None:
+            better_mid[name] = _better_wait(ours_mid, p["wait_s"]["by_size"]["9-1023"])
+            if better_mid[name] is None:
+                why[f"better_9_1023_gpu_wait_than.{name}"] = "no job of 9-1,023 GPUs submitted in the window"
     res["better_allocation_than"] = better_alloc
     # held GPUs count as allocated even when their work is thrown away or (with
     # --spread-slowdown) runs slow: this compares what is left of them
     res["better_allocation_net_of_lost_work_than"] = better_net
     res["better_large_gang_wait_than"] = better_large
+    # the same rule for jobs of 9-1,023 GPUs (mean wait and jobs left waiting)
+    res["better_9_1023_gpu_wait_than"] = better_mid
     res["margins"] = {"pct_points": MARGIN_PCT_POINTS, "relative": MARGIN_RELATIVE}
     res["why_null"] = why
     return res
@@ -249,10 +257,10 @@ def _higher(ours: dict, theirs: dict, key: str) -> bool | str | None:
 
 
 def _better_wait(ours: dict, theirs: dict) -> bool | str | None:
-    """Mean wait (5%) and gangs left waiting when the run stopped (5% of the count), together:
+    """Mean wait (5%) and jobs left waiting when the run stopped (5% of the count), together:
     better or worse on one and tied on the other decides; better on one and worse on the
     other is a tie. Waits are followed into the drain; one still queued when the run stops
-    counts as waited so far. ``None`` when there is no large gang."""
+    counts as waited so far. ``None`` when there is no such job."""
     if not ours["n"] or not theirs["n"]:
         return None
     mean = compare(ours["mean"], theirs["mean"], margin=MARGIN_RELATIVE, relative=True, higher_is_better=False)

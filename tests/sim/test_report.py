@@ -151,6 +151,25 @@ def test_a_check_with_nothing_to_judge_is_null_with_its_reason(key: str, reason:
     assert c["better_allocation_than"] == {"fifo": "tie"}
 
 
+def test_mid_size_waits_are_compared_like_large_gangs() -> None:
+    def pol(mean: float, censored: int) -> dict:
+        p = _quiet_policy()
+        p["wait_s"]["by_size"] = {"9-1023": {"n": 40, "mean": mean, "censored": censored}}
+        return p
+
+    rep = {
+        "policies": {
+            "ours": pol(600.0, 0),
+            "a": pol(620.0, 0),
+            "b": pol(900.0, 0),
+            "c": pol(400.0, 0),
+            "d": pol(610.0, 3),
+            "e": pol(400.0, 2),
+        }
+    }
+    assert checks(rep)["better_9_1023_gpu_wait_than"] == {"a": "tie", "b": True, "c": False, "d": True, "e": "tie"}
+
+
 def test_checks_with_something_to_judge_are_true_or_false() -> None:
     ours = _quiet_policy(91.0, prod=True, large=2)
     ours["teams"]["t"]["guaranteed"]["h100"] = 8
