@@ -107,7 +107,7 @@ def across_seeds(reports: dict[int, dict]) -> dict:
 def _verdicts(chk: dict, prefix: str = "") -> dict:
     out: dict = {}
     for k, v in chk.items():
-        if k in ("why_null", "margins", "p95_wait_le8_by_class_s"):
+        if k in ("why_null", "margins", "p95_wait_le8_by_class_s", "alloc_while_demand_exceeds_capacity_pct"):
             continue
         if isinstance(v, dict):
             out.update(_verdicts(v, f"{prefix}{k}."))

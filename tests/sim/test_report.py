@@ -210,7 +210,11 @@ def _fake_report(alloc: float, starved: list[str], over: float | None, balance: 
                 "timing": {"wall_s": 12.0},
             }
         },
-        "checks": {"alloc_floor_90": None if over is None else over >= 90, "better_allocation_than": {"fifo": "tie"}},
+        "checks": {
+            "alloc_while_demand_exceeds_capacity_pct": over,  # a figure, not a verdict
+            "alloc_floor_90": None if over is None else over >= 90,
+            "better_allocation_than": {"fifo": "tie"},
+        },
     }
 
 
@@ -236,6 +240,7 @@ def test_across_seeds_min_median_max_per_metric_and_check_counts() -> None:
     assert a["jobs_balance_holds"] == {"ours": {"false": 1, "true": 2}}
     assert a["checks"]["alloc_floor_90"] == {"false": 1, "null": 1, "true": 1}
     assert a["checks"]["better_allocation_than.fifo"] == {"tie": 3}
+    assert set(a["checks"]) == {"alloc_floor_90", "better_allocation_than.fifo"}
     assert "| allocated % of healthy GPUs | 70.0% / 80.0% / 90.0% |" in seeds_table(a)
 
 
