@@ -100,6 +100,38 @@ async def test_while_the_first_is_in_flight_a_retry_gets_409(client, pool, db_ds
     assert r.status_code == 202 and r.json() == done.json()
 
 
+async def test_a_first_attempt_whose_session_died_mid_request_leaves_the_key_free(client, pool, db_dsn):
+    """The API process serving the first attempt dies inside its transaction (key claimed, job
+    not yet written: here its Postgres session is ended, as a killed process's is). Nothing
+    of it commits; the client's retry, with the same key (on any API process), submits once."""
+    key = new_key()
+    blocker = await asyncpg.connect(db_dsn)
+    try:
+        tx = blocker.transaction()
+        await tx.start()
+        await blocker.execute("LOCK TABLE jobs IN EXCLUSIVE MODE")
+        first = asyncio.create_task(submit(client, key=key))
+
+        async def waiting() -> int | None:
+            return await blocker.fetchval(
+                "SELECT l.pid FROM pg_locks l WHERE NOT l.granted AND l.relation = 'jobs'::regclass LIMIT 1"
+            )
+
+        pid = await eventually(waiting, what="first request waiting inside its transaction")
+        assert await blocker.fetchval("SELECT pg_terminate_backend($1)", pid)
+        failed = await asyncio.wait_for(first, 10)
+        assert failed.status_code >= 500  # what that client would have seen, had its process lived
+        await tx.rollback()
+    finally:
+        await blocker.close()
+    assert await pool.fetchval("SELECT count(*) FROM idempotency_keys WHERE key = $1", key) == 0
+    r = await submit(client, key=key)
+    assert r.status_code == 202 and "idempotent-replayed" not in r.headers
+    again = await submit(client, key=key)
+    assert again.status_code == 202 and again.json() == r.json() and again.headers["idempotent-replayed"] == "true"
+    assert await pool.fetchval("SELECT count(*) FROM jobs") == 1
+
+
 async def test_expired_keys_may_be_reused(client, pool):
     key = new_key()
     first = await submit(client, key=key)
