@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -113,13 +114,22 @@ def api_commands(settings: Settings, count: int = 2) -> dict[str, tuple[list[str
 
 
 def start_apis(
-    settings: Settings, count: int, log_dir: Path, *, cwd: Path | None = None, **popen: Any
+    settings: Settings,
+    count: int,
+    log_dir: Path,
+    *,
+    names: Collection[str] | None = None,
+    cwd: Path | None = None,
+    **popen: Any,
 ) -> dict[str, subprocess.Popen]:
-    """Start ``api_commands(settings, count)``, each in its own process group (the terminal's
-    Ctrl-C reaches the parent alone), output appended to ``log_dir/<name>.log``. Returns
-    name -> process; wait for each with ``wait_listening``."""
+    """Start ``api_commands(settings, count)`` (or only those in ``names``: one that died,
+    started again), each in its own process group (the terminal's Ctrl-C reaches the parent
+    alone), output appended to ``log_dir/<name>.log``. Returns name -> process; wait for each
+    with ``wait_listening``."""
     procs: dict[str, subprocess.Popen] = {}
     for name, (args, env) in api_commands(settings, count).items():
+        if names is not None and name not in names:
+            continue
         with open(log_dir / f"{name}.log", "ab") as log:
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "cli.main", *args], env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
