@@ -107,12 +107,16 @@ class TemporalGateway:
         except (TimeoutError, RPCError, RPCTimeoutOrCancelledError, OSError) as e:
             raise ControlUnavailable(str(e) or type(e).__name__) from e
 
-    async def extend_job(self, job_id: str, request: ExtendRequest) -> ExtendResult:
+    async def extend_job(self, job_id: str, request: ExtendRequest, update_id: str | None = None) -> ExtendResult:
+        """Ask the job's workflow for more runtime. ``update_id`` (one per idempotency key):
+        Temporal applies an update of a given id once and answers a repeat with the first
+        result, so a retry of a request whose API process died after the update (before its
+        transaction committed) extends once, not twice."""
         client = await self.client()
         handle = client.get_workflow_handle_for(JobWorkflow.run, job_id)
         try:
             result = await asyncio.wait_for(
-                handle.execute_update(JobWorkflow.extend, request, rpc_timeout=self.timeout),
+                handle.execute_update(JobWorkflow.extend, request, id=update_id, rpc_timeout=self.timeout),
                 self.settings.api_temporal_timeout_s + 1,
             )
             # the SDK types an async update's result as its coroutine; the value is the ExtendResult

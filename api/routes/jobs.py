@@ -522,6 +522,11 @@ async def cancel_job(
     return await idempotency.run(request, principal, idempotency_key, work)
 
 
+def extend_update_id(principal: Principal, key: str | None) -> str:
+    """The Temporal update id of an extend: one per (caller, idempotency key), as the key is."""
+    return f"extend:{principal.name}:{idempotency.validate_key(key)}"
+
+
 @router.post("/jobs/{job_id}:extend", response_model=ExtendGranted, summary="Ask for more runtime")
 async def extend_job(
     request: Request,
@@ -553,7 +558,7 @@ async def extend_job(
             )
         request_ = ExtendRequest(actor=principal.name, seconds=seconds, reason=body.reason)
         try:
-            result = await gateway.extend_job(job_id, request_)
+            result = await gateway.extend_job(job_id, request_, update_id=extend_update_id(principal, idempotency_key))
         except WorkflowMissing as e:
             raise ApiError(409, "extension_not_running", f"job {job_id} is not running yet") from e
         except WorkflowClosed as e:

@@ -8,7 +8,7 @@ import random
 
 import asyncpg
 
-from tests.api.conftest import ADMIN, ALPHA, auth, job_body, new_key, submit
+from tests.api.conftest import ADMIN, ALPHA, auth, job_body, new_key, start_as_placed, submit
 from tests.support import eventually
 
 
@@ -130,6 +130,30 @@ async def test_a_first_attempt_whose_session_died_mid_request_leaves_the_key_fre
     again = await submit(client, key=key)
     assert again.status_code == 202 and again.json() == r.json() and again.headers["idempotent-replayed"] == "true"
     assert await pool.fetchval("SELECT count(*) FROM jobs") == 1
+
+
+async def test_an_extend_retried_after_its_update_applied_extends_once(
+    app, client, pool, worker, temporal_env, task_queue
+):
+    """The first attempt's update reached the workflow, then its API process died before the
+    transaction committed (nothing stored for the key). The retry, with the same key, sends
+    the update under the same id: Temporal answers with the first result, no second extension."""
+    from api.routes.jobs import extend_update_id
+    from workflows.messages import ExtendRequest
+
+    job_id = (await submit(client)).json()["job_id"]
+    await start_as_placed(temporal_env, task_queue, job_id)
+    key = new_key()
+    alice = app.state.settings.api_tokens[ALPHA]
+    first = await app.state.gateway.extend_job(
+        job_id, ExtendRequest(actor=alice.name, seconds=3600, reason=""), update_id=extend_update_id(alice, key)
+    )
+    assert first.granted and first.extensions_used == 1
+    r = await client.post(f"/v1/jobs/{job_id}:extend", json={"by": "1h"}, headers=auth(ALPHA, key))
+    assert r.status_code == 200 and r.json()["extensions_used"] == 1, r.text
+    # a new request (a new key) is a second extension
+    r = await client.post(f"/v1/jobs/{job_id}:extend", json={"by": "1h"}, headers=auth(ALPHA, new_key()))
+    assert r.status_code == 200 and r.json()["extensions_used"] == 2, r.text
 
 
 async def test_expired_keys_may_be_reused(client, pool):
