@@ -57,7 +57,7 @@ from placement.reservations import (
 )
 from placement.state import ClusterState, RunningJob, _TypeIndex, indices_of, make_placement, mask_of
 from placement.topology import Search, Shape, choose_spares, find_placement, find_small_node, job_shape
-from placement.victims import ClearableIndex, Mode, eligible_upper_bound, find_small, find_whole, reason_for
+from placement.victims import Mode, VictimIndex, eligible_upper_bound, find_small, find_whole, reason_for
 
 _INF = float("inf")
 _NO_RANK = 4  # below every class rank (0-3): no such reservation
@@ -89,7 +89,7 @@ class _Cycle:
         self.reserve_memo: set[tuple] = set()
         self.preempt_fail: set[tuple] = set()
         self.reclaimed: set[tuple[str, str]] = set()
-        self.clearable: dict[tuple[str, Mode], ClearableIndex] = {}  # per (type, mode without team)
+        self.victim_index: dict[tuple[str, Mode], VictimIndex] = {}  # per (type, mode without team)
         self.victims_left = policy.max_preemptions_per_cycle
         self.searches_left = policy.max_victim_searches_per_cycle
         self.considered = 0
@@ -519,6 +519,8 @@ class _Cycle:
         for jid in picked:
             state.set_borrowed(jid, True)
             self.relabels.append(Relabel(jid, True))
+        if picked:
+            self.victim_index.clear()  # borrowed now: victims the indexes do not hold
         return replace(placed, borrowed=False)
 
     def _commit(self, job: JobSpec, placed: Placement, own_res: Reservation | None) -> None:
@@ -583,17 +585,17 @@ class _Cycle:
         search = Search(state, ti, excl)
         use_free = not (mode.borrowed_only and job.rank == SERVING_RANK and not policy.serving_borrows_idle)
         limit = max(self.victims_left, shape.nodes if shape.whole else 8) if reclaim else self.victims_left
+        # shared by every team: built without the own-team rule (a superset of the victims this
+        # job may take; the searches drop its team's own borrowed work)
+        shared = Mode(mode.rank, mode.borrowed_only, "", mode.higher_small)
+        ckey = (job.gpu_type, shared)
+        index = self.victim_index.get(ckey)
+        if index is None:
+            index = self.victim_index[ckey] = VictimIndex(state, ti, shared, now, policy)
         if shape.whole:
-            # shared by every team: built without the own-team rule (a superset of the nodes this
-            # job may clear; _select re-checks each node with the job's own mode)
-            shared = Mode(mode.rank, mode.borrowed_only, "", mode.higher_small)
-            ckey = (job.gpu_type, shared)
-            index = self.clearable.get(ckey)
-            if index is None:
-                index = self.clearable[ckey] = ClearableIndex(state, ti, shared, now, policy)
             choice = find_whole(state, search, shape, t.pack, t.max_blocks, mode, now, policy, index, limit, use_free)
         else:
-            choice = find_small(state, search, shape.total, mode, now, policy, limit, use_free)
+            choice = find_small(state, search, shape.total, mode, now, policy, limit, index, use_free)
         if choice is None or len(choice.victims) > limit:
             self.victim_memo.add(mkey)
             return False

@@ -19,12 +19,30 @@ Eligible victims (``eligible``) for a preemptor of class rank ``r``:
 * a job preempted ``daily_preemption_budget`` times in ``preemption_window_s`` is a
   victim only if it is borrowed.
 
-Choice: target blocks first (the blocks where the gang fits with the most nodes
-already free), then victims inside them, greedily by fewest jobs per node freed,
-then least lost work (GPU-seconds since the most recent checkpoint, or since start
-if it cannot checkpoint), then the team furthest over its share (used /
-guarantee), then id. A small job takes one victim if any suffices (the one losing
-the least work), else the fewest victims sharing one node.
+Choice (the rules' order: fewest jobs preempted, then least lost work, i.e. GPU-seconds
+since each victim's last checkpoint, or since its start if it cannot checkpoint):
+
+* a small job (one node): over every usable node, the fewest eligible occupants whose
+  GPUs (with the node's free ones) suffice, then least lost work, then (one victim)
+  the team furthest over its share, then ids. Exact: one victim is searched in order of
+  time since checkpoint and stops only once no later candidate can lose less; several
+  victims are searched per node (at most one occupant per GPU: every subset of the
+  fewest size), blocks skipped only by a lower bound.
+* whole nodes: target blocks first. If one block can hold the gang (its free nodes plus
+  nodes whose every occupant is eligible), every such block is a candidate: each has a
+  lower bound on its cost (``_BlockView.bound``) and blocks are solved in bound order
+  until the bound passes the best found, so no block that could do better is skipped.
+  The cost of a victim set is its size, plus (``Policy.victim_excess_cost``) every node
+  its victims hold beyond the need; then least lost work, most free nodes, block id.
+  Otherwise the fewest blocks with the most potential, and victims inside them.
+  Within the targets (``_solve``): nodes are grouped by their occupant set, groups that
+  share a victim form a component, each component's options (victim set, nodes freed)
+  are enumerated, and a covering knapsack over the components picks the cheapest
+  combination. Exact when every component has at most ``_EXACT_GROUPS`` occupant sets
+  and the knapsack has at most ``_EXACT_CELLS`` cells (options x nodes needed); past
+  either, the documented approximation: a larger component offers only its greedy
+  chain of options (cheapest victims per node freed first), and a larger knapsack is
+  replaced by the greedy itself (``_greedy``), which may preempt more than the optimum.
 """
 
 from __future__ import annotations
@@ -32,6 +50,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import combinations
 
 from placement.model import SERVING_RANK, NodeHealth, Pack, Policy, PreemptReason
 from placement.quota import over_share
@@ -50,8 +69,11 @@ class Mode:
 
 
 _CATS: dict[tuple[int, bool, bool], list[tuple[int, bool]]] = {}
-_SCAN_LIMIT = 4096  # candidates looked at per small-job victim search
-_AFTER_BEST = 16  # and at most this many more once one fits (least GPU-seconds among them)
+# within the targets, exact while every component of nodes sharing victims has at most this
+# many distinct occupant sets (2**n option subsets each) ...
+_EXACT_GROUPS = 8
+# ... and the covering knapsack has at most this many cells (options x nodes needed)
+_EXACT_CELLS = 20_000
 
 
 def categories(mode: Mode) -> list[tuple[int, bool]]:
@@ -89,12 +111,17 @@ def eligible(rj: RunningJob, mode: Mode, now: float, policy: Policy) -> bool:
         or (rj.borrowed and (rj.rank == mode.rank or (mode.higher_small and rj.charge < policy.reserve_min_gpus)))
     ):
         return False
-    if mode.team and rj.spec.team == mode.team and (mode.borrowed_only or rj.rank <= mode.rank):
+    if _own_team(rj, mode):
         return False  # a reclaim of the team's own borrowed work
     if not rj.borrowed and policy.daily_preemption_budget >= 0:
         if rj.spec.preemptions_since(now - policy.preemption_window_s) >= policy.daily_preemption_budget:
             return False
     return True
+
+
+def _own_team(rj: RunningJob, mode: Mode) -> bool:
+    """Would taking ``rj`` reclaim the preemptor's own team's borrowed work?"""
+    return bool(mode.team) and rj.spec.team == mode.team and (mode.borrowed_only or rj.rank <= mode.rank)
 
 
 def reason_for(rj: RunningJob, mode: Mode) -> PreemptReason:
@@ -128,9 +155,175 @@ def _lost(rj: RunningJob, now: float) -> float:
     return rj.charge * max(0.0, now - rj.lost_since)
 
 
+def _weight(rj: RunningJob, policy: Policy) -> int:
+    """A victim's share of the cost of a whole-node victim set: 1, plus (``victim_excess_cost``)
+    the nodes it holds (the set's cost is then its size plus the nodes held beyond the need:
+    every freed node is held by a victim, so the nodes held are never fewer than the need)."""
+    return 1 + len(rj.held) if policy.victim_excess_cost else 1
+
+
 def _node_usable(state: ClusterState, search: Search, nid: str) -> bool:
     node = state._nodes[nid]
     return node.health is NodeHealth.READY and node.spare_of is None and search.ok(nid)
+
+
+# ---------------------------------------------------------------------- the index
+
+
+class _BlockView:
+    """One block's usable nodes with eligible occupants (``VictimIndex``)."""
+
+    __slots__ = ("_bounds", "_counts", "clear", "nodes", "single")
+
+    def __init__(self, nodes: list[tuple[str, int, tuple[tuple[str, int], ...], bool]]) -> None:
+        # (node, free GPUs, eligible occupants ((job, GPUs there), ...) by id, every occupant eligible)
+        self.nodes = nodes
+        self.clear = [n for n, _, _, c in nodes if c]
+        # the most GPUs one victim can make available on a node: with its free GPUs, without
+        self.single = (
+            max((f + max(g for _, g in o) for _, f, o, _ in nodes), default=0),
+            max((max(g for _, g in o) for _, _, o, _ in nodes), default=0),
+        )
+        self._bounds: tuple[list[float], list[float]] | None = None
+        self._counts: dict[tuple[int, bool], int | None] = {}
+
+    def min_count(self, need: int, use_free: bool) -> int | None:
+        """The fewest occupants of one node that make ``need`` GPUs available (a lower bound
+        for a search that may use fewer of them), or None."""
+        key = (need, use_free)
+        if key in self._counts:
+            return self._counts[key]
+        best = None
+        for _, f, occ, _ in self.nodes:
+            got = f if use_free else 0
+            c = 0
+            for g in sorted((g for _, g in occ), reverse=True):
+                if got >= need:
+                    break
+                got += g
+                c += 1
+            if got >= need and (best is None or c < best):
+                best = c
+        self._counts[key] = best
+        return best
+
+    def bound(self, state: ClusterState, need: int, now: float, policy: Policy) -> tuple[int, float]:
+        """Lower bounds on (sum of victim weights, lost work) of any victim set that frees
+        ``need`` of this block's clearable nodes: each victim's weight and lost work are
+        spread over its clearable nodes here, and no set can do better than the ``need``
+        cheapest nodes by that measure (each criterion bounded alone)."""
+        if self._bounds is None:
+            running = state._running
+            share: dict[str, int] = {}
+            for _n, _, occ, c in self.nodes:
+                if c:
+                    for j, _ in occ:
+                        share[j] = share.get(j, 0) + 1
+            ws: list[float] = []
+            ls: list[float] = []
+            for _n, _, occ, c in self.nodes:
+                if c:
+                    w = lo = 0.0
+                    for j, _ in occ:
+                        rj = running[j]
+                        w += _weight(rj, policy) / share[j]
+                        lo += _lost(rj, now) / share[j]
+                    ws.append(w)
+                    ls.append(lo)
+            ws.sort()
+            ls.sort()
+            pw, pl = [0.0], [0.0]
+            for x in ws:
+                pw.append(pw[-1] + x)
+            for y in ls:
+                pl.append(pl[-1] + y)
+            self._bounds = (pw, pl)
+        pw, pl = self._bounds
+        if need >= len(pw):
+            return 1 << 60, float("inf")
+        # weights are integers: a sum of fractional shares bounds an integer from below
+        return int(-(-round(pw[need], 9) // 1)), pl[need]
+
+
+class VictimIndex:
+    """Per cycle, GPU type and mode (built without the preemptor's team): eligible occupants of
+    every node, per block, as when first asked for (lazily, per block).
+
+    Within a cycle a view only loses victims (placements take free GPUs, victims marked
+    stopping, nodes held as spares), so it is a superset of what a search may take, and its
+    counts and bounds stay upper / lower bounds: searches re-check every node they would
+    clear against the state and the preemptor's own mode. The engine drops the indexes when
+    a cycle relabels running jobs borrowed (``_guarantee_gang``): that adds victims."""
+
+    def __init__(self, state: ClusterState, ti: _TypeIndex, mode: Mode, now: float, policy: Policy) -> None:
+        self.state, self.ti, self.mode, self.now, self.policy = state, ti, mode, now, policy
+        occ: dict[str, list[tuple[str, int]]] = {}
+        for rj in _iter_candidates(state, ti, mode):
+            if eligible(rj, mode, now, policy):
+                jid = rj.job_id
+                for nid, m in rj.held.items():
+                    got = occ.get(nid)
+                    if got is None:
+                        occ[nid] = [(jid, m.bit_count())]
+                    else:
+                        got.append((jid, m.bit_count()))
+        by_block: dict[str, list[str]] = {}
+        nodes = state._nodes
+        for nid in occ:
+            by_block.setdefault(nodes[nid].block, []).append(nid)
+        self._occ = occ
+        self._by_block = by_block
+        self.bids = sorted(ti.blocks)
+        self._all: list[_BlockView] | None = None
+        self._by_lost: list[tuple[float, str, str, int, int]] | None = None
+
+    def by_lost(self) -> list[tuple[float, str, str, int, int]]:
+        """(lost work, job, node, its GPUs there, the node's free GPUs) of every eligible job on
+        every node it holds, least lost work first (then job, node)."""
+        if self._by_lost is None:
+            state, now = self.state, self.now
+            running, nodes = state._running, state._nodes
+            lost: dict[str, float] = {}
+            out = []
+            for nid, occ in self._occ.items():
+                f = nodes[nid].nfree
+                for j, g in occ:
+                    lo = lost.get(j)
+                    if lo is None:
+                        lo = lost[j] = _lost(running[j], now)
+                    out.append((lo, j, nid, g, f))
+            out.sort()
+            self._by_lost = out
+        return self._by_lost
+
+    def views(self) -> list[_BlockView]:
+        """Every block's view, in block id order."""
+        if self._all is None:
+            self._all = [self._view(b) for b in self.bids]
+        return self._all
+
+    def _view(self, bid: str) -> _BlockView:
+        nodes = self.state._nodes
+        out = []
+        for nid in sorted(self._by_block.get(bid, ())):
+            o = self._occ[nid]
+            node = nodes[nid]
+            if node.health is not NodeHealth.READY or node.spare_of is not None:
+                continue
+            out.append((nid, node.nfree, tuple(sorted(o)), len(o) == len(node.jobs)))
+        return _BlockView(out)
+
+
+def _live(state: ClusterState, nid: str, mode: Mode, now: float, policy: Policy) -> tuple[list[tuple[str, int]], bool]:
+    """A node's occupants the preemptor may take now ((job, GPUs there), by id), and whether
+    that is every occupant."""
+    running = state._running
+    jobs = state._nodes[nid].jobs
+    occ = sorted((j, m.bit_count()) for j, m in jobs.items() if eligible(running[j], mode, now, policy))
+    return occ, len(occ) == len(jobs)
+
+
+# ---------------------------------------------------------------------- small jobs
 
 
 def find_small(
@@ -141,117 +334,125 @@ def find_small(
     now: float,
     policy: Policy,
     limit: int,
+    index: VictimIndex,
     use_free: bool = True,
 ) -> VictimChoice | None:
-    """Victims that make room for ``need`` GPUs on one node (a small job).
-
-    ``use_free`` False: only the victims' GPUs count (prod-serving beyond its guarantee).
-    """
-    ti = search.ti
-    best: tuple | None = None
-    scanned = seen = 0
-    over_cache: dict[str, float] = {}
-    protect_until = now - policy.preemption_protect_s
-    after_best = 0
-    for rj in _iter_candidates(state, ti, mode):
-        if best is not None:
-            after_best += 1
-            if now - rj.lost_since > best[1] or after_best > _AFTER_BEST:
-                break  # from here every victim loses more work (>= 1 GPU x time since checkpoint)
-        seen += 1
-        if seen > _SCAN_LIMIT:
-            break
-        if (rj.started_at > protect_until and not rj.borrowed) or not eligible(rj, mode, now, policy):
-            continue
-        scanned += 1
-        for nid in sorted(rj.held):
-            node = state._nodes[nid]
-            if (node.nfree if use_free else 0) + rj.held[nid].bit_count() < need:
-                continue
-            if not _node_usable(state, search, nid):
-                continue
-            o = over_cache.get(rj.team)
-            if o is None:
-                o = over_cache[rj.team] = over_share(state, rj.team, rj.gpu_type)
-            key = (1, _lost(rj, now), -o, rj.job_id, nid)
-            if best is None or key < best:
-                best = key
-        if best is None and scanned >= 512:
-            break
-    if best is not None:
-        rj = state._running[best[3]]
-        return VictimChoice((rj.job_id,), (best[4],), (state._nodes[best[4]].block,), rj.spec.grace_s)
+    """Victims that make room for ``need`` GPUs on one node (a small job): the fewest, then
+    least lost work. ``use_free`` False: only the victims' GPUs count (prod-serving beyond
+    its guarantee)."""
+    views = list(zip(index.bids, index.views(), strict=True))
+    i = 0 if use_free else 1
+    if any(v.single[i] >= need for _, v in views):
+        got = _one_victim(state, search, need, mode, now, policy, index, use_free)
+        if got is not None:
+            return got
     if limit < 2:
         return None
-    # several victims on one node (small jobs sharing it)
-    seen_nodes: set[str] = set()
-    cand: tuple | None = None
-    for rj in _iter_candidates(state, ti, mode):
-        if not eligible(rj, mode, now, policy):
+    return _several_on_one_node(state, search, need, mode, now, policy, limit, views, use_free)
+
+
+def _one_victim(
+    state: ClusterState,
+    search: Search,
+    need: int,
+    mode: Mode,
+    now: float,
+    policy: Policy,
+    index: VictimIndex,
+    use_free: bool,
+) -> VictimChoice | None:
+    """The one victim losing the least work (then the team furthest over its share, then ids):
+    the index's (job, node) pairs in order of lost work, the first that the state confirms,
+    and any others losing as little (no cap: the order makes the first hit the optimum)."""
+    best: tuple | None = None
+    over_cache: dict[str, float] = {}
+    nodes = state._nodes
+    running = state._running
+    for lost, jid, nid, g, f0 in index.by_lost():
+        if best is not None and lost > best[1]:
+            break
+        if use_free:
+            if f0 + g < need or nodes[nid].nfree + g < need:
+                continue  # (free GPUs only shrink within a cycle)
+        elif g < need:
             continue
-        for nid in rj.held:
-            if nid in seen_nodes:
-                continue
-            seen_nodes.add(nid)
+        rj = running[jid]
+        if not _node_usable(state, search, nid) or not eligible(rj, mode, now, policy):
+            continue
+        o = over_cache.get(rj.team)
+        if o is None:
+            o = over_cache[rj.team] = over_share(state, rj.team, rj.gpu_type)
+        key = (1, lost, -o, jid, nid)
+        if best is None or key < best:
+            best = key
+    if best is None:
+        return None
+    rj = running[best[3]]
+    return VictimChoice((rj.job_id,), (best[4],), (nodes[best[4]].block,), rj.spec.grace_s)
+
+
+def _several_on_one_node(
+    state: ClusterState,
+    search: Search,
+    need: int,
+    mode: Mode,
+    now: float,
+    policy: Policy,
+    limit: int,
+    views: list[tuple[str, _BlockView]],
+    use_free: bool,
+) -> VictimChoice | None:
+    """Several occupants of one node: per node the fewest that suffice (largest first), then of
+    every subset of that size the one losing the least work. Exact over every node."""
+    running = state._running
+    best: tuple | None = None  # (count, lost, node, victims)
+    lost_of: dict[str, float] = {}
+    order = []
+    for bid, v in views:
+        lb = v.min_count(need, use_free)
+        if lb is not None and lb <= limit:
+            order.append((lb, bid, v))
+    order.sort(key=lambda x: (x[0], x[1]))
+    for lb, _, v in order:
+        if best is not None and lb > best[0]:
+            break
+        for nid, nfree, occ, _ in v.nodes:
+            if (nfree if use_free else 0) + sum(g for _, g in occ) < need:
+                continue  # (the view's counts are upper bounds)
             if not _node_usable(state, search, nid):
                 continue
-            node = state._nodes[nid]
-            occ = []
-            for jid, m in node.jobs.items():
-                occupant = state._running[jid]
-                if eligible(occupant, mode, now, policy):
-                    occ.append((-m.bit_count(), _lost(occupant, now), jid, m.bit_count()))
-            occ.sort()
-            free = node.nfree if use_free else 0
-            picked = []
-            for _, _, jid, n in occ:
-                if free >= need:
-                    break
-                picked.append(jid)
-                free += n
-            if free < need or len(picked) > limit:
+            have = state._nodes[nid].nfree if use_free else 0
+            cands, _ = _live(state, nid, mode, now, policy)
+            if have + sum(g for _, g in cands) < need:
                 continue
-            lost = sum(_lost(state._running[j], now) for j in picked)
-            ckey = (len(picked), lost, nid, tuple(picked))
-            if cand is None or ckey < cand:
-                cand = ckey
-        if len(seen_nodes) > 2048:
-            break
-    if cand is None:
+            # fewest victims: the largest occupants first
+            c = 0
+            got = have
+            for g in sorted((g for _, g in cands), reverse=True):
+                if got >= need:
+                    break
+                got += g
+                c += 1
+            if c == 0 or c > limit or (best is not None and c > best[0]):
+                continue  # (none needed: the free GPUs are not this job's to take)
+            for j, _ in cands:
+                if j not in lost_of:
+                    lost_of[j] = _lost(running[j], now)
+            for combo in combinations(cands, c):
+                if have + sum(g for _, g in combo) < need:
+                    continue
+                picked = tuple(sorted(j for j, _ in combo))
+                key = (c, sum(lost_of[j] for j in picked), nid, picked)
+                if best is None or key < best:
+                    best = key
+    if best is None:
         return None
-    picked = cand[3]
-    grace = max(state._running[j].spec.grace_s for j in picked)
-    return VictimChoice(tuple(sorted(picked)), (cand[2],), (state._nodes[cand[2]].block,), grace)
+    picked = best[3]
+    grace = max(running[j].spec.grace_s for j in picked)
+    return VictimChoice(picked, (best[2],), (state._nodes[best[2]].block,), grace)
 
 
-class ClearableIndex:
-    """Per cycle and mode: nodes whose every occupant is an eligible victim, by block (lazy)."""
-
-    def __init__(self, state: ClusterState, ti: _TypeIndex, mode: Mode, now: float, policy: Policy) -> None:
-        counts: dict[str, int] = {}
-        for rj in _iter_candidates(state, ti, mode):
-            if eligible(rj, mode, now, policy):
-                for nid in rj.held:
-                    counts[nid] = counts.get(nid, 0) + 1
-        by_block: dict[str, list[str]] = {}
-        nodes = state._nodes
-        for nid, c in counts.items():
-            node = nodes[nid]
-            if c == len(node.jobs) and node.health is NodeHealth.READY and node.spare_of is None:
-                by_block.setdefault(node.block, []).append(nid)
-        for v in by_block.values():
-            v.sort()
-        self.by_block = by_block
-
-
-def _clearable_now(state: ClusterState, search: Search, nid: str, mode: Mode, now: float, policy: Policy) -> bool:
-    if not _node_usable(state, search, nid):
-        return False
-    node = state._nodes[nid]
-    if not node.jobs:
-        return False
-    running = state._running
-    return all(eligible(running[j], mode, now, policy) for j in node.jobs)
+# ---------------------------------------------------------------------- whole nodes
 
 
 def find_whole(
@@ -263,7 +464,7 @@ def find_whole(
     mode: Mode,
     now: float,
     policy: Policy,
-    index: ClearableIndex,
+    index: VictimIndex,
     limit: int,
     use_free: bool = True,
 ) -> VictimChoice | None:
@@ -274,9 +475,12 @@ def find_whole(
     ti = search.ti
     k = shape.nodes
     pot: list[tuple[int, int, str]] = []
-    for bid in sorted(set(index.by_block) | set(ti.blocks_free)):
-        free = search.block_avail(bid) if use_free and bid in ti.blocks_free else 0
-        clear = len(index.by_block.get(bid, ()))
+    views: dict[str, _BlockView] = {}
+    blocks_free = ti.blocks_free
+    for bid, v in zip(index.bids, index.views(), strict=True):
+        views[bid] = v
+        free = search.block_avail(bid) if use_free and bid in blocks_free else 0
+        clear = len(v.clear)
         if free + clear:
             pot.append((free + clear, free, bid))
     if pack is Pack.BLOCK and max_blocks:
@@ -287,20 +491,35 @@ def find_whole(
         m = len(pot)
     if not policy.topology:
         m = len(pot)
+    excess = policy.victim_excess_cost
     single = [p for p in pot if p[0] >= k]
     if single:
-        # one block: the one needing the fewest victims, then least lost work, most free nodes, id
-        best = None
-        for _, free, bid in sorted(single, key=lambda p: (-p[1], p[0], p[2]))[:_SINGLE_BLOCK_TRIES]:
-            got = _select(state, search, [bid], k, mode, now, policy, index, limit, use_free)
-            if got is not None:
-                key = (_cost(state, got[0], k - len(got[2]), policy), got[3], -free, bid)
-                if best is None or key < best[0]:
-                    best = (key, bid, got)
+        # one block: every block that could hold it, in order of a lower bound on its cost;
+        # stop once the bound passes the best found (fewest victims, least lost work, most
+        # free nodes, id)
+        order = []
+        for _, free, bid in single:
+            need = k - free
+            if need <= 0:
+                continue  # it fits without victims (the caller's search should have found it)
+            bw, bl = views[bid].bound(state, need, now, policy)
+            order.append(((bw - need if excess else bw), bl, -free, bid, need))
+        order.sort()
+        best: tuple | None = None
+        for lb_cost, lb_lost, negfree, bid, need in order:
+            if best is not None and (lb_cost > best[0][0] or (lb_cost == best[0][0] and lb_lost > _slack(best[0][1]))):
+                break
+            got = _solve(state, search, [bid], views, need, mode, now, policy, limit, use_free)
+            if got is None:
+                continue
+            victims, freed, free_nodes, wsum, lost = got
+            key = ((wsum - need if excess else wsum), lost, negfree, bid)
+            if best is None or key < best[0]:
+                best = (key, bid, got)
         if best is None:
             return None
         targets = [best[1]]
-        victims, freed, free_nodes, _ = best[2]
+        victims, freed, free_nodes, _, _ = best[2]
     else:
         targets = []
         got_n = 0
@@ -314,77 +533,242 @@ def find_whole(
         if got_n < k:
             return None
         targets.sort()
-        sel = _select(state, search, targets, k, mode, now, policy, index, limit, use_free)
+        free_n = sum(search.block_avail(b) for b in targets if b in ti.blocks_free) if use_free else 0
+        sel = _solve(state, search, targets, views, k - free_n, mode, now, policy, limit, use_free)
         if sel is None:
             return None
-        victims, freed, free_nodes, _ = sel
+        victims, freed, free_nodes, _, _ = sel
     grace = max(state._running[j].spec.grace_s for j in victims)
     hold = tuple(sorted(free_nodes + freed))
     return VictimChoice(tuple(sorted(victims)), hold, tuple(sorted(targets)), grace)
 
 
-_SINGLE_BLOCK_TRIES = 6
+def _slack(x: float) -> float:
+    """``x`` plus float noise: bounds summed from shares may exceed an equal exact sum."""
+    return x + 1e-9 * abs(x) + 1e-6
 
 
-def _cost(state: ClusterState, victims: set[str], need: int, policy: Policy) -> int:
-    """Victims, plus (``Policy.victim_excess_cost``) every node they hold beyond the ``need``."""
-    if not policy.victim_excess_cost:
-        return len(victims)
-    running = state._running
-    held = sum(len(running[j].held) for j in victims)
-    return len(victims) + max(0, held - need)
+# (nodes freed, weight, lost work, minus the over-share of the victims' teams, victims)
+_Option = tuple[int, int, float, float, frozenset[str]]
 
 
-def _select(
+def _solve(
     state: ClusterState,
     search: Search,
     targets: list[str],
-    k: int,
+    views: dict[str, _BlockView],
+    need: int,
     mode: Mode,
     now: float,
     policy: Policy,
-    index: ClearableIndex,
     limit: int,
     use_free: bool = True,
-) -> tuple[set[str], list[str], list[str], float] | None:
-    """Greedy victims inside ``targets``: (victims, nodes they free, nodes already free, lost work).
-
-    Each step takes the occupants of one candidate node, the step with the fewest new
-    victims per node it frees (up to what is still needed), then least lost work, then
-    the team furthest over its share, then node id.
-    """
+) -> tuple[set[str], list[str], list[str], int, float] | None:
+    """Victims inside ``targets`` freeing ``need`` more nodes: (victims, nodes they free,
+    nodes already free, weight, lost work), least weight then least lost work."""
     ti = search.ti
     free_nodes: list[str] = []
     for bid in targets:
         if use_free and bid in ti.blocks_free:
             free_nodes.extend(search.block_nodes(bid, len(ti.blocks[bid].free_nodes)))
-    need = k - len(free_nodes)
     if need <= 0:
         return None  # it fits without victims (the caller's search should have found it)
-    cand = [
-        n for bid in targets for n in index.by_block.get(bid, ()) if _clearable_now(state, search, n, mode, now, policy)
-    ]
-    if len(cand) < need:
-        return None
     running = state._running
-    nodes = state._nodes
-    chosen: set[str] = set()
-    freed: list[str] = []
-    remaining = set(cand)
+    occupants: dict[str, tuple[str, ...]] = {}
+    for bid in targets:
+        for nid in views[bid].clear:
+            if not _node_usable(state, search, nid):
+                continue
+            occ, clear = _live(state, nid, mode, now, policy)
+            if clear and occ:
+                occupants[nid] = tuple(j for j, _ in occ)
+    if len(occupants) < need:
+        return None
+    weight = {j: _weight(running[j], policy) for occ in occupants.values() for j in occ}
+    lost = {j: _lost(running[j], now) for j in weight}
     over_cache: dict[str, float] = {}
-    lost_total = 0.0
+    over: dict[str, float] = {}
+    for j in weight:
+        team = running[j].team
+        o = over_cache.get(team)
+        if o is None:
+            o = over_cache[team] = over_share(state, team, ti.gpu_type)
+        over[j] = -o
+    comps = _components(occupants)
+    options: list[list[_Option]] = []
+    cells = 0
+    for comp in comps:
+        groups: dict[frozenset[str], int] = {}
+        for nid in comp:
+            key = frozenset(occupants[nid])
+            groups[key] = groups.get(key, 0) + 1
+        if len(groups) <= _EXACT_GROUPS:
+            opts = _all_options(groups, weight, lost, over, need)
+        else:
+            opts = _greedy_chain(groups, weight, lost, over, need)
+        options.append(opts)
+        cells += len(opts)
+    if cells * need > _EXACT_CELLS:
+        chosen = _greedy(occupants, weight, lost, need, state, ti.gpu_type)
+    else:
+        chosen = _knapsack(options, need)
+    if chosen is None or len(chosen) > limit:
+        return None
+    freed = sorted(n for n, occ in occupants.items() if all(j in chosen for j in occ))
+    wsum = sum(weight[j] for j in chosen)
+    return chosen, freed, free_nodes, wsum, sum(lost[j] for j in chosen)
+
+
+def _components(occupants: dict[str, tuple[str, ...]]) -> list[list[str]]:
+    """Nodes grouped by shared victims (union-find over jobs), each sorted, in node order."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for occ in occupants.values():
+        for j in occ:
+            parent.setdefault(j, j)
+        r = find(occ[0])
+        for j in occ[1:]:
+            rj = find(j)
+            if rj != r:
+                parent[rj] = r
+    comps: dict[str, list[str]] = {}
+    for nid in sorted(occupants):
+        comps.setdefault(find(occupants[nid][0]), []).append(nid)
+    return list(comps.values())
+
+
+def _all_options(
+    groups: dict[frozenset[str], int],
+    weight: dict[str, int],
+    lost: dict[str, float],
+    over: dict[str, float],
+    need: int,
+) -> list[_Option]:
+    """Every victim set a component offers (unions of its occupant sets), the cheapest per
+    number of nodes freed (capped at ``need``)."""
+    keys = sorted(groups, key=lambda g: sorted(g))
+    best: dict[int, _Option] = {}
+    seen: set[frozenset[str]] = set()
+    n = len(keys)
+    for mask in range(1, 1 << n):
+        v: frozenset[str] = frozenset().union(*(keys[i] for i in range(n) if mask >> i & 1))
+        if v in seen:
+            continue
+        seen.add(v)
+        freed = min(need, sum(c for g, c in groups.items() if g <= v))
+        opt = (freed, sum(weight[j] for j in v), sum(lost[j] for j in v), sum(over[j] for j in v), v)
+        cur = best.get(freed)
+        if cur is None or (opt[1], opt[2], opt[3], sorted(v)) < (cur[1], cur[2], cur[3], sorted(cur[4])):
+            best[freed] = opt
+    return [best[f] for f in sorted(best)]
+
+
+def _greedy_chain(
+    groups: dict[frozenset[str], int],
+    weight: dict[str, int],
+    lost: dict[str, float],
+    over: dict[str, float],
+    need: int,
+) -> list[_Option]:
+    """A large component's options, approximated: the chain the greedy builds (each step adds the
+    occupant set costing least per node it newly frees, then least lost work per node)."""
+    chosen: frozenset[str] = frozenset()
+    out: list[_Option] = []
+    left = dict(groups)
+    freed = 0
+    while left and freed < need:
+        best = None
+        for g in sorted(left, key=lambda g: sorted(g)):
+            new = g - chosen
+            after = chosen | new
+            gain = sum(c for h, c in left.items() if h <= after)
+            w = sum(weight[j] for j in new)
+            lo = sum(lost[j] for j in new)
+            key = (w / gain, lo / gain)
+            if best is None or key < best[0]:
+                best = (key, after)
+        assert best is not None
+        chosen = best[1]
+        for h in [h for h in left if h <= chosen]:
+            freed += left.pop(h)
+        out.append(
+            (
+                min(need, freed),
+                sum(weight[j] for j in chosen),
+                sum(lost[j] for j in chosen),
+                sum(over[j] for j in chosen),
+                chosen,
+            )
+        )
+    return out
+
+
+def _knapsack(options: list[list[_Option]], need: int) -> set[str] | None:
+    """At most one option per component, at least ``need`` nodes freed, least (weight, lost
+    work, then the teams furthest over their share): a covering knapsack by dynamic
+    programming over nodes freed (capped at ``need``)."""
+    # dp[f] = (weight, lost, -over, chain of (component, option)) for f nodes freed
+    dp: list[tuple[int, float, float, tuple] | None] = [None] * (need + 1)
+    dp[0] = (0, 0.0, 0.0, ())
+    for ci, opts in enumerate(options):
+        new = list(dp)
+        for f, cur in enumerate(dp):
+            if cur is None:
+                continue
+            w0, l0, o0, chain = cur
+            for oi, (got, w, lo, o, _) in enumerate(opts):
+                nf = min(need, f + got)
+                cand = (w0 + w, l0 + lo, o0 + o)
+                have = new[nf]
+                if have is None or cand < have[:3]:
+                    new[nf] = (*cand, (chain, ci, oi))
+        dp = new
+    top = dp[need]
+    if top is None:
+        return None
+    out: set[str] = set()
+    chain = top[3]
+    while chain:
+        chain, ci, oi = chain
+        out |= options[ci][oi][4]
+    return out
+
+
+def _greedy(
+    occupants: dict[str, tuple[str, ...]],
+    weight: dict[str, int],
+    lost: dict[str, float],
+    need: int,
+    state: ClusterState,
+    gpu_type: str,
+) -> set[str] | None:
+    """The approximation for large instances: each step takes the occupants of one candidate
+    node, the step with the least new weight per node it frees (up to what is still needed),
+    then least lost work per node, then the team furthest over its share, then node id."""
+    running = state._running
+    chosen: set[str] = set()
+    remaining = set(occupants)
+    over_cache: dict[str, float] = {}
+    freed = 0
 
     def over(team: str) -> float:
         v = over_cache.get(team)
         if v is None:
-            v = over_cache[team] = over_share(state, team, ti.gpu_type)
+            v = over_cache[team] = over_share(state, team, gpu_type)
         return v
 
-    excess_cost = policy.victim_excess_cost
-    occupants = {nid: tuple(nodes[nid].jobs) for nid in remaining}
-    lost_of = {j: _lost(running[j], now) for occ in occupants.values() for j in occ}
-    while len(freed) < need:
-        left = need - len(freed)
+    holders: dict[str, list[str]] = {}
+    for nid, occ in occupants.items():
+        for j in occ:
+            holders.setdefault(j, []).append(nid)
+    while freed < need:
+        left = need - freed
         best = None
         scored: dict[frozenset[str], tuple] = {}
         for nid in sorted(remaining):
@@ -392,26 +776,21 @@ def _select(
             got = scored.get(new)
             if got is None:
                 after = chosen | new
-                touched = {n for j in new for n in running[j].held if n in remaining}
+                touched = {n for j in new for n in holders[j] if n in remaining}
                 gain = sum(1 for n in touched if all(j in after for j in occupants[n]))
                 useful = min(gain, left) or 1
-                lost = sum(lost_of[j] for j in new)
+                w = sum(weight[j] for j in new)
+                lo = sum(lost[j] for j in new)
                 o = max((over(running[j].team) for j in new), default=0.0)
-                cost = len(new)
-                if excess_cost:
-                    cost += max(0, sum(len(running[j].held) for j in new) - useful)
-                got = scored[new] = (cost / useful, lost / useful, -o, lost)
-            key = (got[0], got[1], got[2], nid)
+                got = scored[new] = (w / useful, lo / useful, -o)
+            key = (*got, nid)
             if best is None or key < best[0]:
-                best = (key, new, got[3])
+                best = (key, new)
         if best is None:
             return None
         chosen |= best[1]
-        lost_total += best[2]
-        if len(chosen) > limit:
-            return None
         for nid in sorted(remaining):
             if all(j in chosen for j in occupants[nid]):
                 remaining.discard(nid)
-                freed.append(nid)
-    return chosen, freed, free_nodes, lost_total
+                freed += 1
+    return chosen
