@@ -12,7 +12,9 @@ heads: O(N log lanes) per cycle, whatever the queue length.
 Order with ``Ordering.FAIR_SHARE``:
 
 1. priority class (prod-serving first); within a class, front-of-class jobs first;
-2. a team below its guarantee (for the job's GPU type) before a team at or above it;
+2. a team below its guarantee (for the job's GPU type) before a team at or above it,
+   as of the moment the job comes up: a team that reaches its guarantee with this
+   cycle's placements stops going first within the same cycle;
 3. the team's fair-share position (0 = most underserved; teams ranked by dominant
    share = max over GPU types of decayed GPU-hours / guarantee) minus
    ``aging_step_per_hour`` per hour waited (aging never crosses classes);
@@ -177,7 +179,14 @@ def iter_order(
                 entries.append((lane, float(pos[team]), below, team, gpu_type, floor))
             else:
                 entries.append((lane, 0.0, 0, team, gpu_type, floor))
-        yield from _merge(entries, jobs, step, now, lane_ok, blocked)
+        yield from _merge(entries, jobs, step, now, lane_ok, blocked, _below(state) if fair else None)
+
+
+def _below(state: ClusterState) -> Callable[[str, str], bool]:
+    def below(team: str, gpu_type: str) -> bool:
+        return state.used(team, gpu_type) < state.quota(team, gpu_type).guaranteed
+
+    return below
 
 
 def _merge(
@@ -187,7 +196,11 @@ def _merge(
     now: float,
     lane_ok: Callable[[str, str, int], bool] | None = None,
     blocked: set[tuple[str, str, int]] | None = None,
+    below_now: Callable[[str, str], bool] | None = None,
 ) -> Iterator[JobSpec]:
+    """``below_now(team, gpu_type)``: re-asked when a lane that went first because its team
+    was below its guarantee comes up; a team that reached it since (this cycle's placements
+    only add usage, so a lane's key only grows) goes back in the heap behind those below."""
     heap: list[tuple[int, float, float, str, int, int]] = []
     for li, (lane, base, below, _, _, _) in enumerate(entries):
         if lane:
@@ -196,8 +209,12 @@ def _merge(
     heapq.heapify(heap)
     pop, push = heapq.heappop, heapq.heappush
     while heap:
-        below, _, _, jid, li, i = pop(heap)
+        below, key, submit, jid, li, i = pop(heap)
         lane, base, _, team, gpu_type, floor = entries[li]
+        if below == 0 and below_now is not None and not below_now(team, gpu_type):
+            entries[li] = (lane, base, 1, team, gpu_type, floor)
+            push(heap, (1, key, submit, jid, li, i))
+            continue
         if lane_ok is not None and not lane_ok(team, gpu_type, floor):
             if blocked is not None:
                 blocked.add((team, gpu_type, floor))
@@ -206,4 +223,4 @@ def _merge(
         i += 1
         if i < len(lane):
             submit, jid2 = lane[i]
-            push(heap, (below, base - step * (now - submit), submit, jid2, li, i))
+            push(heap, (entries[li][2], base - step * (now - submit), submit, jid2, li, i))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from placement import ClusterState, JobQueue, Ordering, PendingReason, Policy, iter_order, plan
 
-from .helpers import HOUR, cluster, fill, queue_of, spec
+from .helpers import HOUR, cluster, cycle, fill, queue_of, spec
 
 
 def order(st: ClusterState, q: JobQueue, now: float = 0.0, policy: Policy | None = None) -> list[str]:
@@ -111,3 +111,24 @@ def test_lookahead_limits_the_jobs_considered() -> None:
     assert {x.job_id for x in p.pending} == {"j0", "j1", "j2"}
     assert p.reason("j5") is PendingReason.LOOKAHEAD
     assert p.reason("j0") is PendingReason.CAPACITY
+
+
+def test_a_team_that_reaches_its_guarantee_stops_going_first_within_the_cycle() -> None:
+    """Team "a" is below its 16-GPU guarantee, "b" at its own: a's first two 8-GPU jobs go
+    first; once they are placed a is at its guarantee, and b (less served: the better
+    fair-share position, and an older job) comes before a's third job in the same cycle."""
+    st = cluster(blocks=1, nodes=5)
+    st.set_quota("a", "h100", 16, 100)
+    st.set_quota("b", "h100", 16, 100)
+    st.set_usage("a", "h100", 5000.0, 0.0)  # a is well served: b's fair-share position is better
+    fill(st, ["b0n0", "b0n1"], team="b", prefix="b-run")  # b uses its guarantee
+    st.set_quota("b", "h100", 16, 100)
+    q = queue_of(
+        spec("a1", team="a", gpr=8, submit=10),
+        spec("a2", team="a", gpr=8, submit=11),
+        spec("a3", team="a", gpr=8, submit=12),
+        spec("b1", team="b", gpr=8, submit=0),
+    )
+    p = cycle(st, q, 10 * HOUR, Policy(preemption=False, reservations=False))
+    assert {pl.job_id for pl in p.placements} == {"a1", "a2", "b1"}
+    assert p.reason("a3") is PendingReason.CAPACITY
