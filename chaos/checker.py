@@ -803,6 +803,11 @@ def check(h: History, rec: RunRecord, params: CheckParams | None = None) -> Verd
     measured["failure_to_restart_s"] = _pcts(
         [r["seconds"] for f in measured["failure_to_restart"] for r in f["restarts"] if r["seconds"] is not None]
     )
+    measured["postgres_failovers"] = [
+        {"at_s": at(f.started_at), **{k: v for k, v in f.detail.items() if k.endswith("_s") or "primary" in k}}
+        for f in rec.faults
+        if f.kind == "postgres_failover"
+    ]
     notes = list(h.notes)
     if not rec.leaders:
         notes.append("no leader rows observed by the run: epochs begin at their first write (derived from audit rows)")

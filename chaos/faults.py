@@ -9,6 +9,12 @@ harness undid it, what it hit):
 * ``temporal_restart``: stop the Temporal dev server (SIGTERM, or SIGKILL when ``hard``) while
   the workload submits a burst, and start it again on the same port and database file;
 * ``postgres_restart``: stop Postgres (fast, or immediate when ``hard``), start it again;
+  with ``--ha`` the *standby* goes (stopped or SIGKILLed) and the supervisor brings a new one
+  (commits go asynchronous after its ``after_s``, then synchronous again);
+* ``postgres_failover`` (``--ha`` only): SIGKILL the primary and its backends while the
+  workload submits a burst; the supervisor promotes the standby; recorded: when it was
+  promoted, when a write went through again, when every burst submission was accepted and
+  when commits waited for a new standby again;
 * ``xid``: a fatal Xid (79) on a GPU of a running rank (simulated NVML); the GPU is repaired
   (its faults cleared) after ``down_s``, so the node can burn in and return;
 * ``rank_hang``: the GPUs of a running training rank hang (utilization 0, its step counter
@@ -38,7 +44,7 @@ class FaultInjector:
         self,
         stack: ChaosStack,
         *,
-        burst: Callable[[int], Awaitable[None]] | None = None,
+        burst: Callable[[int], Awaitable[Any]] | None = None,
         log: Callable[[str], None] = lambda _msg: None,
     ) -> None:
         self.stack = stack
@@ -64,6 +70,7 @@ class FaultInjector:
             "leader_kill": self.leader_kill,
             "temporal_restart": self.temporal_restart,
             "postgres_restart": self.postgres_restart,
+            "postgres_failover": self.postgres_failover,
             "xid": self.xid,
             "rank_hang": self.rank_hang,
         }
@@ -124,9 +131,70 @@ class FaultInjector:
         return Fault("temporal_restart", t, end, "temporal", (), {"down_s": pf.down_s, "kill": pf.hard})
 
     async def postgres_restart(self, pf: PlannedFault) -> Fault:
+        if self.stack.pair is not None:
+            return await self._standby_loss(pf)
         t = time.time()
         await self.stack.restart_postgres(pf.down_s, immediate=pf.hard)
         return Fault("postgres_restart", t, time.time(), "postgres", (), {"down_s": pf.down_s, "immediate": pf.hard})
+
+    async def _standby_loss(self, pf: PlannedFault) -> Fault:
+        pair, sup = self.stack.pair, self.stack.supervisor
+        assert pair is not None and sup is not None
+        standby = pair.standby
+        seen = len(sup.events)
+        t = time.time()
+        await asyncio.to_thread(standby.kill if pf.hard else standby.stop)
+        synchronous = await self.stack.wait_synchronous(seen, 90)
+        return Fault(
+            "postgres_restart", t, time.time(), f"postgres standby {standby.name}", (),
+            {"kill": pf.hard, "synchronous_again_after_s": round(synchronous - t, 2) if synchronous else None},
+        )  # fmt: skip
+
+    async def _writes_go_through(self, since: float, deadline_s: float) -> float | None:
+        """Seconds from ``since`` (wall clock) until a fresh connection commits (a primary's
+        xid), or None after ``deadline_s``."""
+        while time.time() - since < deadline_s:
+            try:
+                conn = await asyncpg.connect(self.stack.dsn, timeout=1.0)
+                try:
+                    await conn.fetchval("SELECT txid_current()", timeout=1.0)
+                    return round(time.time() - since, 2)
+                finally:
+                    conn.terminate()
+            except Exception:  # refused, a standby, mid-promotion: try again
+                await asyncio.sleep(0.1)
+        return None
+
+    async def postgres_failover(self, pf: PlannedFault) -> Fault:
+        pair, sup = self.stack.pair, self.stack.supervisor
+        if pair is None or sup is None:
+            raise RuntimeError("postgres_failover needs the stack's Postgres pair (--ha)")
+        old = pair.primary.name
+        seen = len(sup.events)
+        t = time.time()
+        killing = asyncio.ensure_future(asyncio.to_thread(pair.primary.kill))
+        burst: asyncio.Future[Any] | None = None
+        if self.burst is not None:  # jobs submitted while the primary dies and until the standby takes over
+            burst = asyncio.ensure_future(self.burst(3 + pf.pick % 3))
+        await killing
+        writes_s = await self._writes_go_through(t, 60.0)
+        promoted = [e for e in sup.events[seen:] if e["kind"] == "promoted"]
+        submissions_s = None
+        if burst is not None:
+            sent = await burst
+            accepted = [x.accepted_at for x in sent or () if x.accepted_at is not None]
+            if accepted and len(accepted) == len(sent):
+                submissions_s = round(max(accepted) - t, 2)
+        synchronous = await self.stack.wait_synchronous(seen, 90)
+        detail = {
+            "old_primary": old,
+            "new_primary": pair.primary.name,
+            "promoted_after_s": round(promoted[0]["at"] - t, 2) if promoted else None,
+            "writes_after_s": writes_s,
+            "burst_accepted_after_s": submissions_s,  # the last of the burst's submissions accepted
+            "synchronous_again_after_s": round(synchronous - t, 2) if synchronous else None,
+        }
+        return Fault("postgres_failover", t, time.time(), f"postgres primary {old}", (), detail)
 
     # ------------------------------------------------------------------ GPUs
 

@@ -29,7 +29,7 @@ from chaos.checker import CheckParams, Verdict, check
 from chaos.faults import FaultInjector
 from chaos.history import TERMINAL_STATES, load
 from chaos.stack import SCALED, ChaosStack, Layout
-from chaos.timeline import FAULT_KINDS, LeaderSample, RunRecord
+from chaos.timeline import ALL_FAULT_KINDS, FAULT_KINDS, HA_FAULT_KINDS, LeaderSample, RunRecord
 from chaos.workload import Workload
 from common.embedded import PlatformError
 from common.settings import Settings
@@ -41,7 +41,7 @@ class ChaosOptions:
     seed: int = 1
     settle_s: float = 90.0
     layout: Layout = field(default_factory=Layout)
-    kinds: tuple[str, ...] = FAULT_KINDS
+    kinds: tuple[str, ...] | None = None  # None: every kind the stack supports (the HA kinds with layout.ha)
     keep: bool = False  # keep the state dir and logs (its path is in the report)
     mean_interval_s: float = 2.0
     max_active: int = 10
@@ -122,9 +122,12 @@ async def _settle(stack: ChaosStack, settle_s: float) -> float:
 async def run_chaos(opts: ChaosOptions, log: Callable[[str], None] = _stderr_log) -> dict[str, Any]:
     if opts.layout.test_faults and "test_faults" not in Settings.model_fields:
         raise PlatformError("this build has no test_faults hooks (settings.test_faults)")
-    unknown = set(opts.kinds) - set(FAULT_KINDS)
+    kinds = opts.kinds or (ALL_FAULT_KINDS if opts.layout.ha else FAULT_KINDS)
+    unknown = set(kinds) - set(ALL_FAULT_KINDS)
     if unknown:
-        raise PlatformError(f"unknown fault kinds {sorted(unknown)} (known: {', '.join(FAULT_KINDS)})")
+        raise PlatformError(f"unknown fault kinds {sorted(unknown)} (known: {', '.join(ALL_FAULT_KINDS)})")
+    if not opts.layout.ha and set(kinds) & set(HA_FAULT_KINDS):
+        raise PlatformError(f"fault kinds {', '.join(sorted(set(kinds) & set(HA_FAULT_KINDS)))} need --ha")
     began = time.time()
     root = Path(tempfile.mkdtemp(prefix="gpufleet-chaos-", dir=opts.workdir))
     stack = ChaosStack(root, opts.layout, log=log)
@@ -159,7 +162,7 @@ async def run_chaos(opts: ChaosOptions, log: Callable[[str], None] = _stderr_log
         timings = schedule.Timings(
             leader_ttl_s=s.leader_ttl_s, hang_after_s=s.hang_after_s, down_after_s=s.down_after_s
         )
-        planned = schedule.plan(opts.seed, seconds, kinds=opts.kinds, timings=timings, min_gap_s=opts.min_gap_s)
+        planned = schedule.plan(opts.seed, seconds, kinds=kinds, timings=timings, min_gap_s=opts.min_gap_s)
         log(f"{seconds:.0f}s of workload and {len(planned)} faults: {', '.join(p.kind for p in planned)}")
         t0 = time.time()
         submitting = asyncio.create_task(workload.run(until=t0 + seconds))
@@ -224,7 +227,7 @@ def report(
         "ok": verdict.ok and not left,
         "seed": opts.seed,
         "minutes": opts.minutes,
-        "faults": {k: counts.get(k, 0) for k in FAULT_KINDS},
+        "faults": {k: counts.get(k, 0) for k in ALL_FAULT_KINDS if k in FAULT_KINDS or opts.layout.ha},
         "jobs": dict(sorted(Counter(j.state for j in history.jobs.values()).items())),
         "invariants": dict(verdict.invariants),
         "counterexamples": dict(verdict.counterexamples),
@@ -263,6 +266,7 @@ def report(
             "gpus_per_node": opts.layout.gpus_per_node,
             "agents": {a: n for a, n in stack.agent_nodes.items()},
             "controls": list(opts.layout.controls),
+            "postgres": "primary + synchronous standby" if opts.layout.ha else "one server",
         },
         "notes": list(verdict.notes),
         "state_dir": str(stack.root) if opts.keep else None,
@@ -291,6 +295,7 @@ def summary(rep: dict[str, Any]) -> None:
         + f"\ntakeover s: {m.get('takeover_s')}; failure->restart s: {m.get('failure_to_restart_s')}"
         + f"\nlargest attempt overlap: {m.get('attempt_overlap_max_s')}s (bound {m.get('attempt_overlap_bound_s')}s)"
         + f"; unexplained kills: {len(m.get('unexplained_kills') or [])}"
+        + (f"\npostgres failovers: {m['postgres_failovers']}" if m.get("postgres_failovers") else "")
         + f"\nleftover processes: {len(rep['leftover_processes'])}; crashes: {len(rep['crashes'])}"
         + f"; {rep['durations_s']}"
     )  # fmt: skip

@@ -48,6 +48,8 @@ def _down_s(rng: random.Random, kind: str, t: Timings) -> float:
         return rng.uniform(1.0, 4.0)
     if kind == "postgres_restart":
         return rng.uniform(1.0, 3.0)
+    if kind == "postgres_failover":
+        return 0.0  # the primary does not come back: the supervisor seeds a new standby
     if kind == "xid":
         return rng.uniform(6.0, 12.0)
     if kind == "rank_hang":

@@ -36,6 +36,8 @@ import asyncpg
 
 from common.db import create_pool, migrate
 from common.embedded import EmbeddedPostgres, EmbeddedTemporal, PlatformError, wait_for_port
+from common.postgres_failover import FailoverSupervisor
+from common.postgres_pair import PostgresPair
 from common.secrets import role_env
 from common.settings import Principal, Settings
 from proto.auth import node_credential, node_log_key
@@ -98,6 +100,7 @@ class Layout:
     controls: tuple[str, ...] = ("c1", "c2")
     job_workers: int = 0  # control_job_workers of each control process
     test_faults: tuple[str, ...] = ()  # settings.test_faults: a deliberately broken build
+    ha: bool = False  # Postgres as a primary and a synchronous standby, under a failover supervisor
 
     @property
     def gpus(self) -> int:
@@ -130,6 +133,9 @@ class ChaosStack:
         self.state = self.root / "state"
         self.logs = self.root / "logs"
         self.postgres: EmbeddedPostgres | None = None
+        self.pair: PostgresPair | None = None  # with layout.ha, instead of ``postgres``
+        self.supervisor: FailoverSupervisor | None = None
+        self._supervising: asyncio.Task | None = None
         self.temporal: EmbeddedTemporal | None = None
         self.dsn = ""
         self.settings: Settings | None = None
@@ -203,9 +209,12 @@ class ChaosStack:
         self.teams = {
             name: Team(name, f"{name}-user", f"chaos-{name}-{secrets.token_hex(8)}") for name in TEAMS
         }  # fmt: skip
-        self.log("starting Postgres")
-        self.postgres = EmbeddedPostgres(self.state / "pgdata")
-        self.dsn = await asyncio.to_thread(self.postgres.start)
+        if self.layout.ha:
+            await self._start_postgres_pair()
+        else:
+            self.log("starting Postgres")
+            self.postgres = EmbeddedPostgres(self.state / "pgdata")
+            self.dsn = await asyncio.to_thread(self.postgres.start)
         await self._prepare_database()
         self.log("starting the Temporal dev server")
         self.temporal = EmbeddedTemporal(
@@ -244,6 +253,29 @@ class ChaosStack:
         self.log("waiting for the API and every node's agent")
         await asyncio.to_thread(wait_for_port, "127.0.0.1", api_port, 90, self.procs["api"], "api")
         await self._wait(self._every_node_heard, 90, "every node's agent heard by the leader")
+
+    async def _start_postgres_pair(self) -> None:
+        self.log("starting Postgres: a primary and a synchronous standby")
+        self.pair = PostgresPair(self.state)
+        self.dsn = await asyncio.to_thread(self.pair.start)
+        # after_s: a primary still running but unanswering is fenced and replaced after this;
+        # under the leader's lease (leader_ttl_s), so a failover costs at most one takeover
+        self.supervisor = FailoverSupervisor(self.pair, probe_s=0.25, after_s=3.0, log=self.log)
+        if not await self.supervisor.wait_synchronous(90):
+            raise PlatformError(f"the Postgres standby did not stream within 90s: {self.supervisor.events[-3:]}")
+        self._supervising = asyncio.create_task(self.supervisor.run())
+
+    async def wait_synchronous(self, since: int, timeout_s: float) -> float | None:
+        """When (wall clock) the supervisor made commits wait for a standby again, after its
+        event number ``since``; None if it did not within ``timeout_s``."""
+        assert self.supervisor is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            done = [e for e in self.supervisor.events[since:] if e["kind"] == "synchronous"]
+            if done:
+                return float(done[0]["at"])
+            await asyncio.sleep(0.1)
+        return None
 
     async def _every_node_heard(self) -> bool:
         assert self.pool is not None
@@ -462,6 +494,11 @@ class ChaosStack:
             self.pool = None
         if self.temporal is not None:
             await asyncio.to_thread(self.temporal.stop)
+        if self._supervising is not None:
+            self._supervising.cancel()
+            await asyncio.gather(self._supervising, return_exceptions=True)
+        if self.pair is not None:
+            await asyncio.to_thread(self.pair.stop)
         if self.postgres is not None:
             try:
                 await asyncio.to_thread(self.postgres.stop)

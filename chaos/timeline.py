@@ -20,10 +20,13 @@ FAULT_KINDS = (
     "xid",
     "rank_hang",
 )
+# kinds a run injects only on a stack with a Postgres standby (``--ha``), besides the others
+HA_FAULT_KINDS = ("postgres_failover",)
+ALL_FAULT_KINDS = FAULT_KINDS + HA_FAULT_KINDS
 # faults that hit nodes (their agent or their GPUs): a rank may die of these
 NODE_FAULTS = frozenset({"agent_kill", "xid", "rank_hang"})
 # faults of the control plane alone: no running rank may die of these
-CONTROL_FAULTS = frozenset({"leader_stop", "leader_kill", "temporal_restart", "postgres_restart"})
+CONTROL_FAULTS = frozenset({"leader_stop", "leader_kill", "temporal_restart", "postgres_restart", "postgres_failover"})
 
 
 @dataclass(frozen=True)

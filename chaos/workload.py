@@ -125,6 +125,7 @@ class _Sent:
     statuses: list[int] = field(default_factory=list)
     job_ids: list[str] = field(default_factory=list)
     cancel_requested_at: float | None = None
+    accepted_at: float | None = None  # when the first 202 came back
 
     def record(self) -> Submission:
         b = self.plan.body
@@ -187,10 +188,13 @@ class Workload:
             self._start_next()
             await asyncio.sleep(min(6.0, max(0.3, self.rng.expovariate(1.0 / self.mean_interval_s))))
 
-    async def burst(self, n: int) -> None:
-        """``n`` submissions at once (while a fault hits the control plane)."""
+    async def burst(self, n: int) -> list[_Sent]:
+        """``n`` submissions at once (while a fault hits the control plane); they are returned
+        once each was accepted or given up on."""
+        start = len(self.sent)
         tasks = [self._start_next() for _ in range(n)]
         await asyncio.gather(*tasks, return_exceptions=True)
+        return self.sent[start : start + n]
 
     def _start_next(self) -> asyncio.Task:
         plan = plan_submission(self.rng, self._n, self.python, self.train)
@@ -229,6 +233,8 @@ class Workload:
             return 0
         sent.statuses.append(r.status_code)
         if r.status_code == 202:
+            if sent.accepted_at is None:
+                sent.accepted_at = time.time()
             try:
                 sent.job_ids.append(str(r.json()["job_id"]))
             except (ValueError, KeyError, TypeError):

@@ -5,6 +5,7 @@ Mounted by cli/main.py as ``app.command("chaos")(chaos)``.
     gpufleet chaos --minutes 3 --seed 7 --json chaos.json     # report to a file, summary printed
     gpufleet chaos --minutes 1 --seed 7 --json -              # report on stdout, no summary
     gpufleet chaos --faults leader_kill,postgres_restart      # only these kinds
+    gpufleet chaos --ha --minutes 10                          # Postgres standby; adds postgres_failover
 
 Exit status 0 when every invariant holds and nothing was left running, 1 otherwise, 2 on a
 setup problem. Progress goes to stderr. The run is in chaos/ (chaos/run.py).
@@ -33,22 +34,25 @@ def chaos(
         "", "--test-faults", help="a deliberately broken build: ack_before_durable, skip_epoch_check"
     ),
     keep: bool = typer.Option(False, "--keep", help="keep the run's state dir and logs"),
+    ha: bool = typer.Option(
+        False, "--ha", help="Postgres as a primary and a synchronous standby; adds the postgres_failover fault"
+    ),
 ) -> None:
     """Fault injection on its own stack (two controls, agents, the API), then an independent check."""
     import asyncio
 
     from chaos.run import ChaosOptions, run_chaos, summary
     from chaos.stack import Layout
-    from chaos.timeline import FAULT_KINDS
     from common.temporal import hard_exit
 
-    kinds = tuple(k.strip() for k in faults.split(",") if k.strip()) or FAULT_KINDS
+    kinds = tuple(k.strip() for k in faults.split(",") if k.strip()) or None
     layout = Layout(
         blocks=blocks,
         nodes_per_block=nodes_per_block,
         agents=agents,
         job_workers=job_workers,
         test_faults=tuple(t.strip() for t in test_faults.split(",") if t.strip()),
+        ha=ha,
     )
     opts = ChaosOptions(minutes=minutes, seed=seed, settle_s=settle_s, layout=layout, kinds=kinds, keep=keep)
     rep = asyncio.run(run_chaos(opts))
