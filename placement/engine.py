@@ -332,6 +332,8 @@ class _Cycle:
                 return
         for nid in spare_nodes:  # not placed: its spares stay held for it
             state.hold_spare(nid, job.job_id)
+        if fail is not None and self._kept_off_spares(ti, shape, fail):
+            fail = PendingReason.HOT_SPARE
         if fail is PendingReason.CAPACITY and self._would_fit_healthy(ti, shape):
             fail = PendingReason.NODE_HEALTH
         if state._awaiting.get(job.job_id):
@@ -530,6 +532,18 @@ class _Cycle:
         if own_res is not None:
             state.remove_reservation(job.job_id)
         self.placements.append(placed)
+
+    def _kept_off_spares(self, ti: _TypeIndex, shape: Shape, fail: PendingReason) -> bool:
+        """Would the job fit if the idle nodes held as hot spares were free? (Then it is told
+        ``hot_spare``, not ``capacity`` while those nodes sit idle.) A small job that found no
+        node of its shape (``topology``) fits on any spare node, which is a whole free node."""
+        if not ti.spare_nodes:
+            return False
+        if shape.whole:
+            return fail is PendingReason.CAPACITY and ti.free_nodes < shape.nodes <= ti.free_nodes + ti.spare_nodes
+        if fail is PendingReason.CAPACITY:
+            return ti.free_gpus < shape.total <= ti.free_gpus + ti.spare_gpus
+        return fail is PendingReason.TOPOLOGY and shape.total <= ti.node_gpus
 
     def _would_fit_healthy(self, ti: _TypeIndex, shape: Shape) -> bool:
         if shape.whole:

@@ -77,13 +77,15 @@ def check_state(state: ClusterState, strict_quota: bool = True, respect_topology
     # indexes
     for t, ti in state._types.items():
         buckets: list[list[str]] = [[] for _ in range(ti.node_gpus + 1)]
-        free_gpus = free_nodes = un_g = un_n = 0
+        free_gpus = free_nodes = un_g = un_n = sp_n = sp_g = 0
         blocks_free: dict[str, int] = {}
         for bid, blk in ti.blocks.items():
             fn = []
             for nid in blk.nodes:
                 node = nodes[nid]
                 if node.spare_of is not None:
+                    sp_n += 1
+                    sp_g += node.gpus
                     continue
                 if node.health is not NodeHealth.READY:
                     un_g += node.nfree
@@ -111,6 +113,8 @@ def check_state(state: ClusterState, strict_quota: bool = True, respect_topology
             errs.append(f"{t}: free totals wrong")
         if blocks_free != ti.blocks_free:
             errs.append(f"{t}: blocks_free wrong")
+        if (sp_n, sp_g) != (ti.spare_nodes, ti.spare_gpus):
+            errs.append(f"{t}: hot spare totals wrong")
         cats: dict[tuple[int, bool], list] = {}
         cat_g: dict[tuple[int, bool], int] = {}
         for jid, rj in state._running.items():

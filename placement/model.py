@@ -9,8 +9,8 @@ Stable names other packages rely on (do not rename without changing them too):
 * ``PriorityClass``: ``prod-serving`` > ``prod-batch`` > ``research`` > ``preemptible``.
 * ``Pack``: ``block`` | ``node`` | ``any``.
 * ``PendingReason``: ``quota``, ``capacity``, ``topology``, ``reservation``,
-  ``reserved``, ``lookahead``, ``node_health``, ``gpu_type``, ``preempting``,
-  ``invalid``.
+  ``hot_spare``, ``reserved``, ``lookahead``, ``node_health``, ``gpu_type``,
+  ``preempting``, ``invalid``.
 * ``PreemptReason``: ``priority`` (a higher class needs the GPUs), ``reclaim``
   (borrowed capacity taken back, by a team within its guarantee or by prod-serving).
 * ``NodeHealth``: ``ready``, ``suspect``, ``down``, ``cordoned``, ``draining``,
@@ -74,7 +74,8 @@ class PendingReason(StrEnum):
     QUOTA = "quota"  # over guarantee + borrow limit (or borrowing not allowed here)
     CAPACITY = "capacity"  # not enough free GPUs of its type
     TOPOLOGY = "topology"  # enough GPUs, but not in a shape it accepts (max_blocks, whole nodes, one node)
-    RESERVATION = "reservation"  # the free GPUs are held by another job's reservation or hot spares
+    RESERVATION = "reservation"  # the free GPUs are held by another job's reservation
+    HOT_SPARE = "hot_spare"  # it would fit on the idle nodes held as hot spares for large gangs' restarts
     RESERVED = "reserved"  # it holds a reservation and waits for its expected start
     LOOKAHEAD = "lookahead"  # beyond the top-N considered this cycle
     NODE_HEALTH = "node_health"  # it would fit if unhealthy nodes were ready

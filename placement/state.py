@@ -111,6 +111,8 @@ class _TypeIndex:
         "free_nodes",
         "gpu_type",
         "node_gpus",
+        "spare_gpus",
+        "spare_nodes",
         "total_gpus",
         "total_nodes",
         "unready_idle_gpus",
@@ -130,6 +132,8 @@ class _TypeIndex:
         self.total_nodes = 0
         self.unready_idle_gpus = 0
         self.unready_idle_nodes = 0
+        self.spare_nodes = 0  # ready nodes held as hot spares (free, out of the free indexes)
+        self.spare_gpus = 0
         # (rank, borrowed) -> sorted [(-lost_since, job_id)] of running, non-serving, not-preempting jobs
         self.victims: dict[tuple[int, bool], list[tuple[float, str]]] = {}
         self.cat_gpus: dict[tuple[int, bool], int] = {}
@@ -879,8 +883,14 @@ class ClusterState:
         self._detach(node)
         node.spare_of = job_id
         self._attach(node)
+        self._spare_count(node, 1)
         self._spares.setdefault(job_id, set()).add(node_id)
         self._log(self._unhold_spare, node)
+
+    def _spare_count(self, node: _Node, k: int) -> None:
+        ti = self._types[node.gpu_type]
+        ti.spare_nodes += k
+        ti.spare_gpus += k * node.gpus
 
     def _unhold_spare(self, node: _Node) -> None:
         job_id = node.spare_of
@@ -888,6 +898,7 @@ class ClusterState:
         self._detach(node)
         node.spare_of = None
         self._attach(node)
+        self._spare_count(node, -1)
         s = self._spares[job_id]
         s.discard(node.id)
         if not s:
@@ -897,6 +908,7 @@ class ClusterState:
         self._detach(node)
         node.spare_of = job_id
         self._attach(node)
+        self._spare_count(node, 1)
         self._spares.setdefault(job_id, set()).add(node.id)
 
     def release_spares(self, job_id: str) -> tuple[str, ...]:

@@ -253,3 +253,35 @@ def test_apply_partial_commit() -> None:
     assert st.is_running("b") and not st.is_running("a")
     assert "a" in q and "b" not in q
     assert check_state(st) == []
+
+
+def test_a_job_kept_off_hot_spares_is_told_hot_spare_not_capacity() -> None:
+    """A big gang holds one idle spare node. A whole-node job that would fit with it, a small
+    job that finds no node with room but the spare, are told ``hot_spare``; a job too large
+    even with the spare is told ``capacity``; the same small job without spares held, ``topology``
+    (fragmented GPUs) as before."""
+    st = cluster(blocks=2, nodes=5)
+    big_quota(st, "t", "s")
+    policy = Policy(hot_spare_min_gpus=64, hot_spare_fraction=0.1, preemption=False, reservations=False)
+    p = cycle(st, queue_of(spec("big", replicas=8, gpr=8, pack="block")), 100, policy)
+    (spare,) = p.placement("big").spare_nodes
+    free = [n for n in st.node_ids() if not st.node_jobs(n) and n != spare]
+    assert len(free) == 1
+    # 7 GPUs of the last free node busy: one GPU free, nowhere a node for 2 GPUs but the spare
+    occupy(st, spec("frag", team="s", gpr=7), {free[0]: tuple(range(7))}, started_at=100)
+    q = queue_of(
+        spec("one-node", gpr=8, replicas=1, submit=1),
+        spec("small", gpr=2, submit=2),
+        spec("too-big", gpr=8, replicas=3, submit=3),
+    )
+    p = cycle(st, q, 110, policy, do_apply=False)
+    assert p.placements == ()
+    assert p.reason("one-node") is PendingReason.HOT_SPARE
+    assert p.reason("small") is PendingReason.HOT_SPARE
+    assert p.reason("too-big") is PendingReason.CAPACITY
+    st.release("big", 120)  # its spares go with it
+    occupy(st, spec("fill", team="s", replicas=8, gpr=8), [n for n in st.node_ids() if not st.node_jobs(n)][:-1])
+    left = [n for n in st.node_ids() if not st.node_jobs(n)]
+    occupy(st, spec("frag2", team="s", gpr=7), {left[0]: tuple(range(7))}, started_at=100)
+    p = cycle(st, queue_of(spec("small", gpr=2, submit=2)), 130, policy, do_apply=False)
+    assert p.reason("small") is PendingReason.TOPOLOGY
