@@ -99,11 +99,14 @@ def up(
         False, "--stop-jobs", help="on stop, also stop running jobs' ranks (by default they keep running)"
     ),
     grace: float = typer.Option(30.0, "--grace", help="with --stop-jobs: seconds from SIGTERM to SIGKILL"),
+    ha: bool = typer.Option(
+        False, "--ha", help="Postgres primary + synchronous standby with failover, two APIs on one port, two controls"
+    ),
 ) -> None:
     """Bring the whole platform up on embedded defaults (Postgres, Temporal + UI, API, control, agents)."""
     from cli.up import run
 
-    raise typer.Exit(run(_settings(), stop_jobs=stop_jobs, grace_s=grace))
+    raise typer.Exit(run(_settings(), stop_jobs=stop_jobs, grace_s=grace, ha=ha))
 
 
 @app.command("stop-ranks")

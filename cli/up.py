@@ -8,6 +8,11 @@ the state dir and survives restarts; Ctrl-C stops every child cleanly. Running j
 and their supervisors outlive it by design (jobs outlive the control plane): on stop it says
 how many keep running; ``--stop-jobs`` (or ``gpufleet stop-ranks``) stops them too, through
 their supervisors (SIGTERM, SIGKILL after a grace).
+
+``--ha`` (docs/design.md, High availability) runs Postgres as a primary and a synchronous
+standby (``common.postgres_pair``) under the failover supervisor (``common.postgres_failover``,
+a thread of this process), two `api` processes sharing one port and two `control` processes
+(one leads); a child that dies is started again instead of stopping the platform.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +37,9 @@ from common.embedded import (
     ensure_state_dir,
     parse_listen,
     require_free_port,
-    wait_for_port,
 )
+from common.postgres_failover import FailoverSupervisor
+from common.postgres_pair import PostgresPair
 from common.secrets import role_env
 from common.settings import Principal, Settings
 from proto.auth import node_credential, node_log_key
@@ -92,15 +99,55 @@ def redact(dsn: str) -> str:
     return dsn
 
 
+class SupervisorThread:
+    """The failover supervisor on its own event loop, in a daemon thread of ``gpufleet up --ha``."""
+
+    def __init__(self, pair: PostgresPair, log_file: Path) -> None:
+        self.log_file = log_file
+        self.supervisor = FailoverSupervisor(pair, probe_s=0.5, after_s=5.0, log=self._log)
+        self.synchronous = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._main, name="postgres-failover", daemon=True)
+
+    def _log(self, msg: str) -> None:
+        with open(self.log_file, "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+
+    def _main(self) -> None:
+        asyncio.run(self._run())
+
+    async def _run(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        if await self.supervisor.wait_synchronous(90):
+            self.synchronous.set()
+        await self.supervisor.run(self._stop)
+
+    def start(self, timeout_s: float = 90.0) -> bool:
+        """Start it; True once commits wait for the standby (False: not within ``timeout_s``)."""
+        self._thread.start()
+        return self.synchronous.wait(timeout_s)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(15)
+
+
 @dataclass
 class Platform:
     settings: Settings
+    ha: bool = False
     children: dict[str, subprocess.Popen] = field(default_factory=dict)
     postgres: EmbeddedPostgres | None = None
+    pair: PostgresPair | None = None
+    failover: SupervisorThread | None = None
     temporal: EmbeddedTemporal | None = None
     stop_signal: int | None = field(default=None, init=False)
     ranks: str = field(default="", init=False)  # how ranks run, for the banner
     metrics: dict[str, str] = field(default_factory=dict, init=False)  # process -> its /metrics URL
+    commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict, init=False)
+    logs: Path = field(default=Path("."), init=False)
 
     def start(self) -> dict[str, str]:
         s = self.settings
@@ -115,10 +162,27 @@ class Platform:
         agent_host, agent_port = parse_listen(s.agent_http_listen)
         agent_port = agent_port or any_free_port(agent_host)  # fixed now, so the banner can name it
 
+        control_ports = [s.control_grpc_port]
+        if self.ha:
+            control_ports.append(s.control_grpc_port + 1)
+            require_free_port(s.control_grpc_host, control_ports[1], "GPUFLEET_CONTROL_GRPC_PORT (+1 with --ha)")
         dsn = s.database_url
-        if not dsn:
+        if not dsn and self.ha:
+            self.pair = PostgresPair(state)
+            dsn = self.pair.start()
+            self.failover = SupervisorThread(self.pair, logs / "postgres-failover.log")
+            if not self.failover.start():
+                raise PlatformError(
+                    f"the Postgres standby did not stream within 90s (see {logs}/postgres-failover.log)"
+                )
+        elif not dsn:
             self.postgres = EmbeddedPostgres(state / "pgdata")
             dsn = self.postgres.start()
+        elif self.ha:
+            raise PlatformError(
+                "--ha runs the embedded Postgres pair; with GPUFLEET_DATABASE_URL set, failover is that"
+                " database's own (docs/deployment.md)"
+            )
         nodes = asyncio.run(prepare_database(dsn, s))
 
         temporal_address = s.temporal_address
@@ -141,7 +205,7 @@ class Platform:
                 "temporal_address": temporal_address,
                 "state_dir": state,
                 "api_tokens": {t: Principal(**p) for t, p in tokens.items()},
-                "control_addresses": [f"{s.control_grpc_host}:{s.control_grpc_port}"],
+                "control_addresses": [f"{s.control_grpc_host}:{p}" for p in control_ports],
                 "agent_http_listen": f"{agent_host}:{agent_port}",
             }
         )
@@ -151,25 +215,31 @@ class Platform:
         # credentials and log keys of its own nodes, not the secrets they are derived from
         credentials = {n: node_credential(platform, n) for n in fleet}
         log_keys = {n: node_log_key(platform.log_signing_key, n) for n in fleet}
-        commands = {
-            "control": (["control"], role_env(platform, "control")),
-            "api": (["api"], role_env(platform, "api")),
+        from cli.api_cmd import api_commands, wait_listening
+
+        controls: dict[str, tuple[list[str], dict[str, str]]] = {
+            "control": (["control"], role_env(platform, "control"))
+        }
+        if self.ha:  # two, one leads; each its own gRPC port and metrics port
+            controls = {}
+            for i, port in enumerate(control_ports, 1):
+                env = role_env(platform, "control")
+                env["GPUFLEET_CONTROL_GRPC_PORT"] = str(port)
+                if i > 1 or not metrics_port:
+                    env["GPUFLEET_CONTROL_METRICS_LISTEN"] = f"{metrics_host}:{any_free_port(metrics_host)}"
+                controls[f"control-{i}"] = (["control", "--holder", f"control-{i}"], env)
+        self.commands = {
+            **controls,
+            **api_commands(platform, 2 if self.ha else 1),
             "agent": (
                 ["agent", "run", "--nodes", ",".join(fleet)],
                 role_env(platform, "agent", agent_credentials=credentials, agent_log_keys=log_keys),
             ),
         }
-        for name, (args, env) in commands.items():
-            log = open(logs / f"{name}.log", "ab")
-            # a process group of its own: the terminal's Ctrl-C reaches `up` alone, which stops each
-            # child with SIGTERM (a SIGINT reaching a child still importing was a KeyboardInterrupt
-            # traceback in its log)
-            self.children[name] = subprocess.Popen(
-                [sys.executable, "-m", "cli.main", *args], env=env, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, process_group=0,
-            )  # fmt: skip
-            log.close()
-        wait_for_port(s.api_host, s.api_port, 60, self.children["api"], "api")
+        self.logs = logs
+        for name in self.commands:
+            self.spawn(name)
+        wait_listening({n: p for n, p in self.children.items() if n.startswith("api")}, s.api_port, 60)
         urls = {
             "api": f"http://{s.api_host}:{s.api_port}",
             "api_docs": f"http://{s.api_host}:{s.api_port}/docs",
@@ -179,15 +249,33 @@ class Platform:
         if self.temporal is not None:
             urls["temporal_ui"] = f"http://127.0.0.1:{s.temporal_ui_port}"
         urls["ui"] = f"http://{s.api_host}:{s.api_port}/ui"
-        self.metrics = {
-            "api": f"http://{s.api_host}:{s.api_port}/metrics",
-            "control": f"http://{metrics_host}:{metrics_port}/metrics"
-            if metrics_port
-            else "(a free port: see control.log)",
-            "agent": f"http://{agent_host}:{agent_port}/metrics",
-        }
+        if self.pair is not None:
+            urls["postgres"] = (
+                f"primary {self.pair.primary.name} + synchronous standby {self.pair.standby.name}"
+                f" (failover log: {logs / 'postgres-failover.log'})"
+            )
+        self.metrics = {"api": f"http://{s.api_host}:{s.api_port}/metrics"}
+        for name, (_, env) in controls.items():
+            listen = env.get("GPUFLEET_CONTROL_METRICS_LISTEN")
+            self.metrics[name] = (
+                f"http://{listen}/metrics" if listen
+                else f"http://{metrics_host}:{metrics_port}/metrics" if metrics_port
+                else "(a free port: see control.log)"
+            )  # fmt: skip
+        self.metrics["agent"] = f"http://{agent_host}:{agent_port}/metrics"
         self._tokens = tokens
         return urls
+
+    def spawn(self, name: str) -> None:
+        args, env = self.commands[name]
+        with open(self.logs / f"{name}.log", "ab") as log:
+            # a process group of its own: the terminal's Ctrl-C reaches `up` alone, which stops each
+            # child with SIGTERM (a SIGINT reaching a child still importing was a KeyboardInterrupt
+            # traceback in its log)
+            self.children[name] = subprocess.Popen(
+                [sys.executable, "-m", "cli.main", *args], env=env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, process_group=0,
+            )  # fmt: skip
 
     def catch_signals(self) -> None:
         """From now on SIGINT / SIGTERM / SIGHUP (the terminal closed) ask ``watch`` to return
@@ -201,10 +289,16 @@ class Platform:
             signal.signal(sig, on_signal)
 
     def watch(self) -> int:
-        """Block until a signal (``catch_signals`` first) or a child dies; return the exit code to use."""
+        """Block until a signal (``catch_signals`` first) or a child dies; return the exit code to use.
+        With ``ha`` a child that dies is started again (its twin serves meanwhile)."""
         while self.stop_signal is None:
-            for name, proc in self.children.items():
+            for name, proc in list(self.children.items()):
                 if proc.poll() is not None:
+                    if self.ha:
+                        print(f"gpufleet up: {name} exited with code {proc.returncode}; starting it again",
+                              file=sys.stderr, flush=True)  # fmt: skip
+                        self.spawn(name)
+                        continue
                     print(f"gpufleet up: {name} exited with code {proc.returncode}; stopping", file=sys.stderr)
                     return 1
             time.sleep(0.2)
@@ -231,6 +325,10 @@ class Platform:
         """Stop the embedded Temporal and Postgres (when this started them)."""
         if self.temporal is not None:
             self.temporal.stop()
+        if self.failover is not None:  # before the servers: a stopped primary is not a failover
+            self.failover.stop()
+        if self.pair is not None:
+            self.pair.stop()
         if self.postgres is not None:
             self.postgres.stop()
 
@@ -327,8 +425,8 @@ def _rank_isolation(platform: Settings) -> tuple[Settings, str]:
     return platform, f"run as uid {platform.agent_rank_uid} (isolated; per-team ids: GPUFLEET_AGENT_TEAM_RANK_IDS)"
 
 
-def run(settings: Settings, *, stop_jobs: bool = False, grace_s: float = 30.0) -> int:
-    platform = Platform(settings)
+def run(settings: Settings, *, stop_jobs: bool = False, grace_s: float = 30.0, ha: bool = False) -> int:
+    platform = Platform(settings, ha=ha)
     try:
         urls = platform.start()
     except BaseException:  # PlatformError, or Ctrl-C while starting: leave nothing running
@@ -339,7 +437,7 @@ def run(settings: Settings, *, stop_jobs: bool = False, grace_s: float = 30.0) -
     for k, v in urls.items():
         print(f"  {k:<12} {v}")
     for name, url in platform.metrics.items():
-        print(f"  {'metrics':<12} {name:<8} {url}")
+        print(f"  {'metrics':<12} {name:<9} {url}")
     print("  dev tokens:")
     for token, p in platform._tokens.items():
         who = "admin" if p.get("admin") else f"team {p['team']}"

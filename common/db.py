@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from importlib import resources
 from typing import Any
 
@@ -15,6 +16,23 @@ from common.settings import Settings
 async def _init_connection(conn: asyncpg.Connection) -> None:
     for typ in ("json", "jsonb"):
         await conn.set_type_codec(typ, encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+
+class _OneLine(logging.Filter):
+    """asyncpg logs a full traceback each time it fails to refill the pool's floor (every
+    second of a Postgres outage or failover): one line with the error says the same."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            e = record.exc_info[1]
+            record.msg, record.args = f"{record.getMessage()}: {type(e).__name__}: {e}", ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_POOL_LOG = logging.getLogger("asyncpg.pool")
+if not any(isinstance(f, _OneLine) for f in _POOL_LOG.filters):
+    _POOL_LOG.addFilter(_OneLine())
 
 
 async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, **kwargs: Any) -> asyncpg.Pool:
