@@ -104,6 +104,10 @@ _DB_UNAVAILABLE = (
     asyncpg.exceptions.CannotConnectNowError,
     asyncpg.exceptions.TooManyConnectionsError,
     asyncpg.InterfaceError,
+    # a failover: no host of a multi-host DSN takes writes yet (the primary gone, the standby
+    # not yet promoted), or the server ended the session (shutdown, crash, promotion)
+    asyncpg.exceptions.TargetServerAttributeNotMatched,
+    asyncpg.exceptions.OperatorInterventionError,
 )
 _BAD_TEXT = (
     asyncpg.exceptions.CharacterNotInRepertoireError,

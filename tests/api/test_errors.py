@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncpg
 import httpx
+import pytest
 
+from api.errors import translate_exception
 from api.main import create_app
 from store import jobs
 from tests.api.conftest import ALPHA, auth, job_body, new_key, submit
@@ -85,3 +88,18 @@ async def test_create_app_reads_settings_from_the_environment(monkeypatch, db_ds
     monkeypatch.setenv("GPUFLEET_API_TOKENS", '{"t1": {"name": "env-admin", "admin": true}}')
     app = create_app()
     assert app.state.settings.database_url == db_dsn and app.state.tokens.lookup("t1").name == "env-admin"
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        asyncpg.exceptions.TargetServerAttributeNotMatched("None of the hosts match the target attribute requirement"),
+        asyncpg.exceptions.AdminShutdownError("terminating connection due to administrator command"),
+        asyncpg.exceptions.CrashShutdownError("terminating connection because of crash of another server process"),
+        ConnectionRefusedError(111, "Connection refused"),
+    ],
+)
+def test_a_database_failover_is_a_503_to_retry_not_a_500(exc: BaseException) -> None:
+    # a Postgres failover (issue 24): between the primary's death and the standby's promotion
+    # no host of the multi-host DSN takes writes; clients retry a 503 with the same key
+    assert translate_exception(exc) == (503, "database_unavailable", "the database is unreachable; retry later", None)
