@@ -105,3 +105,11 @@ async def test_gpufleet_nodes_shows_what_a_state_waits_for(client, settings, poo
         r = await asyncio.to_thread(invoke, "nodes", "--json")
         [n] = [n for n in json.loads(r.stdout)["nodes"] if n["node_id"] == "b0-n1"]
         assert n["waiting_for"] == "waiting for 1 rank to exit"
+
+
+def test_every_pending_reason_the_engine_gives_has_a_sentence_in_explain() -> None:
+    # a reason the engine learns (hot_spare, issue 22) must not reach users as "pending: <code>"
+    from api.routes.jobs import _PENDING_TEXT
+    from placement.model import PendingReason
+
+    assert {r.value for r in PendingReason} <= set(_PENDING_TEXT)
