@@ -103,6 +103,7 @@ class _Cycle:
         self.excl_version = -1
         self.evictable_placement = False  # the last _try_place used evictable backfill
         self.claim_team: str | None = None  # Exclusions.claim_team for the job being decided
+        self.returning: dict[tuple[str, int], int] = {}  # (type, placements so far) -> demand expected back
 
     # ------------------------------------------------------------------ cycle
 
@@ -268,6 +269,15 @@ class _Cycle:
             return True
         return None
 
+    def _reclaim_likely(self, gpu_type: str, ti: _TypeIndex, charge: int, guard: float) -> bool:
+        """Would a borrowed start of ``charge`` GPUs eat into the free GPUs that the guaranteed
+        demand expected back (``ClusterState.returning_demand`` x ``guard``) will want?"""
+        key = (gpu_type, len(self.placements))
+        back = self.returning.get(key)
+        if back is None:
+            back = self.returning[key] = self.state.returning_demand(gpu_type)
+        return ti.free_gpus - charge < guard * back
+
     def _pend(self, job: JobSpec, reason: PendingReason, detail: str = "") -> None:
         self.pending.append(Pending(job.job_id, reason, detail))
 
@@ -305,6 +315,16 @@ class _Cycle:
             self.quota_only = True
             return
         serving = job.rank == SERVING_RANK
+        if (
+            borrowed
+            and policy.unsaved_borrow_guard is not None
+            and not job.preemptible
+            and not serving
+            and shape.charge < policy.reserve_min_gpus
+            and self._reclaim_likely(job.gpu_type, ti, shape.charge, policy.unsaved_borrow_guard)
+        ):
+            self._pend(job, PendingReason.CAPACITY, "kept free for guaranteed demand expected back")
+            return
         own_res = state.reservation(job.job_id)
         spare_nodes = state.release_spares(job.job_id) if job.job_id in state._spares else ()
         own_spares = bool(spare_nodes)

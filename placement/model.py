@@ -280,6 +280,12 @@ class Policy:
       ``idle_gpu_util_pct`` for ``idle_gpu_after_s``) is the cheapest victim: it does no work
       to lose. The driver marks such jobs (``ClusterState.set_idle``) only under this field;
       the simulator has no GPU readings, so it never does.
+    * ``unsaved_borrow_guard``: a job that cannot checkpoint (it loses all its work when
+      reclaimed) starts borrowed only if, after it, its type's free GPUs still cover this
+      share of the guaranteed demand expected back: per team, its recent peak demand
+      (``ClusterState.set_demand_forecast``, the driver's data) within its guarantee, less
+      what it uses now. Such a job waits (``capacity``) rather than start into capacity its
+      owners are likely to reclaim; jobs that checkpoint borrow as before. None: off.
     """
 
     lookahead: int = 2000
@@ -311,6 +317,7 @@ class Policy:
     claim_borrowed_reservations_after_s: float | None = 300.0
     reclaim_small_borrowed_after_s: float | None = 300.0
     idle_victims_first: bool = True
+    unsaved_borrow_guard: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -330,6 +337,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "guaranteed_gangs_reserve_first": False,
     "claim_borrowed_reservations_after_s": None,
     "reclaim_small_borrowed_after_s": None,
+    "unsaved_borrow_guard": None,
 }
 
 PRESETS: dict[str, Policy] = {

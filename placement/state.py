@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 from placement.model import (
@@ -250,6 +250,7 @@ class ClusterState:
         self._missing: dict[str, set[int]] = {}
         self._awaiting: dict[str, set[str]] = {}
         self._quota_dirty: set[tuple[str, str]] = set()
+        self._forecast: dict[tuple[str, str], int] = {}  # (team, type) -> recent peak demand (driver's data)
         self._journal: list[tuple[Callable[..., Any], tuple[Any, ...]]] | None = None
         # per head-of-line reservation: ((block versions, res_version), (nodes, expected start)),
         # see reservations.refresh_head_of_line
@@ -505,6 +506,31 @@ class ClusterState:
 
     def teams(self) -> tuple[str, ...]:
         return tuple(sorted({k[0] for k in self._quota} | {k[0] for k in self._acct}))
+
+    def set_demand_forecast(self, forecast: Mapping[tuple[str, str], int]) -> None:
+        """Each (team, GPU type)'s expected demand (GPUs running + queued), as the driver
+        estimates it from the recent past (``placement.forecast.DemandWindow``): replaces the
+        previous forecast. Set between cycles, never during ``plan``. Read under
+        ``Policy.unsaved_borrow_guard``."""
+        self._forecast = {k: int(v) for k, v in forecast.items() if v > 0}
+
+    def demand_forecast(self, team: str, gpu_type: str) -> int:
+        return self._forecast.get((team, gpu_type), 0)
+
+    def returning_demand(self, gpu_type: str) -> int:
+        """GPUs of guaranteed demand expected back: per team, its forecast demand within its
+        guarantee less what it uses now (0 for a team at or over either)."""
+        total = 0
+        for (team, t), peak in self._forecast.items():
+            if t != gpu_type:
+                continue
+            q = self._quota.get((team, t))
+            if q is None:
+                continue
+            a = self._acct.get((team, t))
+            used = a.used if a is not None else 0
+            total += max(0, min(q.guaranteed, peak) - used)
+        return total
 
     def set_usage(self, team: str, gpu_type: str, gpu_hours: float, as_of: float) -> None:
         """Decayed GPU-hours of a team (on rebuild from the store); running jobs keep accruing."""

@@ -1,0 +1,130 @@
+"""Less churn by design: borrowed starts that would lose all their work to a likely reclaim wait."""
+
+from __future__ import annotations
+
+import pytest
+
+from placement import PendingReason, Policy
+from placement.forecast import DemandWindow
+
+from .helpers import cluster, cycle, fill, queue_of, spec
+
+NOW = 10_000.0
+
+
+def test_unsaved_borrowed_starts_leave_room_for_guaranteed_demand_expected_back() -> None:
+    """(job checkpoints, lender's recent peak, lender's use, guard) -> the borrowed job starts?
+
+    One node of 8 GPUs is free; "lender" holds a 16-GPU guarantee it is not using in full.
+    A borrowed job of "b" that cannot checkpoint starts only if the free GPUs left after it
+    cover guard x (lender's recent peak within its guarantee - its use now)."""
+    pol = Policy(unsaved_borrow_guard=1.0)
+    half = Policy(unsaved_borrow_guard=0.5)
+    off = Policy()
+    cases = [
+        # preemptible (checkpoints), lender's peak, lender busy GPUs, policy, job GPUs, starts
+        (False, 16, 8, pol, 4, False),  # 8 GPUs expected back, 4 left after it: waits
+        (True, 16, 8, pol, 4, True),  # checkpoints: borrows as before
+        (False, 16, 8, off, 4, True),  # the field off: as before
+        (False, 8, 8, pol, 4, True),  # the lender uses all it asked for lately: nothing expected back
+        (False, 0, 8, pol, 4, True),  # no forecast: nothing expected back
+        (False, 12, 8, pol, 4, True),  # 4 expected back, 4 left after it
+        (False, 12, 8, pol, 8, False),  # 4 expected back, 0 left after it
+        (False, 16, 8, half, 4, True),  # half of 8 expected back: 4 left covers it
+        (False, 16, 8, half, 8, False),
+        (False, 64, 8, pol, 4, False),  # a peak above the guarantee counts up to the guarantee
+    ]
+    for preemptible, peak, lender_busy, policy, gpus, starts in cases:
+        st = cluster(blocks=1, nodes=2)
+        st.set_quota("lender", "h100", 16, 0)
+        st.set_quota("b", "h100", 0, 100)
+        fill(st, ["b0n0"][: lender_busy // 8], team="lender")
+        st.set_quota("lender", "h100", 16, 0)  # fill() raised it
+        st.set_demand_forecast({("lender", "h100"): peak})
+        q = queue_of(spec("x", team="b", gpr=gpus, preemptible=preemptible))
+        p = cycle(st, q, NOW, policy)
+        case = (preemptible, peak, lender_busy, policy.unsaved_borrow_guard, gpus)
+        assert ([pl.job_id for pl in p.placements] == ["x"]) is starts, case
+        if not starts:
+            assert p.reason_for(q.get("x")) is PendingReason.CAPACITY, case
+
+
+def test_the_guard_leaves_guaranteed_and_gang_starts_alone() -> None:
+    """Only borrowed jobs below ``reserve_min_gpus`` are held back: the team's own guaranteed
+    work, and whole-node gangs (which reserve and drain), start as before."""
+    pol = Policy(unsaved_borrow_guard=1.0, reserve_min_gpus=16)
+    st = cluster(blocks=1, nodes=4)
+    st.set_quota("lender", "h100", 32, 0)
+    st.set_quota("g", "h100", 8, 0)
+    st.set_quota("b", "h100", 0, 100)
+    st.set_demand_forecast({("lender", "h100"): 32})
+    q = queue_of(
+        spec("guaranteed", team="g", gpr=8, preemptible=False),
+        spec("gang", team="b", replicas=2, gpr=8, preemptible=False, submit=1),
+        spec("small", team="b", gpr=8, preemptible=False, submit=2),
+    )
+    p = cycle(st, q, NOW, pol)
+    assert sorted(pl.job_id for pl in p.placements) == ["gang", "guaranteed"]
+    assert p.reason_for(q.get("small")) is PendingReason.CAPACITY
+
+
+def test_the_guard_counts_this_cycles_guaranteed_starts() -> None:
+    """The lender's own work placed earlier in the cycle takes back part of what was expected."""
+    pol = Policy(unsaved_borrow_guard=1.0)
+    st = cluster(blocks=1, nodes=3)
+    st.set_quota("lender", "h100", 16, 0)
+    st.set_quota("b", "h100", 0, 100)
+    st.set_demand_forecast({("lender", "h100"): 16})
+    q = queue_of(
+        spec("mine", team="lender", cls="prod-batch", gpr=8),
+        spec("x", team="b", gpr=8, preemptible=False, submit=1),
+    )
+    p = cycle(st, q, NOW, pol)
+    # after "mine" 8 GPUs of the lender's 16 are expected back; 16 free - 8 for x = 8: x starts
+    assert sorted(pl.job_id for pl in p.placements) == ["mine", "x"]
+
+
+def test_demand_window_keeps_recent_peaks() -> None:
+    w = DemandWindow(window_s=1800, bucket_s=300)
+    w.observe(0, {("a", "h100"): 64, ("b", "h100"): 8})
+    w.observe(100, {("a", "h100"): 16})
+    w.observe(600, {("a", "h100"): 32})
+    assert w.peaks(600) == {("a", "h100"): 64, ("b", "h100"): 8}
+    assert w.peaks(1800) == {("a", "h100"): 64, ("b", "h100"): 8}  # bucket 0 still in the window
+    assert w.peaks(2100) == {("a", "h100"): 32}  # bucket 0 has left it; 32 still holds
+    w.observe(2400, {("a", "h100"): 4})
+    assert w.peaks(4200) == {("a", "h100"): 32}  # 32 held into the bucket of 2400
+    assert w.peaks(4500) == {("a", "h100"): 4}  # the latest observation holds until the next
+    with pytest.raises(ValueError):
+        DemandWindow(window_s=0)
+
+
+def test_demand_window_carries_a_demand_that_held_without_observations() -> None:
+    """A team that held 32 GPUs from 0 to 1200 s with no cycle in between, then dropped to 0:
+    its peak stays in the window until 1200 s is more than a window ago."""
+    w = DemandWindow(window_s=1800, bucket_s=300)
+    w.observe(0, {("a", "h100"): 32})
+    w.observe(1200, {})
+    assert w.peaks(2100) == {("a", "h100"): 32}
+    assert w.peaks(3300) == {}
+
+
+def test_the_baselines_keep_the_guard_off() -> None:
+    from placement import PRESETS
+
+    for name in ("fifo_first_fit", "no_topology_no_reservation", "easy_backfill"):
+        assert PRESETS[name].unsaved_borrow_guard is None, name
+
+
+def test_demand_of_counts_use_and_queued_lanes() -> None:
+    """What the leader feeds the window: GPUs in use plus each queued lane's size floor x length."""
+    from placement.forecast import demand_of
+
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("a", "h100", 16, 0)
+    fill(st, ["b0n0"], team="a")
+    st.set_quota("a", "h100", 16, 0)
+    q = queue_of(spec("x", team="a", gpr=8), spec("y", team="a", gpr=8, submit=1), spec("z", team="b", gpr=1))
+    d = demand_of(st, q)
+    assert d[("a", "h100")] == 8 + 16
+    assert d[("b", "h100")] == 1
