@@ -66,6 +66,7 @@ from placement import (
     plan,
     requeue_spec,
 )
+from placement.forecast import DemandWindow
 from sim.costs import restart_s, saves_on_sigterm
 from sim.failures import Fault
 from sim.metrics import Metrics
@@ -173,6 +174,10 @@ class Simulation:
         self.cycle_s: list[float] = []
         self.wall_s = 0.0
         self._node_gpus = {t: workload.cluster.node_gpus(t) for t in workload.cluster.gpu_types()}
+        # each team's recent demand, only for a policy that reads it (Policy.unsaved_borrow_guard)
+        self.demand = DemandWindow() if policy.unsaved_borrow_guard is not None else None
+        self.queued_by_team: dict[tuple[str, str], int] = {}
+        self.team_types = sorted({(t.name, g) for t in workload.teams for g, _, _ in t.quotas})
 
     # ------------------------------------------------------------------ events
 
@@ -273,10 +278,24 @@ class Simulation:
 
     # ------------------------------------------------------------------ handlers
 
+    def _queued_charge(self, rec: JobRecord, sign: int) -> None:
+        if self.demand is not None:
+            key = (rec.job.team, rec.job.gpu_type)
+            self.queued_by_team[key] = self.queued_by_team.get(key, 0) + sign * rec.charge
+
+    def _forecast(self, now: float) -> None:
+        """Each team's demand (running + queued GPUs) into the window, its recent peaks to the
+        engine (``Policy.unsaved_borrow_guard``), as the leader does."""
+        assert self.demand is not None
+        st = self.state
+        self.demand.observe(now, {k: st.used(*k) + self.queued_by_team.get(k, 0) for k in self.team_types})
+        st.set_demand_forecast(self.demand.peaks(now))
+
     def _arrive(self, rec: JobRecord) -> None:
         rec.phase = "queued"
         self.queue.push(rec.spec)
         self.metrics.queued(rec, +1)
+        self._queued_charge(rec, +1)
         self._note(f"arrive {rec.job.job_id} {rec.job.priority} {rec.job.gpus}g team={rec.job.team}")
         self._mark()
 
@@ -287,6 +306,8 @@ class Simulation:
         self.cycles += 1
         check = self.opt.check_every and self.cycles % self.opt.check_every == 0
         t0 = time.perf_counter()
+        if self.demand is not None:
+            self._forecast(now)
         p = plan(self.state, self.queue, self.policy, now)
         t1 = time.perf_counter()
         if check:
@@ -344,6 +365,7 @@ class Simulation:
         job = rec.job
         m = self.metrics
         m.queued(rec, -1)
+        self._queued_charge(rec, -1)
         if rec.first_start is None:
             rec.first_start = now
             m.first_start(rec, now)
@@ -442,6 +464,7 @@ class Simulation:
         rec.sigterm_at = None
         self.queue.push(spec)
         self.metrics.queued(rec, +1)
+        self._queued_charge(rec, +1)
         return lost_h
 
     def _end(self, rec: JobRecord, b) -> None:

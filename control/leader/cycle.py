@@ -39,6 +39,7 @@ from control.leader.metrics import ControlMetrics
 from control.leader.signals import JobSignals
 from control.leader.state import LeaderState, policy_from_settings
 from placement import Placement, Plan, Policy, iter_order
+from placement.forecast import DemandWindow, demand_of
 from placement.lifecycle import JobState
 from store import allocations, job_states, publications
 from store.allocations import GangPlacement
@@ -105,6 +106,8 @@ class PlacementCycles:
         self.published: dict[str, tuple[int | None, str | None, str | None, datetime | None]] = {}
         self.published_res: tuple | None = None
         self.published_spares: dict[str, str] | None = None  # node -> job (None: not yet)
+        # each team's recent peak demand, kept only for a policy that reads it (Policy.unsaved_borrow_guard)
+        self.demand = DemandWindow() if self.policy.unsaved_borrow_guard is not None else None
 
     def forget_publications(self) -> None:
         """A new leadership re-publishes everything once."""
@@ -177,6 +180,9 @@ class PlacementCycles:
         now = time.time()
         if self.metrics is not None:
             self.metrics.before_plan(cluster, state.queue, now)
+        if self.demand is not None:
+            self.demand.observe(now, demand_of(cluster, state.queue))
+            cluster.set_demand_forecast(self.demand.peaks(now))
         plan = engine.plan(cluster, state.queue, self.policy, now)
 
         for rl in plan.relabels:
