@@ -154,10 +154,32 @@ class EmbeddedTemporal:
         log = open(self.log_file or self.db_file.with_suffix(".log"), "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
+        deadline = time.monotonic() + timeout_s
         wait_for_port(self.host, self.port, timeout_s, self.proc, "temporal dev server")
+        self._wait_serving(deadline)
         if self.ui:
             wait_for_port(self.host, self.ui_port, timeout_s, self.proc, "temporal web UI")
         return self.address
+
+    def _wait_serving(self, deadline: float) -> None:
+        """The port opens before the frontend serves: a client connecting then is refused
+        ("Frontend is not healthy yet"), so wait for the server's own health check."""
+        last = ""
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise PlatformError(f"temporal dev server exited with code {self.proc.returncode} while starting")
+            try:
+                out = subprocess.run(
+                    [temporal_cli_path(), "operator", "cluster", "health", "--address", self.address],
+                    capture_output=True, text=True, timeout=10,
+                )  # fmt: skip
+                last = (out.stdout + out.stderr).strip()
+                if out.returncode == 0 and "SERVING" in out.stdout:
+                    return
+            except subprocess.TimeoutExpired:
+                last = "health check timed out"
+            time.sleep(0.2)
+        raise PlatformError(f"temporal dev server on {self.address} did not report SERVING in time: {last[-200:]}")
 
     def stop(self, timeout_s: float = 15.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -113,20 +113,26 @@ async def test_reports_made_while_the_control_plane_is_down_arrive_after_it_is_b
             await c.stop(0.2)
 
 
+async def _refused(call, msg: pb.AgentMessage) -> grpc.StatusCode:
+    """The status the server ended the stream with. A credential is checked from the call's
+    metadata, so the server may refuse before the first message is even written (then the
+    write raises; under load in CI it did)."""
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call.write(msg)
+        await call.read()
+    return e.value.code()
+
+
 async def test_bad_credentials_and_foreign_node_messages_are_rejected_and_audited(settings, control):
     async with grpc.aio.insecure_channel(control.server.address) as ch:
         stub = pbg.ControlLinkStub(ch)
         call = stub.Connect(metadata=node_metadata("node-a", "wrong-credential"))
-        await call.write(pb.AgentMessage(heartbeat=pb.Heartbeat(node_id="node-a", seq=1)))
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await call.read()
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        hb = pb.AgentMessage(heartbeat=pb.Heartbeat(node_id="node-a", seq=1))
+        assert await _refused(call, hb) == grpc.StatusCode.UNAUTHENTICATED
         # a valid node sending a heartbeat for another node
         call = stub.Connect(metadata=node_metadata("node-a", node_credential(settings, "node-a")))
-        await call.write(pb.AgentMessage(heartbeat=pb.Heartbeat(node_id="node-b", seq=1)))
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await call.read()
-        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        hb = pb.AgentMessage(heartbeat=pb.Heartbeat(node_id="node-b", seq=1))
+        assert await _refused(call, hb) == grpc.StatusCode.PERMISSION_DENIED
     assert [f.reason for f in control.auth_failures] == ["bad or missing node credential", "heartbeat for another node"]
     assert control.auth_failures[1].message_node_id == "node-b"
     assert control.server.table.get("node-b") is None and control.server.table.get("node-a") is None
