@@ -41,9 +41,10 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
-def start(state: Path, ports: dict[str, int]) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
-    env.update(
+def start(state: Path, ports: dict[str, int], *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`gpufleet up *args` on these ports, with only the GPUFLEET_ settings given here (and ``env``)."""
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
+    child_env.update(
         {
             "GPUFLEET_STATE_DIR": str(state),
             "GPUFLEET_API_PORT": str(ports["api"]),
@@ -51,12 +52,13 @@ def start(state: Path, ports: dict[str, int]) -> subprocess.Popen:
             "GPUFLEET_TEMPORAL_UI_PORT": str(ports["ui"]),
             "GPUFLEET_CONTROL_GRPC_PORT": str(ports["grpc"]),
             "PYTHONUNBUFFERED": "1",
+            **(env or {}),
         }
     )
     return subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "up"],
+        [sys.executable, "-m", "cli.main", "up", *args],
         cwd=ROOT,
-        env=env,
+        env=child_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -8,10 +8,8 @@ again, and Ctrl-C stops every process, both Postgres servers included.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import pytest
 import yaml
 
 from cli.user_cmd import ApiClient
-from tests.foundation.test_up import ROOT, assert_stopped, free_port, read_until, stop
+from tests.foundation.test_up import ROOT, assert_stopped, free_port, read_until, start, stop
 from tests.support import eventually_sync
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -29,23 +27,9 @@ JOB = {**yaml.safe_load((ROOT / "examples" / "one-gpu.yaml").read_text()), "comm
 
 
 def start_ha(state: Path, ports: dict[str, int]) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
-    env.update(
-        {
-            "GPUFLEET_STATE_DIR": str(state),
-            "GPUFLEET_API_PORT": str(ports["api"]),
-            "GPUFLEET_TEMPORAL_PORT": str(ports["temporal"]),
-            "GPUFLEET_TEMPORAL_UI_PORT": str(ports["ui"]),
-            "GPUFLEET_CONTROL_GRPC_PORT": str(ports["grpc"]),
-            "GPUFLEET_CONTROL_METRICS_LISTEN": "127.0.0.1:0",
-            "GPUFLEET_AGENT_HTTP_LISTEN": "127.0.0.1:0",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    return subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "up", "--ha"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    # two controls: the second's metrics and the agent's HTTP on free ports
+    free = {"GPUFLEET_CONTROL_METRICS_LISTEN": "127.0.0.1:0", "GPUFLEET_AGENT_HTTP_LISTEN": "127.0.0.1:0"}
+    return start(state, ports, "--ha", env=free)
 
 
 def _children(proc: subprocess.Popen, role: str) -> list[psutil.Process]:
