@@ -285,7 +285,8 @@ class Policy:
       share of the guaranteed demand expected back: per team, its recent peak demand
       (``ClusterState.set_demand_forecast``, the driver's data) within its guarantee, less
       what it uses now. Such a job waits (``capacity``) rather than start into capacity its
-      owners are likely to reclaim; jobs that checkpoint borrow as before. None: off.
+      owners are likely to reclaim; jobs that checkpoint borrow as before. None: off (in
+      every preset: on seeds 1-3 it starved more teams, sim/README.md).
     """
 
     lookahead: int = 2000
