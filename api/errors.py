@@ -108,6 +108,10 @@ _DB_UNAVAILABLE = (
     # not yet promoted), or the server ended the session (shutdown, crash, promotion)
     asyncpg.exceptions.TargetServerAttributeNotMatched,
     asyncpg.exceptions.OperatorInterventionError,
+    # a pooled connection whose server died mid-operation can fail its next statement with
+    # asyncpg's own protocol error ("cannot switch to state 15; another operation (2) is in
+    # progress"), seen in chaos --ha runs; the request did nothing, a retry finds a live one
+    asyncpg.exceptions._base.InternalClientError,
 )
 _BAD_TEXT = (
     asyncpg.exceptions.CharacterNotInRepertoireError,

@@ -97,6 +97,7 @@ async def test_create_app_reads_settings_from_the_environment(monkeypatch, db_ds
         asyncpg.exceptions.AdminShutdownError("terminating connection due to administrator command"),
         asyncpg.exceptions.CrashShutdownError("terminating connection because of crash of another server process"),
         ConnectionRefusedError(111, "Connection refused"),
+        asyncpg.exceptions._base.InternalClientError("cannot switch to state 15; another operation (2) is in progress"),
     ],
 )
 def test_a_database_failover_is_a_503_to_retry_not_a_500(exc: BaseException) -> None:
