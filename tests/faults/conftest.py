@@ -80,13 +80,25 @@ def outage_overrides() -> dict:
 
 @pytest.fixture
 async def outage_stack(pool, db_dsn, tmp_path: Path, outage_overrides) -> AsyncIterator[OutageStack]:
+    server = EmbeddedTemporal(tmp_path / "temporal" / "t.db", port=free_port(), ui=False, log_file=tmp_path / "t.log")
+    server.start()
+    try:
+        async for stack in _stack_on(server, pool, db_dsn, tmp_path, outage_overrides):
+            yield stack
+    finally:  # whatever failed on the way up (a CI run once left a server behind)
+        if server.proc is not None and server.proc.poll() is None:
+            os.killpg(server.proc.pid, signal.SIGCONT)
+        server.stop()
+
+
+async def _stack_on(
+    server: EmbeddedTemporal, pool: Any, db_dsn: str, tmp_path: Path, outage_overrides: dict
+) -> AsyncIterator[OutageStack]:
     import httpx
 
     from api.main import create_app
     from control.process import ControlProcess
 
-    server = EmbeddedTemporal(tmp_path / "temporal" / "t.db", port=free_port(), ui=False, log_file=tmp_path / "t.log")
-    server.start()
     over = {k: v for k, v in outage_overrides.items() if not k.startswith("_")}
     values: dict[str, Any] = dict(
         api_temporal_timeout_s=1.0,
@@ -117,9 +129,6 @@ async def outage_stack(pool, db_dsn, tmp_path: Path, outage_overrides) -> AsyncI
             for a in list(stack.agents or []):
                 await a.stop()
         await control.stop()
-        if server.proc is not None and server.proc.poll() is None:
-            os.killpg(server.proc.pid, signal.SIGCONT)
-        server.stop()
         kill_ranks(settings.state_dir)
 
 
