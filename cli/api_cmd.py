@@ -126,16 +126,13 @@ def start_apis(
     started again), each in its own process group (the terminal's Ctrl-C reaches the parent
     alone), output appended to ``log_dir/<name>.log``. Returns name -> process; wait for each
     with ``wait_listening``."""
-    procs: dict[str, subprocess.Popen] = {}
-    for name, (args, env) in api_commands(settings, count).items():
-        if names is not None and name not in names:
-            continue
-        with open(log_dir / f"{name}.log", "ab") as log:
-            procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "cli.main", *args], env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, process_group=0, **popen,
-            )  # fmt: skip
-    return procs
+    from cli.children import spawn_gpufleet
+
+    return {
+        name: spawn_gpufleet(args, env, log_dir / f"{name}.log", cwd=cwd, **popen)
+        for name, (args, env) in api_commands(settings, count).items()
+        if names is None or name in names
+    }
 
 
 def listening(pid: int, port: int) -> bool:

@@ -267,15 +267,10 @@ class Platform:
         return urls
 
     def spawn(self, name: str) -> None:
+        from cli.children import spawn_gpufleet
+
         args, env = self.commands[name]
-        with open(self.logs / f"{name}.log", "ab") as log:
-            # a process group of its own: the terminal's Ctrl-C reaches `up` alone, which stops each
-            # child with SIGTERM (a SIGINT reaching a child still importing was a KeyboardInterrupt
-            # traceback in its log)
-            self.children[name] = subprocess.Popen(
-                [sys.executable, "-m", "cli.main", *args], env=env, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, process_group=0,
-            )  # fmt: skip
+        self.children[name] = spawn_gpufleet(args, env, self.logs / f"{name}.log")
 
     def catch_signals(self) -> None:
         """From now on SIGINT / SIGTERM / SIGHUP (the terminal closed) ask ``watch`` to return
