@@ -104,13 +104,13 @@ _DB_UNAVAILABLE = (
     asyncpg.exceptions.CannotConnectNowError,
     asyncpg.exceptions.TooManyConnectionsError,
     asyncpg.InterfaceError,
-    # a failover: no host of a multi-host DSN takes writes yet (the primary gone, the standby
-    # not yet promoted), or the server ended the session (shutdown, crash, promotion)
-    asyncpg.exceptions.TargetServerAttributeNotMatched,
+    # a failover: the server ended the session (shutdown, crash, promotion)
     asyncpg.exceptions.OperatorInterventionError,
-    # a pooled connection whose server died mid-operation can fail its next statement with
-    # asyncpg's own protocol error ("cannot switch to state 15; another operation (2) is in
-    # progress"), seen in chaos --ha runs; the request did nothing, a retry finds a live one
+    # asyncpg's own client-side errors: no host of a multi-host DSN takes writes yet
+    # (TargetServerAttributeNotMatched: the primary gone, the standby not yet promoted), or a
+    # pooled connection whose server died mid-operation fails its next statement ("cannot
+    # switch to state 15; another operation (2) is in progress"), both seen in chaos --ha
+    # runs; the request did nothing, a retry finds a live connection
     asyncpg.exceptions._base.InternalClientError,
 )
 _BAD_TEXT = (

@@ -14,6 +14,7 @@ Which server is the primary, and whether commits wait for the standby, is kept i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -68,9 +69,6 @@ class PostgresNode:
     @property
     def log_file(self) -> Path:
         return self.pgdata.parent / f"{self.pgdata.name}.log"
-
-    def dsn(self) -> str:
-        return f"postgresql://postgres@/postgres?host={self.socket_dir}"
 
     def _run(self, tool: str, *args: str, timeout: float = 120.0) -> str:
         h = self.handle
@@ -247,8 +245,8 @@ class PostgresPair:
     # ------------------------------------------------------------------ start and stop
 
     def start(self) -> str:
-        """Start the primary (initdb on first use) and seed and start its standby; commits
-        wait for the standby once it streams (``make_synchronous``)."""
+        """Start the primary (initdb on first use). The supervisor seeds its standby and makes
+        commits wait for it once it streams (``common.postgres_failover``)."""
         p = self.primary
         try:
             if not p.initialized:
@@ -303,12 +301,10 @@ async def accepts_writes(node: PostgresNode, timeout_s: float = 1.0) -> bool:
         return False
     finally:
         with contextlib.suppress(Exception):
-            await asyncio_wait_close(conn)
+            await _close_quietly(conn)
 
 
-async def asyncio_wait_close(conn: asyncpg.Connection) -> None:
-    import asyncio
-
+async def _close_quietly(conn: asyncpg.Connection) -> None:
     try:
         await asyncio.wait_for(conn.close(), 1.0)
     except (TimeoutError, OSError, asyncpg.InterfaceError):

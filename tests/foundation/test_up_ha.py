@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from cli.user_cmd import ApiClient
+from common.postgres_pair import PostgresNode
 from tests.foundation.test_up import ROOT, assert_stopped, free_port, read_until, start, stop
 from tests.support import eventually_sync
 
@@ -37,11 +38,7 @@ def _children(proc: subprocess.Popen, role: str) -> list[psutil.Process]:
 
 
 def _postmaster(pgdata: Path) -> int | None:
-    try:
-        pid = int((pgdata / "postmaster.pid").read_text().splitlines()[0])
-        return pid if psutil.pid_exists(pid) else None
-    except (OSError, ValueError, IndexError):
-        return None
+    return PostgresNode("probe", pgdata).pid()
 
 
 def test_up_ha_survives_a_dead_primary_and_a_dead_api(state_root: Path) -> None:
