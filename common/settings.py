@@ -221,6 +221,12 @@ class Settings(BaseSettings):
     allocation_resignal_s: float = Field(
         5.0, description="retry an allocation or preemption signal that Temporal did not accept after this (doubling)"
     )
+    signal_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="the leader gives up on an allocation or preemption signal Temporal has not answered in this"
+        " (then re-sends it); a job is not re-sent while a send is unanswered",
+    )
     report_delivery_poll_s: float = Field(
         1.0, gt=0, description="the leader looks for stored agent reports not yet in their job's workflow this often"
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -119,6 +120,10 @@ class JobSignals:
         self.settings = settings
         self.pending: dict[str, _Pending] = {}
         self._sem = asyncio.Semaphore(IN_FLIGHT)
+        # jobs with a send queued or on the wire: a re-send waits for its answer, because in a
+        # burst the queue for the IN_FLIGHT slots outlasts allocation_resignal_s and re-sending
+        # then only doubles the signals (and workflow tasks) a saturated server must take
+        self._sending: dict[str, int] = {}  # job id -> sends not yet answered
         self._in_flight: set[asyncio.Task] = set()
         # a job's search-attribute labels, when the namespace has them (ControlProcess sets it)
         self.labels: Callable[[str], m.JobLabels | None] = lambda _job_id: None
@@ -135,7 +140,7 @@ class JobSignals:
 
     def resend_due(self, now: float) -> int:
         """Re-send what is due (its interval doubling); returns how many."""
-        due = [p for p in self.pending.values() if p.due <= now]
+        due = [p for job_id, p in self.pending.items() if p.due <= now and job_id not in self._sending]
         for p in due:
             p.interval = min(p.interval * 2, MAX_RESIGNAL_S)
             p.due = now + p.interval
@@ -170,31 +175,51 @@ class JobSignals:
 
     def _spawn(self, msg: m.Allocation | m.PreemptRequest) -> None:
         # the cycle (and the next one) does not wait for Temporal round trips
+        self._sending[msg.job_id] = self._sending.get(msg.job_id, 0) + 1
         t = asyncio.create_task(self._signal(msg))
         self._in_flight.add(t)
         t.add_done_callback(self._in_flight.discard)
 
     async def _signal(self, msg: m.Allocation | m.PreemptRequest) -> None:
-        async with self._sem:
-            try:
-                labels = self.labels(msg.job_id)
-                if isinstance(msg, m.Allocation):
-                    await signal_allocation(self.client, self.settings, msg, labels)
-                else:
-                    await signal_preempt(self.client, self.settings, msg, labels)
-            except Exception as e:  # re-sent later
-                log.warning("signal to %s failed: %s", msg.job_id, e)
-                return
-            # accepted: recorded in the workflow's history (or the workflow has closed), so
-            # re-sending would only load a busy server
+        try:
+            accepted = await self._send(msg)
+        finally:
+            left = self._sending.pop(msg.job_id, 1) - 1
+            if left:
+                self._sending[msg.job_id] = left
             p = self.pending.get(msg.job_id)
             if p is not None and p.message is msg:
-                del self.pending[msg.job_id]
+                # not accepted: the retry interval counts from this answer, not from the send
+                p.due = max(p.due, time.monotonic() + p.interval)
+        if not accepted:
+            return
         # outside the Temporal slots: a Postgres round trip holds no signal of another job back
         try:
             await jobs.mark_workflow_started(self.db, [msg.job_id])
         except Exception as e:  # informational (GET /v1/jobs/{id}): the next signal marks it
             log.debug("cannot mark %s's workflow started: %s", msg.job_id, e)
+
+    async def _send(self, msg: m.Allocation | m.PreemptRequest) -> bool:
+        """One signal-with-start; True once Temporal accepted it (or the workflow had closed)."""
+        async with self._sem:
+            try:
+                labels = self.labels(msg.job_id)
+                send = signal_allocation if isinstance(msg, m.Allocation) else signal_preempt
+                # bounded: a call that hangs (a frozen server) would hold its slot and, since
+                # a job is not re-sent while its send is unanswered, the job for ever
+                await asyncio.wait_for(
+                    send(self.client, self.settings, msg, labels),  # type: ignore[arg-type]
+                    self.settings.signal_timeout_s,
+                )
+            except Exception as e:  # re-sent later
+                log.warning("signal to %s failed: %s", msg.job_id, e)
+                return False
+        # accepted: recorded in the workflow's history (or the workflow has closed), so
+        # re-sending would only load a busy server
+        p = self.pending.get(msg.job_id)
+        if p is not None and p.message is msg:
+            del self.pending[msg.job_id]
+        return True
 
     async def close(self) -> None:
         for t in list(self._in_flight):
