@@ -278,6 +278,17 @@ class _Cycle:
             back = self.returning[key] = self.state.returning_demand(gpu_type)
         return ti.free_gpus - charge < guard * back
 
+    def _gang_reclaim_likely(self, job: JobSpec, ti: _TypeIndex, charge: int, guard: float) -> bool:
+        """``_reclaim_likely`` for a borrowed gang, whose team uses at least its guarantee (a
+        team below it is never held back: its gang may run guaranteed after a relabel,
+        ``guarantee_gangs_first``, and its own unused guarantee is its to use). Such a team
+        expects nothing back itself, so the demand expected back is other teams'."""
+        if not self._reclaim_likely(job.gpu_type, ti, charge, guard):
+            return False
+        q = self.state._quota.get((job.team, job.gpu_type))
+        a = self.state._acct.get((job.team, job.gpu_type))
+        return q is None or (a.used if a is not None else 0) >= q.guaranteed
+
     def _pend(self, job: JobSpec, reason: PendingReason, detail: str = "") -> None:
         self.pending.append(Pending(job.job_id, reason, detail))
 
@@ -326,6 +337,17 @@ class _Cycle:
             self._pend(job, PendingReason.CAPACITY, "kept free for guaranteed demand expected back")
             return
         own_res = state.reservation(job.job_id)
+        if (
+            borrowed
+            and policy.borrowed_gang_guard is not None
+            and own_res is None
+            and not serving
+            and shape.whole
+            and shape.charge >= policy.reserve_min_gpus
+            and self._gang_reclaim_likely(job, ti, shape.charge, policy.borrowed_gang_guard)
+        ):
+            self._pend(job, PendingReason.CAPACITY, "kept free for guaranteed demand expected back")
+            return
         spare_nodes = state.release_spares(job.job_id) if job.job_id in state._spares else ()
         own_spares = bool(spare_nodes)
         restrict = None

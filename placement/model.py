@@ -287,6 +287,14 @@ class Policy:
       what it uses now. Such a job waits (``capacity``) rather than start into capacity its
       owners are likely to reclaim; jobs that checkpoint borrow as before. None: off (in
       every preset: on seeds 1-3 it starved more teams, sim/README.md).
+    * ``borrowed_gang_guard``: the same test for borrowed *gangs*, where most GPU-hours
+      lost to reclaim are: a whole-node job of >= ``reserve_min_gpus`` that would run
+      borrowed (not prod-serving, holding no reservation of its own) starts only if, after
+      it, its type's free GPUs still cover this share of the guaranteed demand expected
+      back (as above), or if its team uses less than its guarantee (a team at or over it
+      expects nothing back itself, so what counts is other teams'). Otherwise it waits (``capacity``) and neither reclaims nor reserves, so
+      the GPUs stay free for the returning owners and for smaller borrowed work, which is
+      cheaper to reclaim. Checkpointing or not. None: off.
     """
 
     lookahead: int = 2000
@@ -319,12 +327,19 @@ class Policy:
     reclaim_small_borrowed_after_s: float | None = 300.0
     idle_victims_first: bool = True
     unsaved_borrow_guard: float | None = None
+    borrowed_gang_guard: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
             object.__setattr__(self, "ordering", Ordering(self.ordering))
         if self.lookahead < 0:
             raise ValueError("lookahead must be >= 0")
+
+    @property
+    def reads_demand_forecast(self) -> bool:
+        """Does the engine read ``ClusterState.set_demand_forecast`` under this policy? (A
+        driver keeps a ``placement.forecast.DemandWindow`` only then.)"""
+        return self.unsaved_borrow_guard is not None or self.borrowed_gang_guard is not None
 
 
 DEFAULT_POLICY = Policy()
@@ -339,6 +354,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "claim_borrowed_reservations_after_s": None,
     "reclaim_small_borrowed_after_s": None,
     "unsaved_borrow_guard": None,
+    "borrowed_gang_guard": None,
 }
 
 PRESETS: dict[str, Policy] = {

@@ -174,8 +174,8 @@ class Simulation:
         self.cycle_s: list[float] = []
         self.wall_s = 0.0
         self._node_gpus = {t: workload.cluster.node_gpus(t) for t in workload.cluster.gpu_types()}
-        # each team's recent demand, only for a policy that reads it (Policy.unsaved_borrow_guard)
-        self.demand = DemandWindow() if policy.unsaved_borrow_guard is not None else None
+        # each team's recent demand, only for a policy that reads it (Policy.reads_demand_forecast)
+        self.demand = DemandWindow() if policy.reads_demand_forecast else None
         self.queued_by_team: dict[tuple[str, str], int] = {}
         self.team_types = sorted({(t.name, g) for t in workload.teams for g, _, _ in t.quotas})
 
@@ -285,7 +285,7 @@ class Simulation:
 
     def _forecast(self, now: float) -> None:
         """Each team's demand (running + queued GPUs) into the window, its recent peaks to the
-        engine (``Policy.unsaved_borrow_guard``), as the leader does."""
+        engine (``Policy.reads_demand_forecast``), as the leader does."""
         assert self.demand is not None
         st = self.state
         self.demand.observe(now, {k: st.used(*k) + self.queued_by_team.get(k, 0) for k in self.team_types})

@@ -128,3 +128,72 @@ def test_demand_of_counts_use_and_queued_lanes() -> None:
     d = demand_of(st, q)
     assert d[("a", "h100")] == 8 + 16
     assert d[("b", "h100")] == 1
+
+
+def test_borrowed_gangs_leave_room_for_guaranteed_demand_expected_back() -> None:
+    """(lender's recent peak, guard, reserve_min_gpus, gang nodes) -> the gang starts?
+
+    One block of 6 nodes (48 GPUs): "lender" (16-GPU guarantee) uses one node, "b" (8-GPU
+    guarantee) uses all of its guarantee with a prod-batch job placed first; 32 GPUs stay
+    free. A whole-node research gang of "b", borrowed, starts only if the free GPUs left
+    after it cover guard x (lender's peak within its guarantee - its use, 8 GPUs here)."""
+    on = Policy(borrowed_gang_guard=1.0, reserve_min_gpus=16)
+    half = Policy(borrowed_gang_guard=0.5, reserve_min_gpus=16)
+    off = Policy(reserve_min_gpus=16)
+    big_min = Policy(borrowed_gang_guard=1.0, reserve_min_gpus=64)
+    cases = [
+        # lender's peak, policy, gang nodes, starts
+        (16, on, 3, True),  # 8 expected back, 32 - 24 = 8 left after it
+        (16, on, 4, False),  # 8 expected back, 0 left: waits
+        (16, off, 4, True),  # the field off: as before
+        (16, half, 3, True),  # 4 expected back, 8 left
+        (16, half, 4, False),  # 4 expected back, 0 left
+        (8, on, 4, True),  # the lender uses all it asked for lately: nothing expected back
+        (0, on, 4, True),  # no forecast: nothing expected back
+        (64, on, 4, False),  # a peak above the guarantee counts up to it
+        (16, big_min, 4, True),  # 32 GPUs is below reserve_min_gpus=64: not a gang it holds back
+    ]
+    for peak, policy, nodes, starts in cases:
+        st = cluster(blocks=1, nodes=6)
+        fill(st, ["b0n0"], team="lender")
+        st.set_quota("lender", "h100", 16, 0)  # fill() raised it
+        st.set_quota("b", "h100", 8, 100)
+        st.set_demand_forecast({("lender", "h100"): peak, ("b", "h100"): 400})
+        q = queue_of(
+            spec("own", team="b", gpr=8, cls="prod-batch"),
+            spec("gang", team="b", replicas=nodes, gpr=8, pack="block", submit=1),
+        )
+        p = cycle(st, q, NOW, policy)
+        case = (peak, policy.borrowed_gang_guard, policy.reserve_min_gpus, nodes)
+        placed = {pl.job_id for pl in p.placements}
+        assert "own" in placed, case
+        assert ("gang" in placed) is starts, (case, placed)
+        if not starts:
+            assert p.reason_for(q.get("gang")) is PendingReason.CAPACITY, case
+            assert not p.preemptions and q.get("gang") is not None, case
+            assert all(r.job_id != "gang" for r in p.reservations), case
+
+
+def test_the_gang_guard_never_holds_back_a_team_below_its_guarantee() -> None:
+    """A team using less than its guarantee starts its gang even if it runs borrowed (part of
+    it is the team's own unused guarantee); guaranteed gangs are never held back."""
+    pol = Policy(borrowed_gang_guard=1.0, reserve_min_gpus=16)
+    for b_guarantee, gang_nodes in ((8, 4), (32, 4)):  # borrowed (8 + 32 > 8) / guaranteed
+        st = cluster(blocks=1, nodes=6)
+        fill(st, ["b0n0"], team="lender")
+        st.set_quota("lender", "h100", 48, 0)
+        st.set_quota("b", "h100", b_guarantee, 100)
+        st.set_demand_forecast({("lender", "h100"): 48})  # 40 expected back: more than is free
+        q = queue_of(spec("gang", team="b", replicas=gang_nodes, gpr=8, pack="block"))
+        p = cycle(st, q, NOW, pol)
+        assert [pl.job_id for pl in p.placements] == ["gang"], b_guarantee
+
+
+def test_reads_demand_forecast_and_baselines_keep_the_gang_guard_off() -> None:
+    from placement import PRESETS
+
+    assert not Policy().reads_demand_forecast
+    assert Policy(borrowed_gang_guard=1.0).reads_demand_forecast
+    assert Policy(unsaved_borrow_guard=1.0).reads_demand_forecast
+    for name in ("fifo_first_fit", "no_topology_no_reservation", "easy_backfill"):
+        assert PRESETS[name].borrowed_gang_guard is None, name
