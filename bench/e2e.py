@@ -155,6 +155,34 @@ def _cpu(groups: dict[str, list[Any]]) -> dict[str, float]:
     return out
 
 
+async def _persistence_ops(temporal: Any) -> dict[str, float]:
+    """The dev server's persistence requests so far, by operation (its /metrics)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"http://{temporal.host}:{temporal.metrics_port}/metrics"
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(url)).text
+    ops: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "persistence_requests":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total") or sample.name == family.name:
+                op = sample.labels.get("operation", "?")
+                ops[op] = ops.get(op, 0.0) + sample.value
+    return ops
+
+
+def _per_job(before: dict[str, float], after: dict[str, float], jobs: int) -> dict[str, Any] | None:
+    """What each job cost the server's store over the window: requests per job, by operation."""
+    if not jobs:
+        return None
+    diff = {op: (after.get(op, 0.0) - before.get(op, 0.0)) / jobs for op in after}
+    top = sorted(((op, round(v, 2)) for op, v in diff.items() if v >= 0.05), key=lambda kv: -kv[1])
+    return {"total": round(sum(diff.values()), 2), "by_operation": dict(top)}
+
+
 def _settings_env(settings: Any, **over: Any) -> dict[str, str]:
     env = settings.to_env()
     env.update({f"GPUFLEET_{k.upper()}": str(v) for k, v in over.items()})
@@ -182,7 +210,7 @@ async def _sample_timeline(client: Any, job_ids: list[str]) -> list[list[str]]:
     return out
 
 
-async def _lean_baseline(client: Any, pool: Any, jobs: int, rate: float) -> dict[str, Any]:
+async def _lean_baseline(client: Any, pool: Any, jobs: int, rate: float, temporal: Any) -> dict[str, Any]:
     """The lean job workflow at the same rate on the same server (same-run baseline):
     start -> its 3 local activities, the signal and the node activity are done."""
     from bench.lean_workflow import ACT_LEAN_NODE, ACT_LEAN_WRITE, LEAN_WORKFLOW, LeanJobWorkflow
@@ -202,6 +230,10 @@ async def _lean_baseline(client: Any, pool: Any, jobs: int, rate: float) -> dict
     node_worker = make_worker(client, queue + "-node", activities=[lean_node])
     lat: list[float] = []
     errors = 0
+    import psutil
+
+    server = psutil.Process(temporal.proc.pid)
+    cpu0, ops0 = sum(server.cpu_times()[:2]), await _persistence_ops(temporal)
     async with wf_worker, node_worker:
 
         async def one(i: int) -> None:
@@ -218,6 +250,7 @@ async def _lean_baseline(client: Any, pool: Any, jobs: int, rate: float) -> dict
             lat.append((time.monotonic() - t0) * 1000.0)
 
         await _open_loop(jobs, rate, one)
+    cpu1, ops1 = sum(server.cpu_times()[:2]), await _persistence_ops(temporal)
     return {
         "what": "lean job workflow (3 local activities, 1 signal, 1 node activity), same server, same rate",
         "workflows": len(lat),
@@ -225,6 +258,8 @@ async def _lean_baseline(client: Any, pool: Any, jobs: int, rate: float) -> dict
         "p50_ms": round(_pct(lat, 50), 1) if lat else None,
         "p95_ms": round(_pct(lat, 95), 1) if lat else None,
         "p99_ms": round(_pct(lat, 99), 1) if lat else None,
+        "temporal_cpu_ms_per_job": round((cpu1 - cpu0) * 1000 / len(lat), 1) if lat else None,
+        "temporal_persistence_per_job": _per_job(ops0, ops1, len(lat)),
     }
 
 
@@ -252,8 +287,9 @@ async def _bench(
     pg = EmbeddedPostgres(root / "pgdata")
     dsn = pg.start()
     temporal = EmbeddedTemporal(
-        root / "temporal" / "temporal.db", port=_free_port(), ui=False, log_file=log_dir / "temporal.log"
-    )
+        root / "temporal" / "temporal.db", port=_free_port(), ui=False, log_file=log_dir / "temporal.log",
+        metrics_port=_free_port(),
+    )  # fmt: skip
     control: subprocess.Popen | None = None
     worker = None
     worker_run: asyncio.Task | None = None
@@ -358,6 +394,7 @@ async def _bench(
 
         procs = _process_tree(control, temporal)
         cpu0 = _cpu(procs)
+        ops0 = await _persistence_ops(temporal)
         start = time.monotonic()
         await _open_loop(jobs, rate, submit)
         submit_s = time.monotonic() - start
@@ -374,6 +411,7 @@ async def _bench(
             await asyncio.sleep(0.5)
         latencies = [(running[j] - t0) * 1000.0 for j, t0 in sent.items() if j in running]
         cpu1 = _cpu(procs)
+        ops1 = await _persistence_ops(temporal)
         wall = time.monotonic() - start
         cpu_s = {k: round(cpu1.get(k, 0.0) - cpu0.get(k, 0.0), 1) for k in cpu1}
         # where the time goes: submit -> row committed -> gang allocated -> every rank started
@@ -408,7 +446,7 @@ async def _bench(
         cycles = await pool.fetchval("SELECT count(DISTINCT (detail->>'epoch')) FROM audit WHERE action = 'allocate'")
         await http.aclose()
         timeline = await _sample_timeline(client, list(sent)[len(sent) // 2 :: max(1, len(sent) // 5)][:5])
-        baseline = await _lean_baseline(client, pool, jobs, rate) if with_baseline else None
+        baseline = await _lean_baseline(client, pool, jobs, rate, temporal) if with_baseline else None
         p = {q: _pct(latencies, q) for q in (50, 95, 99)}
         return {
             "submitted": len(sent),
@@ -434,6 +472,8 @@ async def _bench(
             ),
             "breakdown": breakdown,
             "cpu_seconds": {**cpu_s, "wall_s": round(wall, 1)},
+            "temporal_cpu_ms_per_job": round(cpu_s.get("temporal", 0.0) * 1000 / len(sent), 1) if sent else None,
+            "temporal_persistence_per_job": _per_job(ops0, ops1, len(sent)),
             "job_states": states,
             "job_events": events,
             "pending": pending,

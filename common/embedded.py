@@ -116,6 +116,7 @@ class EmbeddedTemporal:
     host: str = "127.0.0.1"
     ui: bool = True
     log_file: Path | None = None
+    metrics_port: int | None = None  # the server's Prometheus /metrics (bench e2e counts its work per job)
     proc: subprocess.Popen | None = None
 
     @property
@@ -151,6 +152,8 @@ class EmbeddedTemporal:
             "warn",
         ]
         args += ["--ui-port", str(self.ui_port)] if self.ui else ["--headless"]
+        if self.metrics_port is not None:
+            args += ["--metrics-port", str(self.metrics_port)]
         log = open(self.log_file or self.db_file.with_suffix(".log"), "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()

@@ -16,3 +16,8 @@ def test_bench_e2e_small_load_runs_every_job():
     assert result["repeat"] == 2 and len(result["runs"]) == 2
     assert result["p95_ms"] is not None and result["p95_ms"] > 0
     assert result["job_events"].get("running") == 20
+    # what each job cost the server, from its own /metrics: every job was created in its store
+    cost = result["temporal_persistence_per_job"]
+    assert cost["by_operation"].get("CreateWorkflowExecution", 0) >= 1.0
+    assert cost["total"] > cost["by_operation"]["CreateWorkflowExecution"]
+    assert result["temporal_cpu_ms_per_job"] > 0
