@@ -44,6 +44,7 @@ from placement.model import (
     ReplicaSlot,
     Reservation,
     ReservationKind,
+    Topology,
 )
 from placement.ordering import JobQueue, iter_order
 from placement.reservations import (
@@ -289,6 +290,19 @@ class _Cycle:
         a = self.state._acct.get((job.team, job.gpu_type))
         return q is None or (a.used if a is not None else 0) >= q.guaranteed
 
+    def _spreads_first(self, job: JobSpec, borrowed: bool) -> bool:
+        """``Policy.spread_before_preempt``: a job that runs guaranteed (so would preempt or
+        reclaim for room), with a block limit it may outwait (``max_blocks_wait_s``)."""
+        t = job.topology
+        return (
+            self.policy.spread_before_preempt
+            and self.policy.preemption
+            and not borrowed
+            and job.rank != SERVING_RANK
+            and t.max_blocks is not None
+            and t.max_blocks_wait_s is not None
+        )
+
     def _pend(self, job: JobSpec, reason: PendingReason, detail: str = "") -> None:
         self.pending.append(Pending(job.job_id, reason, detail))
 
@@ -361,6 +375,13 @@ class _Cycle:
         fail: PendingReason | None = PendingReason.QUOTA
         if try_free:
             fail, placed = self._try_place(job, ti, shape, borrowed, restrict, own_spares)
+            if placed is None and fail is PendingReason.TOPOLOGY and self._spreads_first(job, borrowed):
+                # free nodes enough, but not within its (soft) block limit: run spread now rather
+                # than preempt someone to keep to the limit
+                loose = replace(job, topology=Topology(job.topology.pack, None))
+                _, placed = self._try_place(loose, ti, shape, borrowed, restrict, own_spares)
+                if placed is not None:
+                    job = loose
             if placed is not None:
                 if (
                     borrowed

@@ -20,6 +20,8 @@ Both return a list of human-readable violations (empty when all hold).
 
 from __future__ import annotations
 
+import math
+
 from placement import quota as quota_mod
 from placement.model import SERVING_RANK, NodeHealth, Pack, Plan, Policy, Reservation, ReservationKind
 from placement.ordering import JobQueue
@@ -28,8 +30,12 @@ from placement.state import ClusterState, indices_of, mask_of
 from placement.topology import job_shape
 
 
-def check_state(state: ClusterState, strict_quota: bool = True, respect_topology: bool = True) -> list[str]:
-    """``respect_topology`` False (``Policy.topology`` off) skips the max_blocks check."""
+def check_state(
+    state: ClusterState, strict_quota: bool = True, respect_topology: bool = True, soft_limits_lapse: bool = False
+) -> list[str]:
+    """``respect_topology`` False (``Policy.topology`` off) skips the max_blocks check;
+    ``soft_limits_lapse`` (``Policy.spread_before_preempt``) skips it for block limits a job
+    may outwait (``max_blocks_wait_s`` set), which such a policy may lift early."""
     errs: list[str] = []
     nodes = state._nodes
     # node masks vs jobs
@@ -73,7 +79,8 @@ def check_state(state: ClusterState, strict_quota: bool = True, respect_topology
                 errs.append(f"{jid}: replica {r} uses GPUs it does not hold")
         if not missing:
             held = {n: indices_of(m) for n, m in rj.held.items()}
-            errs.extend(_shape_errors(state, jid, rj.spec, sorted(rj.held), held, respect_topology, rj.started_at))
+            at = math.inf if soft_limits_lapse and rj.spec.topology.max_blocks_wait_s is not None else rj.started_at
+            errs.extend(_shape_errors(state, jid, rj.spec, sorted(rj.held), held, respect_topology, at))
     # indexes
     for t, ti in state._types.items():
         buckets: list[list[str]] = [[] for _ in range(ti.node_gpus + 1)]
@@ -309,7 +316,15 @@ def check_plan(
             for s in p.slots:
                 if len(s.gpus) != spec.gpus_per_replica or not set(s.gpus) <= set(held.get(s.node_id, ())):
                     errs.append(f"{p.job_id}: replica {s.replica} slot wrong")
-            errs.extend(_shape_errors(state, p.job_id, spec, sorted(held), held, respect_topology, now))
+            # Policy.spread_before_preempt: a job run guaranteed may take free nodes beyond a soft block limit
+            spread_ok = (
+                policy.spread_before_preempt
+                and not p.borrowed
+                and spec.rank != SERVING_RANK
+                and spec.topology.max_blocks_wait_s is not None
+            )
+            placed_at = math.inf if spread_ok else now
+            errs.extend(_shape_errors(state, p.job_id, spec, sorted(held), held, respect_topology, placed_at))
             errs.extend(_reserved_node_errors(state, res_after, now, p.job_id, spec, p.borrowed, held, policy))
             key = (spec.team, spec.gpu_type)
             if p.borrowed:

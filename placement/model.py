@@ -295,6 +295,12 @@ class Policy:
       expects nothing back itself, so what counts is other teams'). Otherwise it waits (``capacity``) and neither reclaims nor reserves, so
       the GPUs stay free for the returning owners and for smaller borrowed work, which is
       cheaper to reclaim. Checkpointing or not. None: off.
+    * ``spread_before_preempt``: a job that runs guaranteed and has a block limit it would
+      outwait (``Topology.max_blocks_wait_s`` set, not yet past) takes free nodes beyond the
+      limit at once when enough are free but not within it, instead of preempting or
+      reclaiming other jobs (whose work since their last checkpoint is lost) to keep to it.
+      It runs spread (slower where spreading costs: the simulator's ``--spread-slowdown``).
+      False: it keeps to its limit (preempting where it may) until the wait lapses.
     """
 
     lookahead: int = 2000
@@ -328,6 +334,7 @@ class Policy:
     idle_victims_first: bool = True
     unsaved_borrow_guard: float | None = None
     borrowed_gang_guard: float | None = None
+    spread_before_preempt: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -355,6 +362,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "reclaim_small_borrowed_after_s": None,
     "unsaved_borrow_guard": None,
     "borrowed_gang_guard": None,
+    "spread_before_preempt": False,
 }
 
 PRESETS: dict[str, Policy] = {

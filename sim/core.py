@@ -318,7 +318,11 @@ class Simulation:
         apply(self.state, p, self.queue, now)
         self.cycle_s.append(t1 - t0 + time.perf_counter() - t1)
         if check:
-            errs = check_state(self.state, respect_topology=self.policy.topology)
+            errs = check_state(
+                self.state,
+                respect_topology=self.policy.topology,
+                soft_limits_lapse=self.policy.spread_before_preempt,
+            )
             if errs:
                 raise InvariantViolation(f"{self.name} t={now}: state: {errs[:5]}")
         if self.opt.keep_log:

@@ -138,7 +138,7 @@ def cycle(st: ClusterState, q: JobQueue, now: float, policy: Policy | None = Non
     assert not errs, errs
     if do_apply:
         apply(st, p, q, now)
-        errs = check_state(st)
+        errs = check_state(st, soft_limits_lapse=policy.spread_before_preempt)
         assert not errs, errs
     return p
 

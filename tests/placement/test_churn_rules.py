@@ -197,3 +197,38 @@ def test_reads_demand_forecast_and_baselines_keep_the_gang_guard_off() -> None:
     assert Policy(unsaved_borrow_guard=1.0).reads_demand_forecast
     for name in ("fifo_first_fit", "no_topology_no_reservation", "easy_backfill"):
         assert PRESETS[name].borrowed_gang_guard is None, name
+
+
+def test_spread_before_preempt_runs_a_guaranteed_job_wider_instead_of_reclaiming() -> None:
+    """(field, block limit soft, job borrowed) -> the job is placed spread / reclaims / waits.
+
+    Two blocks of 4 nodes; in each, 2 nodes are free. In b0 the other 2 run another team's
+    borrowed work; in b1 guaranteed work. A 4-node job that asks for one block fits only by
+    reclaiming b0's borrowed work, or by running across both blocks on the 4 free nodes."""
+    cases = [
+        # spread_before_preempt, max_blocks_wait_s, team "g"'s guarantee, outcome
+        (True, 300.0, 32, "spread"),  # soft limit, runs guaranteed: spreads, nobody preempted
+        (False, 300.0, 32, "reclaim"),  # the field off: reclaims b0's borrowed work, as before
+        (True, None, 32, "reclaim"),  # a hard limit is kept
+        (True, 300.0, 0, "waits"),  # borrowed: it would not reclaim, and keeps to its limit
+    ]
+    for field, wait_s, guarantee, outcome in cases:
+        st = cluster(blocks=2, nodes=4)
+        st.set_quota("lender", "h100", 0, 100)
+        fill(st, ["b0n2", "b0n3"], team="lender", borrowed=True)
+        fill(st, ["b1n2", "b1n3"], team="owner", prefix="o")
+        st.set_quota("g", "h100", guarantee, 100)
+        job = spec("x", team="g", replicas=4, gpr=8, pack="block", max_blocks=1, max_blocks_wait_s=wait_s, submit=NOW)
+        q = queue_of(job)
+        pol = Policy(spread_before_preempt=field)
+        p = cycle(st, q, NOW, pol)
+        case = (field, wait_s, guarantee)
+        if outcome == "spread":
+            assert [pl.job_id for pl in p.placements] == ["x"], case
+            assert {n.node_id[:2] for n in p.placements[0].nodes} == {"b0", "b1"}, case
+            assert not p.preemptions, case
+        elif outcome == "reclaim":
+            assert not p.placements, case
+            assert sorted(pr.victim for pr in p.preemptions) == ["f-b0n2", "f-b0n3"], case
+        else:
+            assert not p.placements and not p.preemptions, case
