@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 async def cancel_and_wait(task: asyncio.Task | None) -> None:
@@ -14,3 +19,27 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
         await task
     except asyncio.CancelledError:
         pass
+
+
+async def retry_until_reachable(
+    open_: Callable[[], Awaitable[T]],
+    *,
+    what: str,
+    retry_on: tuple[type[BaseException], ...],
+    max_interval_s: float,
+    log: logging.Logger,
+) -> T:
+    """``open_()`` until it succeeds, doubling the wait (0.5 s up to ``max_interval_s``) after
+    each failure in ``retry_on``, one warning line each; anything else is raised at once (a
+    wrong password is not an outage). Cancel the caller's task to give up."""
+    delay = 0.5
+    while True:
+        try:
+            return await open_()
+        except retry_on as e:
+            log.warning(
+                "%s unreachable (%s: %s); waiting for it, next try in %.1fs",
+                what, type(e).__name__, str(e)[:200] or "-", delay,
+            )  # fmt: skip
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max_interval_s)

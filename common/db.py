@@ -39,6 +39,15 @@ async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, **kwar
     return await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, init=_init_connection, **kwargs)
 
 
+# a server that is down, starting or full, as opposed to a refusal (password, database name)
+POSTGRES_UNREACHABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.TooManyConnectionsError,
+)
+
+
 async def pool_from_settings(settings: Settings, dsn: str | None = None) -> asyncpg.Pool:
     url = dsn or settings.database_url
     if not url:

@@ -221,6 +221,12 @@ class Settings(BaseSettings):
     allocation_resignal_s: float = Field(
         5.0, description="retry an allocation or preemption signal that Temporal did not accept after this (doubling)"
     )
+    connect_retry_max_s: float = Field(
+        10.0,
+        gt=0,
+        description="a control process started while Postgres or Temporal is unreachable waits for it, retrying"
+        " at most this far apart (it does not exit)",
+    )
     signal_timeout_s: float = Field(
         30.0,
         gt=0,

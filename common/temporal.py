@@ -53,6 +53,10 @@ def sandbox_runner() -> SandboxedWorkflowRunner:
     )
 
 
+# the SDK reports any failed connect (refused, reset, TLS) as a RuntimeError from its core
+TEMPORAL_UNREACHABLE: tuple[type[BaseException], ...] = (RuntimeError, OSError, TimeoutError)
+
+
 async def connect(settings: Settings, address: str | None = None) -> Client:
     target = address or settings.temporal_address or f"127.0.0.1:{settings.temporal_port}"
     return await Client.connect(target, namespace=settings.temporal_namespace, data_converter=DATA_CONVERTER)
