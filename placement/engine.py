@@ -280,10 +280,13 @@ class _Cycle:
         return ti.free_gpus - charge < guard * back
 
     def _gang_reclaim_likely(self, job: JobSpec, ti: _TypeIndex, charge: int, guard: float) -> bool:
-        """``_reclaim_likely`` for a borrowed gang, whose team uses at least its guarantee (a
-        team below it is never held back: its gang may run guaranteed after a relabel,
-        ``guarantee_gangs_first``, and its own unused guarantee is its to use). Such a team
-        expects nothing back itself, so the demand expected back is other teams'."""
+        """``Policy.borrowed_gang_guard``: may this borrowed gang not start now? It may start
+        only on free GPUs that cover it and leave ``guard`` x the guaranteed demand expected
+        back (``_reclaim_likely``); one that does not fit the free GPUs waits too (it neither
+        reclaims lower classes nor reserves: no drain for a gang its owners would reclaim).
+        A team below its guarantee is never held back (its gang may run guaranteed after a
+        relabel, ``guarantee_gangs_first``, and its unused guarantee is its own); a team at or
+        over it expects nothing back itself, so what counts is other teams' demand."""
         if not self._reclaim_likely(job.gpu_type, ti, charge, guard):
             return False
         q = self.state._quota.get((job.team, job.gpu_type))

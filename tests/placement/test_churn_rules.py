@@ -52,7 +52,7 @@ def test_unsaved_borrowed_starts_leave_room_for_guaranteed_demand_expected_back(
 def test_the_guard_leaves_guaranteed_and_gang_starts_alone() -> None:
     """Only borrowed jobs below ``reserve_min_gpus`` are held back: the team's own guaranteed
     work, and whole-node gangs (which reserve and drain), start as before."""
-    pol = Policy(unsaved_borrow_guard=1.0, reserve_min_gpus=16)
+    pol = Policy(unsaved_borrow_guard=1.0, reserve_min_gpus=16, borrowed_gang_guard=None)
     st = cluster(blocks=1, nodes=4)
     st.set_quota("lender", "h100", 32, 0)
     st.set_quota("g", "h100", 8, 0)
@@ -139,7 +139,7 @@ def test_borrowed_gangs_leave_room_for_guaranteed_demand_expected_back() -> None
     after it cover guard x (lender's peak within its guarantee - its use, 8 GPUs here)."""
     on = Policy(borrowed_gang_guard=1.0, reserve_min_gpus=16)
     half = Policy(borrowed_gang_guard=0.5, reserve_min_gpus=16)
-    off = Policy(reserve_min_gpus=16)
+    off = Policy(reserve_min_gpus=16, borrowed_gang_guard=None)
     big_min = Policy(borrowed_gang_guard=1.0, reserve_min_gpus=64)
     cases = [
         # lender's peak, policy, gang nodes, starts
@@ -192,9 +192,10 @@ def test_the_gang_guard_never_holds_back_a_team_below_its_guarantee() -> None:
 def test_reads_demand_forecast_and_baselines_keep_the_gang_guard_off() -> None:
     from placement import PRESETS
 
-    assert not Policy().reads_demand_forecast
-    assert Policy(borrowed_gang_guard=1.0).reads_demand_forecast
-    assert Policy(unsaved_borrow_guard=1.0).reads_demand_forecast
+    assert Policy().borrowed_gang_guard == 0.5  # on in gpufleet (sim/README.md has the runs)
+    assert Policy().reads_demand_forecast
+    assert not Policy(borrowed_gang_guard=None).reads_demand_forecast
+    assert Policy(borrowed_gang_guard=None, unsaved_borrow_guard=1.0).reads_demand_forecast
     for name in ("fifo_first_fit", "no_topology_no_reservation", "easy_backfill"):
         assert PRESETS[name].borrowed_gang_guard is None, name
 

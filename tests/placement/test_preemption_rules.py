@@ -427,7 +427,8 @@ def test_free_gpus_a_reclaim_counts_on_are_not_given_to_a_like_job_in_the_same_c
         borrowed=True,
     )
     occupy(st, spec("w", team="w", cls="prod-batch", gpr=8, runtime=2 * HOUR), ["b0n2"], started_at=NOW - HOUR)
-    policy = Policy(reserve_min_gpus=16, borrowed_gangs_reclaim_lower=False)  # g reserves, never preempts
+    # g reserves, never preempts (borrowed_gang_guard would keep it from reserving at all)
+    policy = Policy(reserve_min_gpus=16, borrowed_gangs_reclaim_lower=False, borrowed_gang_guard=None)
     q = queue_of(spec("g", team="big", cls="prod-batch", replicas=2, gpr=8, pack="block", submit=NOW))
     cycle(st, q, NOW, policy)
     assert st.reservation("g") is not None and "b0n1" in st.reservation("g").nodes
@@ -451,7 +452,7 @@ def test_a_borrowing_gang_reclaims_only_borrowed_work_of_lower_classes() -> None
     fill(st, ["b0n1"], team="lender", cls="prod-batch", prefix="same", borrowed=True)
     fill(st, ["b1n0", "b1n1"], team="lender", cls="research", prefix="borr", borrowed=True)
     q = queue_of(spec("gang", team="me", cls="prod-batch", replicas=2, gpr=8, pack="block", max_blocks=1))
-    p = cycle(st, q, NOW, Policy(reserve_min_gpus=16))
+    p = cycle(st, q, NOW, Policy(reserve_min_gpus=16, borrowed_gang_guard=None))
     assert victims(p) == ["borr-b1n0", "borr-b1n1"]
     assert all(pr.victim_borrowed and pr.reason is PreemptReason.RECLAIM for pr in p.preemptions)
     # with the refinement off, a borrowing gang never preempts
@@ -464,7 +465,7 @@ def test_a_borrowing_gang_reclaims_only_borrowed_work_of_lower_classes() -> None
         st2,
         queue_of(spec("gang", team="me", cls="prod-batch", replicas=2, gpr=8)),
         NOW,
-        Policy(reserve_min_gpus=16, borrowed_gangs_reclaim_lower=False),
+        Policy(reserve_min_gpus=16, borrowed_gangs_reclaim_lower=False, borrowed_gang_guard=None),
     )
     assert p.preemptions == ()
 

@@ -251,7 +251,7 @@ def test_nodes_cleared_for_a_job_stay_its_own_when_a_gangs_reservation_picks_the
     fill(st, ["b0n0"], team="o", cls="preemptible", borrowed=True, prefix="v")
     for n, end in (("b0n1", 1000), ("b0n2", 2000), ("b0n3", 3000)):
         fill(st, [n], team="run", runtime=end, prefix=f"e{end}")
-    pol = Policy(reserve_min_gpus=16)
+    pol = Policy(reserve_min_gpus=16, borrowed_gang_guard=None)
     q = queue_of(spec("x", team="me", cls="preemptible", gpr=8, submit=100))
     p = cycle(st, q, 100, pol)
     assert [pr.victim for pr in p.preemptions] == ["v-b0n0"]
@@ -306,7 +306,7 @@ def test_a_guaranteed_gang_takes_the_slot_of_a_borrowing_gang_of_its_class() -> 
     """One head-of-line slot per type: a gang beyond its team's guarantee holds it until a
     same-class gang that runs guaranteed needs it; the borrowing gang never takes it back."""
     for on in (True, False):
-        pol = Policy(reserve_min_gpus=32, guaranteed_gangs_reserve_first=on)
+        pol = Policy(reserve_min_gpus=32, guaranteed_gangs_reserve_first=on, borrowed_gang_guard=None)
         st = setup()
         st.set_quota("over", "h100", 0, 1000)  # everything it runs is borrowed
         q = queue_of(spec("bgang", team="over", replicas=4, gpr=8, pack="block", max_blocks=1))

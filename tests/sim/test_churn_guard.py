@@ -57,7 +57,8 @@ def _wl_gang():
 
 def test_borrowed_gang_waits_for_the_owner_instead_of_being_reclaimed() -> None:
     """``Policy.borrowed_gang_guard``: the same trade for a gang of >= reserve_min_gpus."""
-    sim_off, res_off = simulate(_wl_gang())
+    off = replace(PRESETS["gpufleet"], borrowed_gang_guard=None)
+    sim_off, res_off = simulate(_wl_gang(), off)
     assert sim_off.recs["g"].first_start == 30 * 60
     assert sim_off.recs["g"].preemptions == 1  # reclaimed by l2 at 40 min, before its first checkpoint
     assert res_off["lost_gpu_hours"]["preemption"] > 64 * 10 / 60
