@@ -183,6 +183,14 @@ class Settings(BaseSettings):
         ge=0,
         description="guaranteed work that waited this long may reclaim small borrowed jobs of higher classes (inf: never)",
     )
+    borrowed_gang_guard: float | None = Field(
+        0.5,
+        ge=0,
+        description="a whole-node gang of the reservation size or more (placement.Policy.reserve_min_gpus) beyond its"
+        " team's guarantee starts only on free GPUs that leave this share"
+        " of the guaranteed demand other teams are expected to want back (recent peaks); it then waits rather than"
+        " reclaim or reserve. null: off (docs/design.md, Placement: less churn)",
+    )
     fair_share_half_life_h: float = Field(84.0, description="half-life of decayed GPU-hour usage (7-day window)")
 
     # --- jobs (docs/design.md, Job lifecycle) ------------------------------------

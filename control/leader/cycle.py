@@ -106,8 +106,8 @@ class PlacementCycles:
         self.published: dict[str, tuple[int | None, str | None, str | None, datetime | None]] = {}
         self.published_res: tuple | None = None
         self.published_spares: dict[str, str] | None = None  # node -> job (None: not yet)
-        # each team's recent peak demand, kept only for a policy that reads it (Policy.unsaved_borrow_guard)
-        self.demand = DemandWindow() if self.policy.unsaved_borrow_guard is not None else None
+        # each team's recent peak demand, kept only for a policy that reads it (the borrow guards)
+        self.demand = DemandWindow() if self.policy.reads_demand_forecast else None
 
     def forget_publications(self) -> None:
         """A new leadership re-publishes everything once."""

@@ -21,3 +21,24 @@ def test_policy_from_settings_carries_the_placement_durations() -> None:
         Settings(claim_borrowed_reservations_after_s=-1)
     with pytest.raises(ValidationError, match="greater than or equal to 0"):
         Settings(reclaim_small_borrowed_after_s=-1)
+
+
+def test_the_borrowed_gang_guard_is_a_setting_and_the_leader_keeps_the_demand_it_reads(pool) -> None:
+    from control.leader.cycle import PlacementCycles
+    from control.leader.signals import JobSignals
+    from control.leader.state import LeaderState
+
+    assert policy_from_settings(Settings()).borrowed_gang_guard == 0.5  # on, as measured (sim/README.md)
+    assert policy_from_settings(Settings(borrowed_gang_guard=0.25)).borrowed_gang_guard == 0.25
+    off = Settings(borrowed_gang_guard=None)
+    assert policy_from_settings(off).borrowed_gang_guard is None
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        Settings(borrowed_gang_guard=-0.1)
+
+    def cycles(settings: Settings) -> PlacementCycles:
+        signals = JobSignals(pool, None, settings)  # type: ignore[arg-type]
+        return PlacementCycles(LeaderState(pool, settings, signals), signals, None)  # type: ignore[arg-type]
+
+    # the guard reads each team's recent demand: without the window it would see none expected back
+    assert cycles(Settings()).demand is not None
+    assert cycles(off).demand is None
