@@ -174,6 +174,20 @@ async def _persistence_ops(temporal: Any) -> dict[str, float]:
     return ops
 
 
+async def _persistence_ops_settled(temporal: Any, tries: int = 8) -> dict[str, float]:
+    """``_persistence_ops`` once the server's metrics have caught up: it exports its
+    counters on a reporting interval, so a scrape right after the work can miss the last
+    requests (a 20-job run once read 19 creates)."""
+    last = await _persistence_ops(temporal)
+    for _ in range(tries):
+        await asyncio.sleep(1.0)
+        now = await _persistence_ops(temporal)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 def _per_job(before: dict[str, float], after: dict[str, float], jobs: int) -> dict[str, Any] | None:
     """What each job cost the server's store over the window: requests per job, by operation."""
     if not jobs:
@@ -233,7 +247,8 @@ async def _lean_baseline(client: Any, pool: Any, jobs: int, rate: float, tempora
     import psutil
 
     server = psutil.Process(temporal.proc.pid)
-    cpu0, ops0 = sum(server.cpu_times()[:2]), await _persistence_ops(temporal)
+    ops0 = await _persistence_ops_settled(temporal)
+    cpu0 = sum(server.cpu_times()[:2])
     async with wf_worker, node_worker:
 
         async def one(i: int) -> None:
@@ -250,7 +265,7 @@ async def _lean_baseline(client: Any, pool: Any, jobs: int, rate: float, tempora
             lat.append((time.monotonic() - t0) * 1000.0)
 
         await _open_loop(jobs, rate, one)
-    cpu1, ops1 = sum(server.cpu_times()[:2]), await _persistence_ops(temporal)
+    cpu1, ops1 = sum(server.cpu_times()[:2]), await _persistence_ops_settled(temporal)
     return {
         "what": "lean job workflow (3 local activities, 1 signal, 1 node activity), same server, same rate",
         "workflows": len(lat),
@@ -393,8 +408,8 @@ async def _bench(
             sent[r.json()["job_id"]] = t0
 
         procs = _process_tree(control, temporal)
+        ops0 = await _persistence_ops_settled(temporal)
         cpu0 = _cpu(procs)
-        ops0 = await _persistence_ops(temporal)
         start = time.monotonic()
         await _open_loop(jobs, rate, submit)
         submit_s = time.monotonic() - start
@@ -411,8 +426,8 @@ async def _bench(
             await asyncio.sleep(0.5)
         latencies = [(running[j] - t0) * 1000.0 for j, t0 in sent.items() if j in running]
         cpu1 = _cpu(procs)
-        ops1 = await _persistence_ops(temporal)
         wall = time.monotonic() - start
+        ops1 = await _persistence_ops_settled(temporal)  # after wall: the settling is not the run's
         cpu_s = {k: round(cpu1.get(k, 0.0) - cpu0.get(k, 0.0), 1) for k in cpu1}
         # where the time goes: submit -> row committed -> gang allocated -> every rank started
         marks = await pool.fetch(
