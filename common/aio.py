@@ -21,6 +21,29 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
         pass
 
 
+class Stopped(Exception):
+    """The stop event was set before the awaited work finished (``unless_stopped``)."""
+
+
+async def unless_stopped(aw: Awaitable[T], stop: asyncio.Event | None) -> T:
+    """Await ``aw``, or cancel it and raise ``Stopped`` once ``stop`` is set first (a
+    process told to stop while it still waits for a server at start)."""
+    task = asyncio.ensure_future(aw)
+    if stop is None:
+        return await task
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise Stopped
+    return task.result()
+
+
 async def retry_until_reachable(
     open_: Callable[[], Awaitable[T]],
     *,

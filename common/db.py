@@ -10,6 +10,7 @@ from typing import Any
 
 import asyncpg
 
+from common.aio import retry_until_reachable
 from common.settings import Settings
 
 
@@ -46,6 +47,15 @@ POSTGRES_UNREACHABLE: tuple[type[BaseException], ...] = (
     asyncpg.CannotConnectNowError,
     asyncpg.TooManyConnectionsError,
 )
+
+
+async def pool_when_reachable(settings: Settings, log: logging.Logger) -> asyncpg.Pool:
+    """``pool_from_settings``, waiting out a Postgres that is down or starting (one line per
+    try, up to ``connect_retry_max_s`` apart); a refusal is raised at once."""
+    return await retry_until_reachable(
+        lambda: pool_from_settings(settings), what="Postgres", retry_on=POSTGRES_UNREACHABLE,
+        max_interval_s=settings.connect_retry_max_s, log=log,
+    )  # fmt: skip
 
 
 async def pool_from_settings(settings: Settings, dsn: str | None = None) -> asyncpg.Pool:

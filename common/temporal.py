@@ -8,6 +8,7 @@ so frozen dataclasses and datetimes round-trip) and the same sandbox settings
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import sys
@@ -24,6 +25,7 @@ from temporalio.converter import DataConverter
 from temporalio.worker import Replayer, Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
+from common.aio import retry_until_reachable
 from common.settings import Settings
 
 # One TypeAdapter cache for the whole process. The workflow sandbox builds a payload
@@ -60,6 +62,15 @@ TEMPORAL_UNREACHABLE: tuple[type[BaseException], ...] = (RuntimeError, OSError, 
 async def connect(settings: Settings, address: str | None = None) -> Client:
     target = address or settings.temporal_address or f"127.0.0.1:{settings.temporal_port}"
     return await Client.connect(target, namespace=settings.temporal_namespace, data_converter=DATA_CONVERTER)
+
+
+async def connect_when_reachable(settings: Settings, log: logging.Logger) -> Client:
+    """``connect``, waiting out a Temporal that is down (one line per try, up to
+    ``connect_retry_max_s`` apart)."""
+    return await retry_until_reachable(
+        lambda: connect(settings), what=f"Temporal at {settings.temporal_address or settings.temporal_port}",
+        retry_on=TEMPORAL_UNREACHABLE, max_interval_s=settings.connect_retry_max_s, log=log,
+    )  # fmt: skip
 
 
 async def ensure_search_attributes(client: Client, namespace: str, keys: Sequence[SearchAttributeKey]) -> bool:

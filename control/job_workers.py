@@ -159,41 +159,27 @@ class JobWorkerChildren:
 
 
 async def _reach(settings: Settings) -> tuple[Pool, Client]:
-    from common.aio import retry_until_reachable
-    from common.db import POSTGRES_UNREACHABLE, pool_from_settings
-    from common.temporal import TEMPORAL_UNREACHABLE, connect
+    from common.db import pool_when_reachable
+    from common.temporal import connect_when_reachable
 
-    wait = settings.connect_retry_max_s
-    pool = await retry_until_reachable(
-        lambda: pool_from_settings(settings),
-        what="Postgres",
-        retry_on=POSTGRES_UNREACHABLE,
-        max_interval_s=wait,
-        log=log,
-    )
+    pool = await pool_when_reachable(settings, log)
     try:
-        client = await retry_until_reachable(
-            lambda: connect(settings), what="Temporal", retry_on=TEMPORAL_UNREACHABLE, max_interval_s=wait, log=log
-        )
+        return pool, await connect_when_reachable(settings, log)
     except BaseException:
         await pool.close()
         raise
-    return pool, client
 
 
 async def serve_job_worker(settings: Settings, stop: asyncio.Event) -> None:
     """A child's life: serve the control task queue until ``stop`` or the parent is gone."""
     parent = int(os.environ.get("GPUFLEET_PARENT_PID", "0")) or os.getppid()
     # a child restarted during an outage waits for it (like its parent) rather than crash-loop
-    reach = asyncio.create_task(_reach(settings))
-    stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait({reach, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
-    if not reach.done():
-        reach.cancel()
-        await asyncio.gather(reach, return_exceptions=True)
+    from common.aio import Stopped, unless_stopped
+
+    try:
+        pool, client = await unless_stopped(_reach(settings), stop)
+    except Stopped:
         return
-    pool, client = reach.result()
     worker = control_queue_worker(client, pool, settings)
     run = asyncio.create_task(worker.run())
     await asyncio.sleep(0)  # let the worker start its pollers (it is connected to Temporal and Postgres)

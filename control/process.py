@@ -37,10 +37,10 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from common.aio import retry_until_reachable
-from common.db import POSTGRES_UNREACHABLE, pool_from_settings
+from common.aio import Stopped, unless_stopped
+from common.db import pool_when_reachable
 from common.settings import Settings
-from common.temporal import TEMPORAL_UNREACHABLE, connect, ensure_search_attributes
+from common.temporal import connect_when_reachable, ensure_search_attributes
 from control.agent_link import AuthFailure, ReportRefused
 from control.health.monitor import HealthMonitor
 from control.job_workers import JobWorkerChildren, control_queue_worker
@@ -138,15 +138,9 @@ class ControlProcess:
         # started during an outage (a host reboot where Postgres or Temporal comes up later):
         # wait for it instead of exiting, which under `gpufleet up` would stop the platform
         if self._pool is None:
-            self._pool = await retry_until_reachable(
-                lambda: pool_from_settings(s), what="Postgres", retry_on=POSTGRES_UNREACHABLE,
-                max_interval_s=s.connect_retry_max_s, log=log,
-            )  # fmt: skip
+            self._pool = await pool_when_reachable(s, log)
         if self._client is None:
-            self._client = await retry_until_reachable(
-                lambda: connect(s), what=f"Temporal at {s.temporal_address or s.temporal_port}",
-                retry_on=TEMPORAL_UNREACHABLE, max_interval_s=s.connect_retry_max_s, log=log,
-            )  # fmt: skip
+            self._client = await connect_when_reachable(s, log)
         self.signals = JobSignals(self.pool, self.client, s)
         self.leader = LeaderState(self.pool, s, self.signals)
         if not s.job_search_attributes:
@@ -358,19 +352,12 @@ async def run_control(
 ) -> None:
     """Run a control process until ``stop_event`` is set (or the task is cancelled)."""
     proc = ControlProcess(settings, holder=holder, pool=pool, client=client, grpc=grpc)
-    starting = asyncio.create_task(proc.start())
-    if stop_event is not None:
-        # a stop while start waits for Postgres or Temporal ends the wait
-        stopped = asyncio.create_task(stop_event.wait())
-        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():
-            starting.cancel()
-            await asyncio.gather(starting, return_exceptions=True)
-            await proc.stop()
-            return
-        stopped.cancel()
     try:
-        await starting
+        # a stop while start waits for Postgres or Temporal ends the wait
+        await unless_stopped(proc.start(), stop_event)
+    except Stopped:
+        await proc.stop()
+        return
     except BaseException:
         await proc.stop()
         raise

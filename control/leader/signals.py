@@ -204,13 +204,14 @@ class JobSignals:
         async with self._sem:
             try:
                 labels = self.labels(msg.job_id)
-                send = signal_allocation if isinstance(msg, m.Allocation) else signal_preempt
+                send = (
+                    signal_allocation(self.client, self.settings, msg, labels)
+                    if isinstance(msg, m.Allocation)
+                    else signal_preempt(self.client, self.settings, msg, labels)
+                )
                 # bounded: a call that hangs (a frozen server) would hold its slot and, since
                 # a job is not re-sent while its send is unanswered, the job for ever
-                await asyncio.wait_for(
-                    send(self.client, self.settings, msg, labels),  # type: ignore[arg-type]
-                    self.settings.signal_timeout_s,
-                )
+                await asyncio.wait_for(send, self.settings.signal_timeout_s)
             except Exception as e:  # re-sent later
                 log.warning("signal to %s failed: %s", msg.job_id, e)
                 return False
