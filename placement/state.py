@@ -146,13 +146,17 @@ class RunningJob:
         "blocks",
         "borrowed",
         "charge",
+        "gpu_type",
         "held",
         "idle",
+        "job_id",
         "last_checkpoint_at",
         "preempting_for",
+        "rank",
         "slots",
         "spec",
         "started_at",
+        "team",
         "vcat",
         "vkey",
         "whole",
@@ -161,6 +165,11 @@ class RunningJob:
 
     def __init__(self, spec: JobSpec, started_at: float, borrowed: bool, charge: int, whole: bool) -> None:
         self.spec = spec
+        # copies of the (frozen) spec's fields: read millions of times per simulated day
+        self.job_id = spec.job_id
+        self.team = spec.team
+        self.gpu_type = spec.gpu_type
+        self.rank = spec.rank
         self.started_at = started_at
         self.last_checkpoint_at = spec.last_checkpoint_at
         self.borrowed = borrowed
@@ -174,22 +183,6 @@ class RunningJob:
         self.vcat: tuple[int, bool] | None = None  # its victim category, when counted
         self.young = False  # still protected: counted, not listed yet
         self.idle = False  # its GPUs sit idle (agents' readings; Policy.idle_victims_first)
-
-    @property
-    def job_id(self) -> str:
-        return self.spec.job_id
-
-    @property
-    def team(self) -> str:
-        return self.spec.team
-
-    @property
-    def gpu_type(self) -> str:
-        return self.spec.gpu_type
-
-    @property
-    def rank(self) -> int:
-        return self.spec.rank
 
     @property
     def end_time(self) -> float:
