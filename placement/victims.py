@@ -47,8 +47,6 @@ since each victim's last checkpoint, or since its start if it cannot checkpoint)
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -113,8 +111,13 @@ def eligible(rj: RunningJob, mode: Mode, now: float, policy: Policy) -> bool:
         return False
     if _own_team(rj, mode):
         return False  # a reclaim of the team's own borrowed work
-    if not rj.borrowed and policy.daily_preemption_budget >= 0:
-        if rj.spec.preemptions_since(now - policy.preemption_window_s) >= policy.daily_preemption_budget:
+    budget = policy.daily_preemption_budget
+    if not rj.borrowed and budget >= 0:
+        # fewer preemptions ever than the budget: none to count in the window (the common case)
+        if (
+            len(rj.spec.preemption_times) >= budget
+            and rj.spec.preemptions_since(now - policy.preemption_window_s) >= budget
+        ):
             return False
     return True
 
@@ -132,14 +135,6 @@ def reason_for(rj: RunningJob, mode: Mode) -> PreemptReason:
 
 def eligible_upper_bound(ti: _TypeIndex, mode: Mode) -> int:
     return sum(ti.cat_gpus.get(c, 0) for c in categories(mode))
-
-
-def _iter_candidates(state: ClusterState, ti: _TypeIndex, mode: Mode) -> Iterator[RunningJob]:
-    """Running jobs of the eligible categories, least lost work first (most recent checkpoint)."""
-    lists = [ti.victims[c] for c in categories(mode) if ti.victims.get(c)]
-    running = state._running
-    for _, jid in heapq.merge(*lists):
-        yield running[jid]
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,12 +173,23 @@ class _BlockView:
     def __init__(self, nodes: list[tuple[str, int, tuple[tuple[str, int], ...], bool]]) -> None:
         # (node, free GPUs, eligible occupants ((job, GPUs there), ...) by id, every occupant eligible)
         self.nodes = nodes
-        self.clear = [n for n, _, _, c in nodes if c]
+        clear = []
         # the most GPUs one victim can make available on a node: with its free GPUs, without
-        self.single = (
-            max((f + max(g for _, g in o) for _, f, o, _ in nodes), default=0),
-            max((max(g for _, g in o) for _, _, o, _ in nodes), default=0),
-        )
+        # (one plain loop: built for every block of every index, so it is hot)
+        with_free = alone = 0
+        for n, f, o, c in nodes:
+            if c:
+                clear.append(n)
+            top = 0
+            for _, g in o:
+                if g > top:
+                    top = g
+            if top > alone:
+                alone = top
+            if f + top > with_free:
+                with_free = f + top
+        self.clear = clear
+        self.single = (with_free, alone)
         self._bounds: tuple[list[float], list[float]] | None = None
         self._counts: dict[tuple[int, bool], int | None] = {}
 
@@ -258,19 +264,21 @@ class VictimIndex:
     def __init__(self, state: ClusterState, ti: _TypeIndex, mode: Mode, now: float, policy: Policy) -> None:
         self.state, self.ti, self.mode, self.now, self.policy = state, ti, mode, now, policy
         occ: dict[str, list[tuple[str, int]]] = {}
-        for rj in _iter_candidates(state, ti, mode):
-            if eligible(rj, mode, now, policy):
-                jid = rj.job_id
+        by_block: dict[str, list[str]] = {}
+        running, nodes = state._running, state._nodes
+        # category by category, not merged by lost work: every use sorts what it reads
+        for cat in categories(mode):
+            for _, jid in ti.victims.get(cat, ()):
+                rj = running[jid]
+                if not eligible(rj, mode, now, policy):
+                    continue
                 for nid, m in rj.held.items():
                     got = occ.get(nid)
                     if got is None:
                         occ[nid] = [(jid, m.bit_count())]
+                        by_block.setdefault(nodes[nid].block, []).append(nid)
                     else:
                         got.append((jid, m.bit_count()))
-        by_block: dict[str, list[str]] = {}
-        nodes = state._nodes
-        for nid in occ:
-            by_block.setdefault(nodes[nid].block, []).append(nid)
         self._occ = occ
         self._by_block = by_block
         self.bids = sorted(ti.blocks)
