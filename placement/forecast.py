@@ -31,6 +31,9 @@ class DemandWindow:
         self.bucket_s = bucket_s
         self._buckets: deque[tuple[int, dict[tuple[str, str], int]]] = deque()
         self._last: dict[tuple[str, str], int] = {}  # the latest observation: it holds until the next
+        # the peaks of every bucket but the newest (the only one ``observe`` changes); None
+        # once a bucket comes or goes. Saves re-reading the window every cycle.
+        self._older: dict[tuple[str, str], int] | None = None
 
     def observe(self, now: float, demand: Mapping[tuple[str, str], int]) -> None:
         """Each (team, type)'s demand at ``now`` (times must not go backwards; a (team, type)
@@ -39,6 +42,7 @@ class DemandWindow:
         b = int(now // self.bucket_s)
         if not self._buckets or self._buckets[-1][0] != b:
             self._buckets.append((b, dict(self._last)))
+            self._older = None
             self._trim(b)
         cur = self._buckets[-1][1]
         for k, v in demand.items():
@@ -50,16 +54,30 @@ class DemandWindow:
         oldest = b - int(self.window_s // self.bucket_s)
         while self._buckets and self._buckets[0][0] < oldest:
             self._buckets.popleft()
+            self._older = None
 
     def peaks(self, now: float) -> dict[tuple[str, str], int]:
         """The highest demand of each (team, type) over about the last ``window_s``."""
         self._trim(int(now // self.bucket_s))
         out: dict[tuple[str, str], int] = dict(self._last)  # it still holds
-        for _, d in self._buckets:
-            for k, v in d.items():
-                if v > out.get(k, 0):
-                    out[k] = v
+        if not self._buckets:
+            return out
+        older = self._older
+        if older is None:
+            older = self._older = {}
+            for i in range(len(self._buckets) - 1):
+                _merge_max(older, self._buckets[i][1])
+        _merge_max(out, older)
+        _merge_max(out, self._buckets[-1][1])
         return out
+
+
+def _merge_max(into: dict[tuple[str, str], int], d: Mapping[tuple[str, str], int]) -> None:
+    """``into`` takes each positive value of ``d`` above its own (max is associative, so the
+    window's peaks can be merged bucket by bucket or from a partial merge)."""
+    for k, v in d.items():
+        if v > into.get(k, 0):
+            into[k] = v
 
 
 def demand_of(state: ClusterState, queue: JobQueue) -> dict[tuple[str, str], int]:
