@@ -375,15 +375,16 @@ class Metrics:
         any_borrow: dict[str, int] = {}
         for team, gt, _ in self._teams:
             any_borrow[gt] = any_borrow.get(gt, 0) + st.borrowed_used(team, gt)
+        # (called every simulated cycle: locals and plain branches, no per-team tuples)
+        q_by_team, starving_since, below_since = self.q_by_team, self.starving_since, self.below_since
         for team, gt, g in self._teams:
-            key = (team, gt)
             strict = loose = False
             if g > 0:
                 used = st.used(team, gt)
                 if used < g:
                     own_b = st.borrowed_used(team, gt)
                     for rank in range(4):
-                        c = self.q_by_team.get((team, gt, rank))
+                        c = q_by_team.get((team, gt, rank))
                         if not c or used + min(c) > g:
                             continue
                         if any_borrow.get(gt, 0) - own_b > 0:
@@ -393,16 +394,19 @@ class Metrics:
                         if others > 0:
                             strict = True
                             break
-            for cond, store, closer in (
-                (strict, self.starving_since, self._close_starving),
-                (loose, self.below_since, self._close_below),
-            ):
-                since = store.get(key)
-                if cond:
-                    if since is None:
-                        store[key] = now
-                elif since is not None:
-                    closer(key, since, now)
+            key = (team, gt)
+            since = starving_since.get(key)
+            if strict:
+                if since is None:
+                    starving_since[key] = now
+            elif since is not None:
+                self._close_starving(key, since, now)
+            since = below_since.get(key)
+            if loose:
+                if since is None:
+                    below_since[key] = now
+            elif since is not None:
+                self._close_below(key, since, now)
 
     def _sample_starving_reasons(self, now: float, plan, recs: dict[str, JobRecord]) -> None:
         """Once a minute while a team starves: why its work that fits its guarantee waits."""
