@@ -170,26 +170,17 @@ class _BlockView:
 
     __slots__ = ("_bounds", "_counts", "clear", "nodes", "single")
 
-    def __init__(self, nodes: list[tuple[str, int, tuple[tuple[str, int], ...], bool]]) -> None:
+    def __init__(
+        self,
+        nodes: list[tuple[str, int, tuple[tuple[str, int], ...], bool]],
+        clear: list[str],
+        single: tuple[int, int],
+    ) -> None:
         # (node, free GPUs, eligible occupants ((job, GPUs there), ...) by id, every occupant eligible)
         self.nodes = nodes
-        clear = []
+        self.clear = clear  # the nodes whose every occupant is eligible
         # the most GPUs one victim can make available on a node: with its free GPUs, without
-        # (one plain loop: built for every block of every index, so it is hot)
-        with_free = alone = 0
-        for n, f, o, c in nodes:
-            if c:
-                clear.append(n)
-            top = 0
-            for _, g in o:
-                if g > top:
-                    top = g
-            if top > alone:
-                alone = top
-            if f + top > with_free:
-                with_free = f + top
-        self.clear = clear
-        self.single = (with_free, alone)
+        self.single = single
         self._bounds: tuple[list[float], list[float]] | None = None
         self._counts: dict[tuple[int, bool], int | None] = {}
 
@@ -283,6 +274,9 @@ class VictimIndex:
         self._by_block = by_block
         self.bids = sorted(ti.blocks)
         self._all: list[_BlockView] | None = None
+        # every block without eligible occupants shares one view (an empty view's counts and
+        # bounds depend on nothing): most blocks, for a preemptor of a high class
+        self._empty = _BlockView([], [], (0, 0))
         self._by_lost: list[tuple[float, str, str, int, int]] | None = None
 
     def by_lost(self) -> list[tuple[float, str, str, int, int]]:
@@ -311,15 +305,37 @@ class VictimIndex:
         return self._all
 
     def _view(self, bid: str) -> _BlockView:
-        nodes = self.state._nodes
-        out = []
-        for nid in sorted(self._by_block.get(bid, ())):
-            o = self._occ[nid]
+        # one pass (built for every block of every index: hot): the nodes, which are clear, and
+        # the most one victim frees on a node
+        ids = self._by_block.get(bid)
+        if not ids:
+            return self._empty
+        nodes, occ_of = self.state._nodes, self._occ
+        out: list[tuple[str, int, tuple[tuple[str, int], ...], bool]] = []
+        clear = []
+        with_free = alone = 0
+        for nid in sorted(ids):
             node = nodes[nid]
             if node.health is not NodeHealth.READY or node.spare_of is not None:
                 continue
-            out.append((nid, node.nfree, tuple(sorted(o)), len(o) == len(node.jobs)))
-        return _BlockView(out)
+            o = occ_of[nid]
+            f = node.nfree
+            occ: tuple[tuple[str, int], ...]
+            if len(o) == 1:
+                occ = (o[0],)
+                top = o[0][1]
+            else:
+                occ = tuple(sorted(o))
+                top = max(g for _, g in o)
+            c = len(o) == len(node.jobs)
+            out.append((nid, f, occ, c))
+            if c:
+                clear.append(nid)
+            if top > alone:
+                alone = top
+            if f + top > with_free:
+                with_free = f + top
+        return _BlockView(out, clear, (with_free, alone))
 
 
 def _live(state: ClusterState, nid: str, mode: Mode, now: float, policy: Policy) -> tuple[list[tuple[str, int]], bool]:
