@@ -40,6 +40,7 @@ from placement.model import (
     Policy,
     Preemption,
     PreemptReason,
+    PriorityClass,
     Relabel,
     ReplicaSlot,
     Reservation,
@@ -63,6 +64,9 @@ from placement.victims import Mode, VictimIndex, eligible_upper_bound, find_smal
 _INF = float("inf")
 _NO_RANK = 4  # below every class rank (0-3): no such reservation
 _NO_EXCL: frozenset[str] = frozenset()
+
+
+_PROD_BATCH_RANK = PriorityClass.PROD_BATCH.rank
 
 
 def plan(state: ClusterState, queue: JobQueue, policy: Policy = DEFAULT_POLICY, now: float = 0.0) -> Plan:
@@ -90,6 +94,8 @@ class _Cycle:
         self.reserve_memo: set[tuple] = set()
         self.preempt_fail: set[tuple] = set()
         self.reclaimed: set[tuple[str, str]] = set()
+        self.patient = False  # the job being decided is within Policy.preempt_patience_s
+        self.waiting_since: dict[tuple[str, str], float] | None = None  # per (team, type), built on first use
         self.victim_index: dict[tuple[str, Mode], VictimIndex] = {}  # per (type, mode without team)
         self.victims_left = policy.max_preemptions_per_cycle
         self.searches_left = policy.max_victim_searches_per_cycle
@@ -306,6 +312,43 @@ class _Cycle:
             and t.max_blocks_wait_s is not None
         )
 
+    def _patient(self, job: JobSpec, shape: Shape, ti: _TypeIndex) -> bool:
+        """Does it wait for capacity to free (``Policy.preempt_patience_s``) before preempting?"""
+        patience = self.policy.preempt_patience_s
+        if patience is None or job.rank == SERVING_RANK:
+            return False
+        if job.rank <= _PROD_BATCH_RANK and shape.charge <= ti.node_gpus:
+            return False  # small prod jobs: the requirements' p95 wait is 2 minutes
+        # counted from the team's oldest queued job of the type, not the job's own submit: a
+        # team whose jobs keep arriving would otherwise wait for ever, one patience at a time
+        return self.now - self._team_waiting_since(job.team, job.gpu_type) < patience
+
+    def _team_waiting_since(self, team: str, gpu_type: str) -> float:
+        """The submit time of the team's oldest queued job of this GPU type (this cycle's queue)."""
+        since = self.waiting_since
+        if since is None:
+            since = self.waiting_since = {}
+            queue = self.queue
+            for (_rank, t, g, _floor), lane in queue.lanes().items():
+                if lane and lane[0][0] < since.get((t, g), math.inf):
+                    since[(t, g)] = lane[0][0]
+            for lane in queue.front().values():
+                for submit, jid in lane:
+                    fj = queue._jobs[jid]
+                    if submit < since.get((fj.team, fj.gpu_type), math.inf):
+                        since[(fj.team, fj.gpu_type)] = submit
+        return since.get((team, gpu_type), self.now)
+
+    def _too_costly(self, victims: tuple[str, ...]) -> bool:
+        """Would these victims lose more than ``Policy.patience_max_lost_s`` of work per GPU?"""
+        running, now = self.state._running, self.now
+        lost = gpus = 0.0
+        for vid in victims:
+            rj = running[vid]
+            lost += rj.charge * max(0.0, now - rj.lost_since)
+            gpus += rj.charge
+        return lost > gpus * self.policy.patience_max_lost_s
+
     def _pend(self, job: JobSpec, reason: PendingReason, detail: str = "") -> None:
         self.pending.append(Pending(job.job_id, reason, detail))
 
@@ -421,6 +464,7 @@ class _Cycle:
         ):
             # beyond its guarantee: only borrowed work of lower classes (prod-serving: of any class)
             mode = Mode(job.rank, True, job.team)
+        self.patient = mode is not None and self._patient(job, shape, ti)
         if mode is not None and policy.preemption and self._preempt(job, ti, shape, mode):
             self._pend(job, PendingReason.PREEMPTING)
             return
@@ -433,7 +477,8 @@ class _Cycle:
             if own_res is not None and own_res.kind is ReservationKind.HEAD_OF_LINE:
                 self._pend(job, PendingReason.RESERVED)
                 return
-            if self._reserve(job, ti, shape, borrowed):
+            # within its patience it drains nothing either: others use what frees meanwhile
+            if not self.patient and self._reserve(job, ti, shape, borrowed):
                 self._pend(job, PendingReason.RESERVED)
                 return
         if own_res is not None and own_res.kind is ReservationKind.PREEMPTION and fail is not PendingReason.QUOTA:
@@ -642,6 +687,7 @@ class _Cycle:
             job.job_id in state._reservations,
             state.res_free_version,
             self.claim_team,
+            self.patient,
         )
         if fkey in self.preempt_fail:
             return False
@@ -679,6 +725,8 @@ class _Cycle:
         if choice is None or len(choice.victims) > limit:
             self.victim_memo.add(mkey)
             return False
+        if self.patient and self._too_costly(choice.victims):
+            return False  # it waits for jobs to end (or for cheaper victims) within its patience
         self.victims_left = max(0, self.victims_left - len(choice.victims))
         for vid in choice.victims:
             rj = state.running(vid)

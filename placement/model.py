@@ -303,6 +303,15 @@ class Policy:
       reclaiming other jobs (whose work since their last checkpoint is lost) to keep to it.
       It runs spread (slower where spreading costs: the simulator's ``--spread-slowdown``).
       False: it keeps to its limit (preempting where it may) until the wait lapses.
+    * ``preempt_patience_s``: while its team's oldest queued job of the GPU type was
+      submitted less than this ago, a job preempts (or reclaims) only victims that lose
+      little: at most ``patience_max_lost_s`` of work per GPU since their last checkpoint
+      (or start). Otherwise it waits, neither preempting nor reserving, for jobs to end or
+      for cheaper victims (a job that just checkpointed); after that the rules' choice
+      stands whatever it costs. Counted per team, not per job, so a team whose jobs keep
+      arriving is not held back one patience after another. prod-serving, and prod-batch
+      jobs within one node (the requirements' 2-minute p95 for small prod jobs), are never
+      held back. None: off.
     """
 
     lookahead: int = 2000
@@ -337,6 +346,8 @@ class Policy:
     unsaved_borrow_guard: float | None = None
     borrowed_gang_guard: float | None = 0.5
     spread_before_preempt: bool = False
+    preempt_patience_s: float | None = None
+    patience_max_lost_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -365,6 +376,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "unsaved_borrow_guard": None,
     "borrowed_gang_guard": None,
     "spread_before_preempt": False,
+    "preempt_patience_s": None,
 }
 
 PRESETS: dict[str, Policy] = {

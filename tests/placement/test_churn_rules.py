@@ -7,7 +7,7 @@ import pytest
 from placement import PendingReason, Policy
 from placement.forecast import DemandWindow
 
-from .helpers import cluster, cycle, fill, queue_of, spec
+from .helpers import cluster, cycle, fill, nodes_of, queue_of, spec
 
 NOW = 10_000.0
 
@@ -233,3 +233,75 @@ def test_spread_before_preempt_runs_a_guaranteed_job_wider_instead_of_reclaiming
             assert sorted(pr.victim for pr in p.preemptions) == ["f-b0n2", "f-b0n3"], case
         else:
             assert not p.placements and not p.preemptions, case
+
+
+def test_within_its_patience_a_job_stops_only_work_that_loses_little() -> None:
+    """(class, GPUs, waited, victims' work since their checkpoint, patience) -> preempts now?
+
+    Both nodes run another team's borrowed work that checkpointed ``since`` seconds ago;
+    "owner" has a 16-GPU guarantee and nothing running. Within ``preempt_patience_s`` of its
+    submit its job stops only work that would lose at most ``patience_max_lost_s`` (300 s)
+    per GPU; otherwise it waits (``capacity``) for jobs to end. Past its patience it
+    reclaims as before. prod-serving, and prod-batch jobs within one node, never wait."""
+    cases = [
+        # class, GPUs (8 per node), waited (s), victims' work since checkpoint (s), patience, preempts
+        ("research", 16, 10.0, 1800.0, 120.0, False),  # costly victims, within its patience
+        ("research", 16, 119.0, 1800.0, 120.0, False),
+        ("research", 16, 120.0, 1800.0, 120.0, True),  # waited the patience: reclaims
+        ("research", 16, 10.0, 200.0, 120.0, True),  # victims that just checkpointed: at once
+        ("research", 16, 10.0, 300.0, 120.0, True),  # at the bound
+        ("research", 16, 10.0, 1800.0, None, True),  # the field off: reclaims at once
+        ("research", 8, 10.0, 1800.0, 120.0, False),  # a one-node research job waits too
+        ("preemptible", 8, 10.0, 1800.0, 120.0, False),
+        ("prod-batch", 16, 10.0, 1800.0, 120.0, False),  # a multi-node prod-batch job waits
+        ("prod-batch", 8, 10.0, 1800.0, 120.0, True),  # a small prod job: the 2-minute p95 wait
+        ("prod-serving", 16, 10.0, 1800.0, 120.0, True),
+    ]
+    for cls, gpus, waited, since, patience, preempts in cases:
+        st = cluster(blocks=1, nodes=2)
+        st.set_quota("b", "h100", 0, 100)
+        for jid in fill(st, ["b0n0", "b0n1"], team="b", borrowed=True, started_at=NOW - 7200.0, preemptible=True):
+            st.set_checkpoint(jid, NOW - since)
+        st.set_quota("owner", "h100", 16, 0)
+        q = queue_of(spec("x", team="owner", cls=cls, gpr=8, replicas=gpus // 8, submit=NOW - waited))
+        p = cycle(st, q, NOW, Policy(preempt_patience_s=patience))
+        case = (cls, gpus, waited, since, patience)
+        assert bool(p.preemptions) is preempts, case
+        assert not p.placements, case
+        if preempts:
+            assert {pr.victim_borrowed for pr in p.preemptions} == {True}, case
+        else:
+            assert p.reason_for(q.get("x")) is PendingReason.CAPACITY, case
+
+
+def test_a_patient_job_takes_capacity_an_ending_job_frees() -> None:
+    """The point of waiting: a job ends within the patience, the waiting job starts there,
+    and nobody's work is stopped."""
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("b", "h100", 0, 100)
+    fill(st, ["b0n0", "b0n1"], team="b", borrowed=True)
+    st.set_quota("owner", "h100", 16, 0)
+    q = queue_of(spec("x", team="owner", gpr=8, submit=NOW))
+    pol = Policy(preempt_patience_s=120.0)
+    assert not cycle(st, q, NOW, pol).preemptions
+    st.release("f-b0n1", NOW + 30.0)
+    p = cycle(st, q, NOW + 31.0, pol)
+    assert not p.preemptions
+    assert nodes_of(p, "x") == ["b0n1"]
+
+
+def test_patience_is_counted_from_the_teams_oldest_queued_job() -> None:
+    """A team whose jobs keep arriving is not held back one patience after another: a new
+    job of a team that has had work queued for longer than the patience reclaims at once."""
+    for oldest_waited, preempts in ((60.0, False), (600.0, True)):
+        st = cluster(blocks=1, nodes=2)
+        st.set_quota("b", "h100", 0, 100)
+        for jid in fill(st, ["b0n0", "b0n1"], team="b", borrowed=True, started_at=NOW - 7200.0, preemptible=True):
+            st.set_checkpoint(jid, NOW - 1800.0)
+        st.set_quota("owner", "h100", 16, 0)
+        q = queue_of(
+            spec("old", team="owner", gpr=8, replicas=3, submit=NOW - oldest_waited),  # over its guarantee
+            spec("new", team="owner", gpr=8, replicas=2, submit=NOW - 5.0),
+        )
+        p = cycle(st, q, NOW, Policy(preempt_patience_s=300.0))
+        assert [pr.beneficiary for pr in p.preemptions] == (["new", "new"] if preempts else []), oldest_waited
