@@ -372,17 +372,18 @@ class Metrics:
         # reclaimable borrowed GPUs per (type, class rank): the engine's victim lists (borrowed,
         # not prod-serving, not already stopping), whatever their age
         reclaimable: dict[str, tuple[int, ...]] = {gt: st.borrowed_gpus_by_class(gt) for gt in st.gpu_types()}
+        teams = self._teams
+        borrowed = [st.borrowed_used(team, gt) for team, gt, _ in teams]
         any_borrow: dict[str, int] = {}
-        for team, gt, _ in self._teams:
-            any_borrow[gt] = any_borrow.get(gt, 0) + st.borrowed_used(team, gt)
+        for (_, gt, _), b in zip(teams, borrowed, strict=True):
+            any_borrow[gt] = any_borrow.get(gt, 0) + b
         # (called every simulated cycle: locals and plain branches, no per-team tuples)
         q_by_team, starving_since, below_since = self.q_by_team, self.starving_since, self.below_since
-        for team, gt, g in self._teams:
+        for (team, gt, g), own_b in zip(teams, borrowed, strict=True):
             strict = loose = False
             if g > 0:
                 used = st.used(team, gt)
                 if used < g:
-                    own_b = st.borrowed_used(team, gt)
                     for rank in range(4):
                         c = q_by_team.get((team, gt, rank))
                         if not c or used + min(c) > g:
