@@ -59,7 +59,15 @@ from placement.reservations import (
 )
 from placement.state import ClusterState, RunningJob, _TypeIndex, indices_of, make_placement, mask_of
 from placement.topology import Search, Shape, choose_spares, find_placement, find_small_node, job_shape
-from placement.victims import Mode, VictimIndex, eligible_upper_bound, find_small, find_whole, reason_for
+from placement.victims import (
+    Mode,
+    VictimIndex,
+    eligible_upper_bound,
+    find_small,
+    find_whole,
+    lost_work,
+    reason_for,
+)
 
 _INF = float("inf")
 _NO_RANK = 4  # below every class rank (0-3): no such reservation
@@ -94,7 +102,6 @@ class _Cycle:
         self.reserve_memo: set[tuple] = set()
         self.preempt_fail: set[tuple] = set()
         self.reclaimed: set[tuple[str, str]] = set()
-        self.patient = False  # the job being decided is within Policy.preempt_patience_s
         self.waiting_since: dict[tuple[str, str], float] | None = None  # per (team, type), built on first use
         self.victim_index: dict[tuple[str, Mode], VictimIndex] = {}  # per (type, mode without team)
         self.victims_left = policy.max_preemptions_per_cycle
@@ -345,7 +352,7 @@ class _Cycle:
         lost = gpus = 0.0
         for vid in victims:
             rj = running[vid]
-            lost += rj.charge * max(0.0, now - rj.lost_since)
+            lost += lost_work(rj, now)
             gpus += rj.charge
         return lost > gpus * self.policy.patience_max_lost_s
 
@@ -464,8 +471,8 @@ class _Cycle:
         ):
             # beyond its guarantee: only borrowed work of lower classes (prod-serving: of any class)
             mode = Mode(job.rank, True, job.team)
-        self.patient = mode is not None and self._patient(job, shape, ti)
-        if mode is not None and policy.preemption and self._preempt(job, ti, shape, mode):
+        patient = mode is not None and self._patient(job, shape, ti)
+        if mode is not None and policy.preemption and self._preempt(job, ti, shape, mode, patient):
             self._pend(job, PendingReason.PREEMPTING)
             return
         if (
@@ -478,7 +485,7 @@ class _Cycle:
                 self._pend(job, PendingReason.RESERVED)
                 return
             # within its patience it drains nothing either: others use what frees meanwhile
-            if not self.patient and self._reserve(job, ti, shape, borrowed):
+            if not patient and self._reserve(job, ti, shape, borrowed):
                 self._pend(job, PendingReason.RESERVED)
                 return
         if own_res is not None and own_res.kind is ReservationKind.PREEMPTION and fail is not PendingReason.QUOTA:
@@ -663,7 +670,7 @@ class _Cycle:
 
     # ------------------------------------------------------------------ preemption
 
-    def _preempt(self, job: JobSpec, ti: _TypeIndex, shape: Shape, mode: Mode) -> bool:
+    def _preempt(self, job: JobSpec, ti: _TypeIndex, shape: Shape, mode: Mode, patient: bool) -> bool:
         state = self.state
         # the first reclaim per cycle of a team below its guarantee is not held back by the
         # per-cycle caps (so it is planned in the first cycle that sees the need)
@@ -687,18 +694,20 @@ class _Cycle:
             job.job_id in state._reservations,
             state.res_free_version,
             self.claim_team,
-            self.patient,
+            patient,
         )
         if fkey in self.preempt_fail:
             return False
         if reclaim:
             self.reclaimed.add(tkey)  # one uncapped attempt per team and cycle, found or not
-        if not self._preempt_search(job, ti, shape, mode, reclaim):
+        if not self._preempt_search(job, ti, shape, mode, reclaim, patient):
             self.preempt_fail.add(fkey)
             return False
         return True
 
-    def _preempt_search(self, job: JobSpec, ti: _TypeIndex, shape: Shape, mode: Mode, reclaim: bool) -> bool:
+    def _preempt_search(
+        self, job: JobSpec, ti: _TypeIndex, shape: Shape, mode: Mode, reclaim: bool, patient: bool
+    ) -> bool:
         state, policy, now = self.state, self.policy, self.now
         if ti.free_gpus + eligible_upper_bound(ti, mode) < shape.charge:
             return False
@@ -725,7 +734,7 @@ class _Cycle:
         if choice is None or len(choice.victims) > limit:
             self.victim_memo.add(mkey)
             return False
-        if self.patient and self._too_costly(choice.victims):
+        if patient and self._too_costly(choice.victims):
             return False  # it waits for jobs to end (or for cheaper victims) within its patience
         self.victims_left = max(0, self.victims_left - len(choice.victims))
         for vid in choice.victims:

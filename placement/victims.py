@@ -145,7 +145,7 @@ class VictimChoice:
     grace_s: float
 
 
-def _lost(rj: RunningJob, now: float) -> float:
+def lost_work(rj: RunningJob, now: float) -> float:
     """GPU-seconds lost if preempted now: its GPUs x time since its last checkpoint (or start)."""
     return rj.charge * max(0.0, now - rj.lost_since)
 
@@ -224,7 +224,7 @@ class _BlockView:
                     for j, _ in occ:
                         rj = running[j]
                         w += _weight(rj, policy) / share[j]
-                        lo += _lost(rj, now) / share[j]
+                        lo += lost_work(rj, now) / share[j]
                     ws.append(w)
                     ls.append(lo)
             ws.sort()
@@ -292,7 +292,7 @@ class VictimIndex:
                 for j, g in occ:
                     lo = lost.get(j)
                     if lo is None:
-                        lo = lost[j] = _lost(running[j], now)
+                        lo = lost[j] = lost_work(running[j], now)
                     out.append((lo, j, nid, g, f))
             out.sort()
             self._by_lost = out
@@ -461,7 +461,7 @@ def _several_on_one_node(
                 continue  # (none needed: the free GPUs are not this job's to take)
             for j, _ in cands:
                 if j not in lost_of:
-                    lost_of[j] = _lost(running[j], now)
+                    lost_of[j] = lost_work(running[j], now)
             for combo in combinations(cands, c):
                 if have + sum(g for _, g in combo) < need:
                     continue
@@ -609,7 +609,7 @@ def _solve(
     if len(occupants) < need:
         return None
     weight = {j: _weight(running[j], policy) for occ in occupants.values() for j in occ}
-    lost = {j: _lost(running[j], now) for j in weight}
+    lost = {j: lost_work(running[j], now) for j in weight}
     over_cache: dict[str, float] = {}
     over: dict[str, float] = {}
     for j in weight:
