@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from placement import ClusterState, NodeHealth, Policy
 from sim.costs import restart_s
@@ -82,6 +82,22 @@ def dist(xs: list[float], censored: int = 0) -> dict:
         "mean": r(sum(s) / len(s), 1) if s else None,
         "censored": censored,
     }
+
+
+def _track(
+    since_by: dict[tuple[str, str], float],
+    key: tuple[str, str],
+    on: bool,
+    now: float,
+    close: Callable[[tuple[str, str], float, float], None],
+) -> None:
+    """A condition's span for ``key``: opened at ``now`` when it starts, closed when it ends."""
+    since = since_by.get(key)
+    if on:
+        if since is None:
+            since_by[key] = now
+    elif since is not None:
+        close(key, since, now)
 
 
 class Metrics:
@@ -377,7 +393,7 @@ class Metrics:
         any_borrow: dict[str, int] = {}
         for (_, gt, _), b in zip(teams, borrowed, strict=True):
             any_borrow[gt] = any_borrow.get(gt, 0) + b
-        # (called every simulated cycle: locals and plain branches, no per-team tuples)
+        # (called every simulated cycle: locals, no per-team tuples)
         q_by_team, starving_since, below_since = self.q_by_team, self.starving_since, self.below_since
         for (team, gt, g), own_b in zip(teams, borrowed, strict=True):
             strict = loose = False
@@ -396,18 +412,8 @@ class Metrics:
                             strict = True
                             break
             key = (team, gt)
-            since = starving_since.get(key)
-            if strict:
-                if since is None:
-                    starving_since[key] = now
-            elif since is not None:
-                self._close_starving(key, since, now)
-            since = below_since.get(key)
-            if loose:
-                if since is None:
-                    below_since[key] = now
-            elif since is not None:
-                self._close_below(key, since, now)
+            _track(starving_since, key, strict, now, self._close_starving)
+            _track(below_since, key, loose, now, self._close_below)
 
     def _sample_starving_reasons(self, now: float, plan, recs: dict[str, JobRecord]) -> None:
         """Once a minute while a team starves: why its work that fits its guarantee waits."""
