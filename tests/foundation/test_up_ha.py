@@ -34,7 +34,15 @@ def start_ha(state: Path, ports: dict[str, int]) -> subprocess.Popen:
 
 
 def _children(proc: subprocess.Popen, role: str) -> list[psutil.Process]:
-    return [c for c in psutil.Process(proc.pid).children() if f"cli.main {role}" in " ".join(c.cmdline())]
+    """Live children of ``up`` in ``role``; a killed one not yet reaped (a zombie) is not one."""
+    out = []
+    for c in psutil.Process(proc.pid).children():
+        try:
+            if f"cli.main {role}" in " ".join(c.cmdline()):
+                out.append(c)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            pass
+    return out
 
 
 def _postmaster(pgdata: Path) -> int | None:
