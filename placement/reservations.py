@@ -210,20 +210,50 @@ def _block_times(state: ClusterState, bid: str, owner: str | None) -> list[float
     return [t for t, _, _ in _block_node_times(state, bid, owner)]
 
 
+# entries of ``ClusterState.block_times_cache`` kept at most (then it starts afresh)
+_BLOCK_TIMES_MAX = 4096
+
+
+def _evict_terms(state: ClusterState, owner: str | None) -> tuple[Reservation, tuple[object, ...]] | None:
+    """The owner's reservation if its evictable backfill counts as gone (``node_free_time``),
+    with the fields ``evictable_for`` reads of it."""
+    mine = state._reservations.get(owner) if owner is not None else None
+    if mine is None or not mine.evicts_backfill:
+        return None
+    return mine, (mine.kind, mine.priority_rank, mine.created_at)
+
+
 def _block_node_times(state: ClusterState, bid: str, owner: str | None) -> list[tuple[float, int, str]]:
     """(when the node is free, 1 if it is being cleared for another job else 0, node) for the
     nodes of a block, soonest first; nodes held by another gang's head-of-line reservation
     never are (inf). A node cleared by preemption for another job counts as free at once (it
     may be a gang's best node), but among equal times an unclaimed node is held first: the
-    beneficiary takes its cleared nodes whatever other reservations hold them."""
+    beneficiary takes its cleared nodes whatever other reservations hold them.
+
+    Cached per (block, owner): the answer reads only the block's nodes, their jobs (started_at,
+    max_runtime, borrowed, stopping), the reservations holding them (all of which move the
+    block's version) and the owner's reservation terms. Read-only for callers."""
     blk = state._blocks[bid]
+    ev = _evict_terms(state, owner)
+    stamp = (blk.version, ev[1] if ev is not None else None)
+    cache = state.block_times_cache
+    got = cache.get((bid, owner))
+    if got is not None and got[0] == stamp:
+        return got[1]
+    out = _block_node_times_now(state, blk.nodes, owner, ev[0] if ev is not None else None)
+    if len(cache) >= _BLOCK_TIMES_MAX:
+        cache.clear()
+    cache[(bid, owner)] = (stamp, out)
+    return out
+
+
+def _block_node_times_now(
+    state: ClusterState, block_nodes: list[str], owner: str | None, mine: Reservation | None
+) -> list[tuple[float, int, str]]:
     node_res = state._node_res
     out = []
     reservations = state._reservations
-    mine = reservations.get(owner) if owner is not None else None
-    if mine is not None and not mine.evicts_backfill:
-        mine = None
-    for nid in blk.nodes:
+    for nid in block_nodes:
         owners = node_res.get(nid)
         if owners:
             others = [o for o in owners if o != owner]
@@ -256,14 +286,17 @@ def select_nodes(
 
 def refresh_head_of_line(state: ClusterState, res: Reservation, now: float) -> tuple[tuple[str, ...], float]:
     """A node-level head-of-line reservation re-chosen in its blocks: (nodes, expected start).
-    Cached per block versions (a block's version changes with any of its nodes)."""
+    Cached per block versions (a block's version changes with any of its nodes, and with the
+    reservations holding them) and the owner's terms."""
     versions = tuple(state._blocks[b].version for b in res.blocks if b in state._blocks)
+    ev = _evict_terms(state, res.job_id)
+    key = (res.blocks, res.nodes_needed, versions, ev[1] if ev is not None else None)
     cached = state.res_cache.get(res.job_id)
-    if cached is not None and cached[0] == (versions, state.res_version):
+    if cached is not None and cached[0] == key:
         nodes, raw = cached[1]
     else:
         nodes, raw = select_nodes(state, res.blocks, res.nodes_needed, res.job_id)
-        state.res_cache[res.job_id] = ((versions, state.res_version), (nodes, raw))
+        state.res_cache[res.job_id] = (key, (nodes, raw))
     return nodes, max(raw, now)
 
 

@@ -98,6 +98,8 @@ class _Block:
         self.gpu_type = gpu_type
         self.nodes: list[str] = []
         self.free_nodes: list[str] = []
+        # bumped on any change to its nodes (free GPUs, health, spares, jobs, their borrowed /
+        # stopping flags, which reservations hold them): a key for caches, never restored
         self.version = 0
 
 
@@ -245,9 +247,15 @@ class ClusterState:
         self._quota_dirty: set[tuple[str, str]] = set()
         self._forecast: dict[tuple[str, str], int] = {}  # (team, type) -> recent peak demand (driver's data)
         self._journal: list[tuple[Callable[..., Any], tuple[Any, ...]]] | None = None
-        # per head-of-line reservation: ((block versions, res_version), (nodes, expected start)),
-        # see reservations.refresh_head_of_line
-        self.res_cache: dict[str, tuple[tuple[tuple[int, ...], int], tuple[tuple[str, ...], float]]] = {}
+        # per head-of-line reservation: (its blocks, nodes needed, their versions, the owner's
+        # evictable-backfill terms) -> (nodes, expected start), see reservations.refresh_head_of_line
+        self.res_cache: dict[str, tuple[Any, tuple[tuple[str, ...], float]]] = {}
+        # per (block, owner): ((block version, owner's evictable-backfill terms), node times),
+        # see reservations._block_node_times; bounded (cleared past _BLOCK_TIMES_MAX entries)
+        self.block_times_cache: dict[tuple[str, str | None], tuple[tuple[int, Any], list[tuple[float, int, str]]]] = {}
+        # per (block, victim mode): that block's part of a ``victims.VictimIndex``, kept while the
+        # block's version stands; bounded (cleared past victims._VICTIM_BLOCKS_MAX entries)
+        self.victim_blocks: dict[tuple[str, Any], Any] = {}
         self.res_version = 0  # bumped on every reservation change (cache invalidation only)
         self.res_free_version = 0  # bumped only when a reservation goes (capacity may come back)
         self._young: list[tuple[float, int, RunningJob]] = []  # (started_at, seq, job) not yet listed
@@ -425,6 +433,8 @@ class ClusterState:
         return node.health is NodeHealth.READY and node.spare_of is None and node.nfree == node.gpus
 
     def _set_node_owners(self, node: _Node, old: tuple[str, ...], new: tuple[str, ...]) -> None:
+        # the block's version covers who holds its nodes too (``reservations._block_node_times``)
+        self._blocks[node.block].version += 1
         if new:
             self._node_res[node.id] = new
         else:
@@ -716,6 +726,13 @@ class ClusterState:
                 # a young job was counted by ``_victim_add``, which set its ``vcat``
                 cat = cast("tuple[int, bool]", rj.vcat)
                 insort(self._types[rj.gpu_type].victims.setdefault(cat, []), rj.vkey)
+                self._bump_held(rj)  # listed now: its blocks' victim parts change
+
+    def _bump_held(self, rj: RunningJob) -> None:
+        """Move the versions of the blocks where ``rj`` holds nodes (its victim listing changed)."""
+        nodes, blocks = self._nodes, self._blocks
+        for nid in rj.held:
+            blocks[nodes[nid].block].version += 1
 
     def release(self, job_id: str, now: float, keep_spares: bool = False) -> RunningJob:
         """A job's gang is gone (ended, stopped, failed): free its GPUs.
@@ -771,6 +788,7 @@ class ClusterState:
                     del rj.held[nid]
         rj.blocks = tuple(sorted({self._nodes[n].block for n in rj.held}))
         self._victim_add(rj)
+        self._bump_held(rj)
 
     def place_replicas(self, placement: Placement, now: float) -> RunningJob:
         """Record replacement replicas of a running job (``Placement.replacement``)."""
@@ -797,6 +815,7 @@ class ClusterState:
             self._missing.pop(rj.job_id, None)
         rj.blocks = tuple(sorted({self._nodes[n].block for n in rj.held}))
         self._victim_add(rj)
+        self._bump_held(rj)
         self._log(self._unplace_replicas, rj, placement, saved)
         return rj
 
@@ -807,6 +826,7 @@ class ClusterState:
         rj.held, rj.slots, rj.blocks, missing = saved
         self._missing[rj.job_id] = missing
         self._victim_add(rj)
+        self._bump_held(rj)
 
     def missing_replicas(self, job_id: str) -> tuple[int, ...]:
         return tuple(sorted(self._missing.get(job_id, ())))
@@ -817,15 +837,21 @@ class ClusterState:
     def set_checkpoint(self, job_id: str, at: float) -> None:
         """A running job checkpointed (less work lost if it is preempted)."""
         rj = self.running(job_id)
+        listed = rj.vkey is not None
         self._victim_remove(rj)
         self._log(self._restore_ckpt, rj, rj.last_checkpoint_at)
         rj.last_checkpoint_at = at
         self._victim_add(rj)
+        if (rj.vkey is not None) != listed:
+            self._bump_held(rj)
 
     def _restore_ckpt(self, rj: RunningJob, at: float | None) -> None:
+        listed = rj.vkey is not None
         self._victim_remove(rj)
         rj.last_checkpoint_at = at
         self._victim_add(rj)
+        if (rj.vkey is not None) != listed:
+            self._bump_held(rj)
 
     def set_idle(self, job_id: str, idle: bool) -> None:
         """The job's GPUs sit idle, or are in use again (the leader's reading of the agents)."""
@@ -836,9 +862,12 @@ class ClusterState:
         self._log(self._flip_idle, rj)
 
     def _flip_idle(self, rj: RunningJob) -> None:
+        listed = rj.vkey is not None
         self._victim_remove(rj)
         rj.idle = not rj.idle
         self._victim_add(rj)
+        if (rj.vkey is not None) != listed:
+            self._bump_held(rj)
 
     def set_borrowed(self, job_id: str, borrowed: bool) -> None:
         rj = self.running(job_id)

@@ -52,7 +52,7 @@ from itertools import combinations
 
 from placement.model import SERVING_RANK, NodeHealth, Pack, Policy, PreemptReason
 from placement.quota import over_share
-from placement.state import ClusterState, RunningJob, _TypeIndex
+from placement.state import ClusterState, RunningJob, _Block, _TypeIndex
 from placement.topology import Search, Shape
 
 
@@ -67,6 +67,7 @@ class Mode:
 
 
 _CATS: dict[tuple[int, bool, bool], list[tuple[int, bool]]] = {}
+_CAT_SETS: dict[tuple[int, bool, bool], frozenset[tuple[int, bool]]] = {}
 # within the targets, exact while every component of nodes sharing victims has at most this
 # many distinct occupant sets (2**n option subsets each) ...
 _EXACT_GROUPS = 8
@@ -79,6 +80,14 @@ def categories(mode: Mode) -> list[tuple[int, bool]]:
     got = _CATS.get(key)
     if got is None:
         got = _CATS[key] = _categories(mode)
+    return got
+
+
+def categories_set(mode: Mode) -> frozenset[tuple[int, bool]]:
+    key = (mode.rank, mode.borrowed_only, mode.higher_small)
+    got = _CAT_SETS.get(key)
+    if got is None:
+        got = _CAT_SETS[key] = frozenset(categories(mode))
     return got
 
 
@@ -244,39 +253,35 @@ class _BlockView:
 
 class VictimIndex:
     """Per cycle, GPU type and mode (built without the preemptor's team): eligible occupants of
-    every node, per block, as when first asked for (lazily, per block).
+    every node, per block, as when first asked for.
 
     Within a cycle a view only loses victims (placements take free GPUs, victims marked
     stopping, nodes held as spares), so it is a superset of what a search may take, and its
     counts and bounds stay upper / lower bounds: searches re-check every node they would
     clear against the state and the preemptor's own mode. The engine drops the indexes when
-    a cycle relabels running jobs borrowed (``_guarantee_gang``): that adds victims."""
+    a cycle relabels running jobs borrowed (``_guarantee_gang``): that adds victims.
+
+    A block's part is kept across cycles (``ClusterState.victim_blocks``, per block and mode)
+    while the block's version stands (any change to its nodes, their jobs' borrowed / stopping
+    flags or victim listing moves it) and time has not made one of its ineligible jobs eligible
+    (re-asked: time only ever makes a job eligible, never the reverse)."""
 
     def __init__(self, state: ClusterState, ti: _TypeIndex, mode: Mode, now: float, policy: Policy) -> None:
         self.state, self.ti, self.mode, self.now, self.policy = state, ti, mode, now, policy
-        occ: dict[str, list[tuple[str, int]]] = {}
-        by_block: dict[str, list[str]] = {}
-        running, nodes = state._running, state._nodes
-        # category by category, not merged by lost work: every use sorts what it reads
-        for cat in categories(mode):
-            for _, jid in ti.victims.get(cat, ()):
-                rj = running[jid]
-                if not eligible(rj, mode, now, policy):
-                    continue
-                for nid, m in rj.held.items():
-                    got = occ.get(nid)
-                    if got is None:
-                        occ[nid] = [(jid, m.bit_count())]
-                        by_block.setdefault(nodes[nid].block, []).append(nid)
-                    else:
-                        got.append((jid, m.bit_count()))
-        self._occ = occ
-        self._by_block = by_block
         self.bids = sorted(ti.blocks)
+        cache = state.victim_blocks
+        if len(cache) > _VICTIM_BLOCKS_MAX:
+            cache.clear()
+        parts: list[_BlockPart] = []
+        blocks = ti.blocks
+        for bid in self.bids:
+            key = (bid, mode)
+            part = cache.get(key)
+            if part is None or not part.holds(blocks[bid].version, now, policy):
+                part = cache[key] = _BlockPart(state, blocks[bid], mode, now, policy)
+            parts.append(part)
+        self._parts = parts
         self._all: list[_BlockView] | None = None
-        # every block without eligible occupants shares one view (an empty view's counts and
-        # bounds depend on nothing): most blocks, for a preemptor of a high class
-        self._empty = _BlockView([], [], (0, 0))
         self._by_lost: list[tuple[float, str, str, int, int]] | None = None
 
     def by_lost(self) -> list[tuple[float, str, str, int, int]]:
@@ -287,55 +292,106 @@ class VictimIndex:
             running, nodes = state._running, state._nodes
             lost: dict[str, float] = {}
             out = []
-            for nid, occ in self._occ.items():
-                f = nodes[nid].nfree
-                for j, g in occ:
-                    lo = lost.get(j)
-                    if lo is None:
-                        lo = lost[j] = lost_work(running[j], now)
-                    out.append((lo, j, nid, g, f))
+            for part in self._parts:
+                for nid, occ in part.occ.items():
+                    f = nodes[nid].nfree
+                    for j, g in occ:
+                        lo = lost.get(j)
+                        if lo is None:
+                            lo = lost[j] = lost_work(running[j], now)
+                        out.append((lo, j, nid, g, f))
             out.sort()
             self._by_lost = out
         return self._by_lost
 
     def views(self) -> list[_BlockView]:
-        """Every block's view, in block id order."""
+        """Every block's view, in block id order (fresh views: their bounds read lost work now)."""
         if self._all is None:
-            self._all = [self._view(b) for b in self.bids]
+            # every block without eligible occupants shares one view (an empty view's counts and
+            # bounds depend on nothing): most blocks, for a preemptor of a high class
+            empty = _BlockView([], [], (0, 0))
+            self._all = [_BlockView(p.nodes, p.clear, p.single) if p.occ else empty for p in self._parts]
         return self._all
 
-    def _view(self, bid: str) -> _BlockView:
-        # one pass (built for every block of every index: hot): the nodes, which are clear, and
-        # the most one victim frees on a node
-        ids = self._by_block.get(bid)
-        if not ids:
-            return self._empty
-        nodes, occ_of = self.state._nodes, self._occ
+
+# entries of ``ClusterState.victim_blocks`` kept at most (then it starts afresh)
+_VICTIM_BLOCKS_MAX = 1 << 16
+
+
+class _BlockPart:
+    """One block's eligible occupants for one mode, and its view's contents, as of a block
+    version and a time; with the jobs listed as victims there that were not eligible then."""
+
+    __slots__ = ("clear", "mode", "nodes", "now", "occ", "policy", "single", "unfit", "version")
+
+    def __init__(self, state: ClusterState, blk: _Block, mode: Mode, now: float, policy: Policy) -> None:
+        self.version = blk.version
+        self.mode = mode
+        self.now = now
+        self.policy = policy
+        running, nodes_ = state._running, state._nodes
+        cats = categories_set(mode)
+        occ: dict[str, list[tuple[str, int]]] = {}
+        ok: dict[str, bool] = {}
+        unfit: list[RunningJob] = []
+        for nid in blk.nodes:
+            for jid in nodes_[nid].jobs:
+                rj = running.get(jid)
+                if rj is None or rj.vkey is None or rj.vcat not in cats:
+                    continue  # not listed as a victim of this mode's categories
+                e = ok.get(jid)
+                if e is None:
+                    e = ok[jid] = eligible(rj, mode, now, policy)
+                    if not e:
+                        unfit.append(rj)
+                if e:
+                    g = rj.held[nid].bit_count()
+                    got = occ.get(nid)
+                    if got is None:
+                        occ[nid] = [(jid, g)]
+                    else:
+                        got.append((jid, g))
+        self.occ = occ
+        self.unfit = unfit
+        # the view's contents: one pass over the block's nodes with eligible occupants, which
+        # are clear, and the most one victim frees on a node
         out: list[tuple[str, int, tuple[tuple[str, int], ...], bool]] = []
         clear = []
         with_free = alone = 0
-        for nid in sorted(ids):
-            node = nodes[nid]
+        for nid in sorted(occ):
+            node = nodes_[nid]
             if node.health is not NodeHealth.READY or node.spare_of is not None:
                 continue
-            o = occ_of[nid]
+            o = occ[nid]
             f = node.nfree
-            occ: tuple[tuple[str, int], ...]
+            t: tuple[tuple[str, int], ...]
             if len(o) == 1:
-                occ = (o[0],)
+                t = (o[0],)
                 top = o[0][1]
             else:
-                occ = tuple(sorted(o))
+                t = tuple(sorted(o))
                 top = max(g for _, g in o)
             c = len(o) == len(node.jobs)
-            out.append((nid, f, occ, c))
+            out.append((nid, f, t, c))
             if c:
                 clear.append(nid)
             if top > alone:
                 alone = top
             if f + top > with_free:
                 with_free = f + top
-        return _BlockView(out, clear, (with_free, alone))
+        self.nodes = out
+        self.clear = clear
+        self.single = (with_free, alone)
+
+    def holds(self, version: int, now: float, policy: Policy) -> bool:
+        """Still the block's part at ``version`` and ``now``? (Time only makes jobs eligible.)"""
+        if version != self.version or now < self.now or policy is not self.policy:
+            return False
+        mode = self.mode
+        for rj in self.unfit:
+            if eligible(rj, mode, now, policy):
+                return False
+        return True
 
 
 def _live(state: ClusterState, nid: str, mode: Mode, now: float, policy: Policy) -> tuple[list[tuple[str, int]], bool]:

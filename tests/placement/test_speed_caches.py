@@ -1,0 +1,274 @@
+"""Caches kept across cycles (speed only): a change that makes a failed victim search (or a
+reservation's node choice) come out differently is seen, and every cached answer equals a
+fresh one after any sequence of state changes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from placement import Policy, Reservation, ReservationKind, plan
+from placement import reservations as res_mod
+from placement import victims as victims_mod
+from placement.state import ClusterState
+from placement.victims import Mode, VictimIndex
+
+from .helpers import HOUR, cluster, cycle, fill, occupy, queue_of, spec
+
+NOW = 10 * HOUR
+
+
+def victims(p) -> list[str]:
+    return sorted(pr.victim for pr in p.preemptions)
+
+
+def fresh_copy_plan(build, q, now, policy=None):
+    """The plan of the same state built anew (no caches)."""
+    return plan(build(), q, policy or Policy(), now)
+
+
+def test_a_victim_out_of_its_daily_budget_is_seen_when_its_oldest_preemption_leaves_the_window() -> None:
+    hist = (NOW - 3 * HOUR, NOW - 2 * HOUR, NOW - HOUR)
+
+    def build() -> ClusterState:
+        st = cluster(blocks=1, nodes=1)
+        st.set_quota("me", "h100", 100)
+        fill(st, ["b0n0"], team="low", cls="preemptible", prefix="tired", preemption_times=hist)
+        return st
+
+    st = build()
+    q = queue_of(spec("x", team="me", cls="prod-batch", gpr=8))
+    assert plan(st, q, Policy(), NOW).preemptions == ()  # the search fails; the block's part is kept
+    assert st.victim_blocks
+    later = NOW + 21 * HOUR + 1  # NOW - 3 h is out of the 24 h window: 2 preemptions left in it
+    p = plan(st, q, Policy(), later)
+    assert victims(p) == ["tired-b0n0"]
+    assert p == fresh_copy_plan(build, q, later)
+
+
+def test_a_victim_past_its_protection_is_seen_with_nothing_else_changed() -> None:
+    def build() -> ClusterState:
+        st = cluster(blocks=1, nodes=1)
+        st.set_quota("me", "h100", 100)
+        fill(st, ["b0n0"], team="low", cls="preemptible", started_at=NOW - 1700)
+        return st
+
+    st = build()
+    q = queue_of(spec("x", team="me", cls="prod-batch", gpr=8))
+    assert plan(st, q, Policy(), NOW).preemptions == ()
+    p = plan(st, q, Policy(), NOW + 101)
+    assert victims(p) == ["f-b0n0"]
+    assert p == fresh_copy_plan(build, q, NOW + 101)
+
+
+def test_a_job_relabelled_borrowed_becomes_a_victim() -> None:
+    st = cluster(blocks=1, nodes=1)
+    st.set_quota("me", "h100", 100)
+    st.set_quota("g", "h100", 100, 100)
+    fill(st, ["b0n0"], team="g", cls="research", prefix="guar")
+    st.mark_quota_checked(st.quota_dirty())  # (a re-check would make it guaranteed again)
+    q = queue_of(spec("x", team="me", cls="research", gpr=8))
+    assert plan(st, q, Policy(), NOW).preemptions == ()  # same class, guaranteed: not a victim
+    st.set_borrowed("guar-b0n0", True)
+    assert victims(plan(st, q, Policy(), NOW + 1)) == ["guar-b0n0"]
+
+
+def test_a_job_placed_in_a_cycle_is_a_victim_in_the_next() -> None:
+    """A borrowed job started at ``now`` is not a victim in that cycle, and is the next."""
+    st = cluster(blocks=1, nodes=1)
+    st.set_quota("me", "h100", 100)
+    st.set_quota("lender", "h100", 0, 100)
+    occupy(st, spec("b", team="lender", cls="research", gpr=8), ["b0n0"], started_at=NOW, borrowed=True)
+    q = queue_of(spec("x", team="me", cls="research", gpr=8))
+    assert plan(st, q, Policy(), NOW).preemptions == ()
+    assert victims(plan(st, q, Policy(), NOW + 1)) == ["b"]
+
+
+def test_a_search_after_a_victim_stops_and_leaves_sees_the_freed_node() -> None:
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("me", "h100", 100)
+    fill(st, ["b0n0", "b0n1"], team="low", cls="preemptible")
+    q = queue_of(spec("x", team="me", cls="prod-batch", gpr=8, replicas=2))
+    p = cycle(st, q, NOW)
+    assert victims(p) == ["f-b0n0", "f-b0n1"]
+    st.release("f-b0n0", NOW + 10)
+    st.release("f-b0n1", NOW + 10)
+    p = cycle(st, q, NOW + 11)
+    assert p.placement("x") is not None
+
+
+def test_reservation_node_times_see_a_job_that_ends_and_a_reservation_that_goes() -> None:
+    st = cluster(blocks=1, nodes=3)
+    big = {"b0n0": 5 * HOUR, "b0n1": 2 * HOUR, "b0n2": 9 * HOUR}
+    for n, rt in big.items():
+        occupy(st, spec(f"j-{n}", team="t", cls="research", gpr=8, runtime=rt), [n])
+    gang = Reservation(
+        job_id="gang",
+        gpu_type="h100",
+        kind=ReservationKind.HEAD_OF_LINE,
+        blocks=("b0",),
+        nodes=("b0n0", "b0n1"),
+        nodes_needed=2,
+        gpus=16,
+        priority_rank=2,
+        expected_start=5 * HOUR,
+        created_at=0.0,
+        team="t",
+    )
+    st.add_reservation(gang)
+    assert res_mod.refresh_head_of_line(st, gang, 0.0) == (("b0n0", "b0n1"), 5 * HOUR)
+    st.release("j-b0n1", HOUR)  # a node frees: the same choice, earlier? no, b0n0 is the last
+    assert res_mod.refresh_head_of_line(st, gang, HOUR) == (("b0n0", "b0n1"), 5 * HOUR)
+    st.release("j-b0n0", 2 * HOUR)  # now both are free
+    assert res_mod.refresh_head_of_line(st, gang, 2 * HOUR) == (("b0n0", "b0n1"), 2 * HOUR)
+    # another gang's head-of-line reservation on a node takes it out; its going brings it back
+    other = Reservation(
+        job_id="other",
+        gpu_type="h100",
+        kind=ReservationKind.PREEMPTION,
+        blocks=("b0",),
+        nodes=("b0n0",),
+        nodes_needed=1,
+        gpus=8,
+        priority_rank=1,
+        expected_start=3 * HOUR,
+        created_at=0.0,
+        team="u",
+    )
+    st.add_reservation(other)
+    times = res_mod._block_node_times(st, "b0", "gang")
+    assert times == res_mod._block_node_times_now(st, st._blocks["b0"].nodes, "gang", None)
+    assert (float("-inf"), 1, "b0n0") in times  # cleared for another job: free at once, held last
+    st.remove_reservation("other")
+    assert res_mod._block_node_times(st, "b0", "gang")[0] == (float("-inf"), 0, "b0n0")
+
+
+def _index_contents(st: ClusterState, mode: Mode, now: float, policy: Policy) -> tuple:
+    idx = VictimIndex(st, st._types["h100"], mode, now, policy)
+    views = [(v.nodes, v.clear, v.single) for v in idx.views()]
+    return views, idx.by_lost()
+
+
+MODES = [
+    Mode(1, False),
+    Mode(2, False),
+    Mode(2, False, "", True),
+    Mode(3, False),
+    Mode(0, True),
+    Mode(1, True),
+]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cached_answers_equal_fresh_ones_through_random_changes(seed: int) -> None:
+    """Allocations, releases, relabels, stops, checkpoints, idleness, health, spares and
+    reservations in random order and time: every cached answer equals one computed afresh."""
+    rng = random.Random(seed)
+    policy = Policy(preemption_protect_s=600.0, daily_preemption_budget=1, preemption_window_s=3 * HOUR)
+    st = cluster(blocks=3, nodes=4)
+    nodes = st.node_ids()
+    classes = ["prod-serving", "prod-batch", "research", "preemptible"]
+    now = 0.0
+    seq = 0
+    for _step in range(400):
+        now += rng.choice([0.0, 1.0, 30.0, 400.0, 2 * HOUR])
+        st.promote(now, policy.preemption_protect_s)
+        op = rng.random()
+        running = list(st._running)
+        if op < 0.35:
+            seq += 1
+            n = rng.choice(nodes)
+            if st.node_health(n).value == "ready" and st.node_spare_of(n) is None:
+                free = st.node_free(n)
+                if free:
+                    k = rng.choice([g for g in (1, 2, 4, 8) if g <= len(free)])
+                    times = (now - rng.choice([HOUR, 4 * HOUR]),) if rng.random() < 0.3 else ()
+                    job = spec(
+                        f"j{seq}",
+                        team=rng.choice(["a", "b"]),
+                        cls=rng.choice(classes),
+                        gpr=k,
+                        preemptible=rng.random() < 0.5,
+                        preemption_times=times,
+                    )
+                    occupy(st, job, {n: free[:k]}, started_at=now, borrowed=rng.random() < 0.5)
+        elif op < 0.5 and running:
+            st.release(rng.choice(running), now)
+        elif op < 0.6 and running:
+            j = rng.choice(running)
+            st.set_borrowed(j, not st.running(j).borrowed)
+        elif op < 0.67 and running:
+            j = rng.choice(running)
+            if st.running(j).preempting_for is None:
+                st.mark_preempting(j, "someone")
+        elif op < 0.75 and running:
+            st.set_checkpoint(rng.choice(running), now)
+        elif op < 0.8 and running:
+            j = rng.choice(running)
+            st.set_idle(j, not st.running(j).idle)
+        elif op < 0.87:
+            n = rng.choice(nodes)
+            st.set_node_health(n, rng.choice(["ready", "ready", "draining", "down"]))
+        elif op < 0.92:
+            n = rng.choice(nodes)
+            if st.node_spare_of(n) is None and not st.node_jobs(n) and st.node_health(n).value == "ready":
+                st.hold_spare(n, "owner")
+            else:
+                st.release_spares("owner")
+        else:
+            ns = tuple(sorted(rng.sample(nodes, 3)))
+            kind = rng.choice([ReservationKind.HEAD_OF_LINE, ReservationKind.PREEMPTION])
+            owner = rng.choice(["r1", "r2"])
+            if rng.random() < 0.3:
+                st.remove_reservation(owner)
+            else:
+                st.add_reservation(
+                    Reservation(
+                        job_id=owner,
+                        gpu_type="h100",
+                        kind=kind,
+                        blocks=tuple(sorted({st.node_block(n) for n in ns})),
+                        nodes=ns,
+                        nodes_needed=2,
+                        gpus=16,
+                        priority_rank=rng.choice([1, 2, 3]),
+                        expected_start=now + HOUR,
+                        created_at=now - rng.choice([0.0, 100.0]),
+                        team="a",
+                        evicts_backfill=rng.random() < 0.5,
+                    )
+                )
+        # a tentative section that changes things and rolls back (as plan does)
+        if running and rng.random() < 0.3:
+            st.begin_tentative()
+            j = rng.choice(running)
+            if st.is_running(j) and st.running(j).preempting_for is None:
+                st.mark_preempting(j, "x")
+            st.rollback()
+        mode = rng.choice(MODES)
+        got = _index_contents(st, mode, now, policy)
+        cached = dict(st.victim_blocks)
+        st.victim_blocks.clear()
+        assert got == _index_contents(st, mode, now, policy), (seed, _step)
+        st.victim_blocks.update(cached)
+        for bid in st.block_ids():
+            for owner in ("r1", "r2", None):
+                ev = res_mod._evict_terms(st, owner)
+                got_t = res_mod._block_node_times(st, bid, owner)
+                fresh = res_mod._block_node_times_now(st, st._blocks[bid].nodes, owner, ev[0] if ev else None)
+                assert got_t == fresh, (seed, _step, bid, owner)
+
+
+def test_the_caches_are_bounded(monkeypatch) -> None:
+    monkeypatch.setattr(victims_mod, "_VICTIM_BLOCKS_MAX", 4)
+    monkeypatch.setattr(res_mod, "_BLOCK_TIMES_MAX", 4)
+    st = cluster(blocks=8, nodes=2)
+    fill(st, st.node_ids(), team="low", cls="preemptible")
+    for i, mode in enumerate(MODES):
+        VictimIndex(st, st._types["h100"], mode, NOW + i, Policy())
+        assert len(st.victim_blocks) <= 4 + 8
+    for owner in ("a", "b", "c"):
+        for bid in st.block_ids():
+            res_mod._block_node_times(st, bid, owner)
+            assert len(st.block_times_cache) <= 4
