@@ -994,7 +994,8 @@ class ClusterState:
         by several owners (say, a gang's reserved block and a backfill job that preempted
         a victim there), and a job may use it only if it may use every one of them.
         """
-        if res.job_id in self._reservations:
+        same = self._holds_same_nodes(res)
+        if res.job_id in self._reservations and not same:
             self.remove_reservation(res.job_id)
         nodes = self.reservation_nodes(res)
         if res.kind is ReservationKind.HEAD_OF_LINE:
@@ -1003,8 +1004,60 @@ class ClusterState:
                     o = self._reservations.get(other)
                     if other != res.job_id and o is not None and o.kind is ReservationKind.HEAD_OF_LINE:
                         self.remove_reservation(other)
+        if same:
+            # the same nodes under new terms (an expected start rolled forward, most often):
+            # what removing and adding it again would leave, without touching every node
+            self._log(self._swap_res, self._swap_res(res))
+            return
         self._add_res(res, nodes)
         self._log(self._del_res, res.job_id)
+
+    def _holds_same_nodes(self, res: Reservation) -> bool:
+        """Does ``res.job_id`` already hold exactly the nodes ``res`` names (and every one of them
+        is indexed as held by it)?"""
+        old = self._reservations.get(res.job_id)
+        if old is None or old.nodes != res.nodes:
+            return False
+        node_res, jid = self._node_res, res.job_id
+        return all(jid in node_res.get(n, ()) for n in self.reservation_nodes(res))
+
+    def _hol_overlap(self, swap: set[str], new: dict[str, Reservation]) -> bool:
+        """Does a head-of-line reservation of ``swap`` (as in ``new``) share a node with another
+        reservation that is head-of-line now or in ``new``?"""
+        held: set[str] = set()
+        cur, node_res = self._reservations, self._node_res
+        for jid in swap:
+            if new[jid].kind is not ReservationKind.HEAD_OF_LINE:
+                continue
+            held.update(new[jid].nodes)
+            for n in new[jid].nodes:
+                for o in node_res.get(n, ()):
+                    if o != jid and (
+                        cur[o].kind is ReservationKind.HEAD_OF_LINE
+                        or (o in new and new[o].kind is ReservationKind.HEAD_OF_LINE)
+                    ):
+                        return True
+        return bool(held) and any(
+            r.kind is ReservationKind.HEAD_OF_LINE and not held.isdisjoint(r.nodes)
+            for jid, r in new.items()
+            if jid not in swap and (jid not in cur or cur[jid] != r)
+        )
+
+    def _swap_res(self, res: Reservation) -> Reservation:
+        """Replace the reservation of ``res.job_id`` by ``res`` (``_holds_same_nodes``): the
+        node indexes stay; versions move as a removal and an addition would move them.
+        Returns the old one."""
+        jid = res.job_id
+        old = self._reservations.pop(jid)
+        self.res_version += 2
+        self.res_free_version += 1
+        self.res_cache.pop(jid, None)
+        self._reservations[jid] = res
+        if old.kind is not res.kind:  # other owners' node times read the kinds
+            nodes, blocks = self._nodes, self._blocks
+            for n in self.reservation_nodes(res):
+                blocks[nodes[n].block].version += 1
+        return old
 
     def _add_res(self, res: Reservation, nodes: list[str]) -> None:
         self.res_version += 1
@@ -1048,8 +1101,19 @@ class ClusterState:
     def set_reservations(self, reservations: Iterable[Reservation]) -> None:
         """Replace the reservation set (``apply`` does this with ``Plan.reservations``)."""
         new = {r.job_id: r for r in reservations}
-        for jid in sorted(self._reservations):
-            if jid not in new or new[jid] != self._reservations[jid]:
+        cur = self._reservations
+        changed = [jid for jid in sorted(cur) if jid not in new or new[jid] != cur[jid]]
+        # a reservation kept on the same nodes under new terms is swapped in place (what removing
+        # and adding it again leaves), unless a head-of-line one among them shares a node with
+        # another head-of-line one, kept or to add: then the order of removals and additions
+        # below decides which stays
+        swap = {jid for jid in changed if jid in new and self._holds_same_nodes(new[jid])}
+        if swap and self._hol_overlap(swap, new):
+            swap = set()
+        for jid in changed:
+            if jid in swap:
+                self._log(self._swap_res, self._swap_res(new[jid]))
+            else:
                 self.remove_reservation(jid)
         for jid in sorted(new):
             if jid not in self._reservations:

@@ -5,6 +5,7 @@ fresh one after any sequence of state changes."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -272,3 +273,60 @@ def test_the_caches_are_bounded(monkeypatch) -> None:
         for bid in st.block_ids():
             res_mod._block_node_times(st, bid, owner)
             assert len(st.block_times_cache) <= 4
+
+
+def _res(owner: str, nodes: tuple[str, ...], kind: ReservationKind, start: float, rank: int = 2) -> Reservation:
+    return Reservation(
+        job_id=owner,
+        gpu_type="h100",
+        kind=kind,
+        blocks=tuple(sorted({n.split("n")[0] for n in nodes})),
+        nodes=nodes,
+        nodes_needed=len(nodes),
+        gpus=8 * len(nodes),
+        priority_rank=rank,
+        expected_start=start,
+        created_at=0.0,
+        team="t",
+    )
+
+
+def _indexes(st: ClusterState) -> tuple:
+    return (
+        dict(sorted(st._reservations.items())),
+        dict(sorted(st._node_res.items())),
+        {b: dict(sorted(d.items())) for b, d in sorted(st._block_res.items())},
+        {b: dict(sorted(d.items())) for b, d in sorted(st._block_res_free.items())},
+    )
+
+
+def test_a_reservation_renewed_on_the_same_nodes_leaves_the_indexes_as_a_fresh_one() -> None:
+    hol, pre = ReservationKind.HEAD_OF_LINE, ReservationKind.PREEMPTION
+    steps = [
+        [_res("g", ("b0n0", "b0n1"), hol, 5.0), _res("p", ("b0n1", "b1n0"), pre, 3.0)],
+        [_res("g", ("b0n0", "b0n1"), hol, 6.0), _res("p", ("b0n1", "b1n0"), pre, 4.0)],  # new terms
+        [_res("g", ("b0n0", "b0n1"), pre, 6.0), _res("p", ("b0n1", "b1n0"), hol, 4.0)],  # new kinds
+        [_res("g", ("b0n0", "b1n1"), hol, 6.0), _res("h", ("b0n0",), hol, 1.0, rank=1)],  # overlap
+        [_res("h", ("b0n0",), hol, 2.0, rank=1), _res("g", ("b0n0", "b1n1"), hol, 7.0)],
+    ]
+    st = cluster(blocks=2, nodes=2)
+    occupy(st, spec("j", gpr=8), ["b1n0"])
+    for want in steps:
+        before = _indexes(st)
+        st.begin_tentative()
+        for r in want:
+            st.add_reservation(r)
+        st.rollback()
+        assert _indexes(st) == before  # a tentative renewal rolls back exactly
+        st.set_reservations(want)
+        fresh = cluster(blocks=2, nodes=2)
+        occupy(fresh, spec("j", gpr=8), ["b1n0"])
+        fresh.set_reservations(want)
+        assert _indexes(st) == _indexes(fresh)
+        for r in want:  # one at a time, as the engine's housekeeping does
+            st.add_reservation(replace(r, expected_start=r.expected_start + 1))
+            fresh.add_reservation(replace(r, expected_start=r.expected_start + 1))
+            assert _indexes(st) == _indexes(fresh)
+        fresh.set_reservations(want)
+        st.set_reservations(want)
+        assert _indexes(st) == _indexes(fresh)
