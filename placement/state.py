@@ -994,9 +994,7 @@ class ClusterState:
         by several owners (say, a gang's reserved block and a backfill job that preempted
         a victim there), and a job may use it only if it may use every one of them.
         """
-        same = self._holds_same_nodes(res)
-        if res.job_id in self._reservations and not same:
-            self.remove_reservation(res.job_id)
+        renew = res.job_id in self._reservations
         nodes = self.reservation_nodes(res)
         if res.kind is ReservationKind.HEAD_OF_LINE:
             for n in nodes:
@@ -1004,10 +1002,11 @@ class ClusterState:
                     o = self._reservations.get(other)
                     if other != res.job_id and o is not None and o.kind is ReservationKind.HEAD_OF_LINE:
                         self.remove_reservation(other)
-        if same:
-            # the same nodes under new terms (an expected start rolled forward, most often):
-            # what removing and adding it again would leave, without touching every node
-            self._log(self._swap_res, self._swap_res(res))
+        if renew:
+            # new terms, on nodes mostly the same (an expected start rolled forward, a busy node
+            # traded for one that came free): what removing and adding it again would leave,
+            # touching only the nodes that change
+            self._log(self._move_res, self._move_res(res))
             return
         self._add_res(res, nodes)
         self._log(self._del_res, res.job_id)
@@ -1043,21 +1042,51 @@ class ClusterState:
             if jid not in swap and (jid not in cur or cur[jid] != r)
         )
 
-    def _swap_res(self, res: Reservation) -> Reservation:
-        """Replace the reservation of ``res.job_id`` by ``res`` (``_holds_same_nodes``): the
-        node indexes stay; versions move as a removal and an addition would move them.
-        Returns the old one."""
+    def _move_res(self, res: Reservation) -> Reservation:
+        """Replace the reservation of ``res.job_id`` by ``res``, leaving every index as removing
+        the old one and adding ``res`` would (versions move alike); returns the old one."""
         jid = res.job_id
         old = self._reservations.pop(jid)
         self.res_version += 2
         self.res_free_version += 1
         self.res_cache.pop(jid, None)
         self._reservations[jid] = res
+        nodes = self.reservation_nodes(res)
+        if old.nodes != res.nodes:
+            keep = set(nodes)
+            for n in self.reservation_nodes(old):
+                if n not in keep:
+                    self._drop_owner(n, jid)
+        for n in nodes:
+            self._add_owner(n, jid)
         if old.kind is not res.kind:  # other owners' node times read the kinds
-            nodes, blocks = self._nodes, self._blocks
-            for n in self.reservation_nodes(res):
-                blocks[nodes[n].block].version += 1
+            blocks, nodes_ = self._blocks, self._nodes
+            for n in nodes:
+                blocks[nodes_[n].block].version += 1
         return old
+
+    def _add_owner(self, n: str, jid: str) -> None:
+        owners = self._node_res.get(n, ())
+        if jid in owners:
+            return
+        node = self._nodes[n]
+        self._set_node_owners(node, owners, tuple(sorted(owners + (jid,))))
+        d = self._block_res.setdefault(node.block, {})
+        d[jid] = d.get(jid, 0) + 1
+
+    def _drop_owner(self, n: str, jid: str) -> None:
+        owners = self._node_res.get(n, ())
+        if jid not in owners:
+            return
+        node = self._nodes[n]
+        self._set_node_owners(node, owners, tuple(o for o in owners if o != jid))
+        b = node.block
+        d = self._block_res[b]
+        d[jid] -= 1
+        if d[jid] <= 0:
+            del d[jid]
+            if not d:
+                del self._block_res[b]
 
     def _add_res(self, res: Reservation, nodes: list[str]) -> None:
         self.res_version += 1
@@ -1112,7 +1141,7 @@ class ClusterState:
             swap = set()
         for jid in changed:
             if jid in swap:
-                self._log(self._swap_res, self._swap_res(new[jid]))
+                self._log(self._move_res, self._move_res(new[jid]))
             else:
                 self.remove_reservation(jid)
         for jid in sorted(new):

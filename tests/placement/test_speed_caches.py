@@ -330,3 +330,34 @@ def test_a_reservation_renewed_on_the_same_nodes_leaves_the_indexes_as_a_fresh_o
         fresh.set_reservations(want)
         st.set_reservations(want)
         assert _indexes(st) == _indexes(fresh)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_renewing_a_reservation_in_place_equals_removing_and_adding_it(seed: int) -> None:
+    """``add_reservation`` of an owner that holds one (moved in place) against a twin state
+    that removes it first; tentatively too (rolled back exactly)."""
+    from placement import check_state
+
+    rng = random.Random(seed)
+    st, twin = cluster(blocks=2, nodes=4), cluster(blocks=2, nodes=4)
+    for s in (st, twin):
+        s.set_quota("t", "h100", 100)
+        occupy(s, spec("j", gpr=8), ["b1n0"])
+    nodes = st.node_ids()
+    for step in range(300):
+        owner = rng.choice(["a", "b", "c"])
+        kind = rng.choice([ReservationKind.HEAD_OF_LINE, ReservationKind.PREEMPTION])
+        r = _res(owner, tuple(sorted(rng.sample(nodes, rng.choice([1, 2, 3])))), kind, float(step))
+        tentative = rng.random() < 0.3
+        before = _indexes(st)
+        if tentative:
+            st.begin_tentative()
+        st.add_reservation(r)
+        if tentative:
+            st.rollback()
+            assert _indexes(st) == before
+            continue
+        twin.remove_reservation(owner)
+        twin.add_reservation(r)
+        assert _indexes(st) == _indexes(twin), (seed, step)
+        assert not check_state(st)
