@@ -183,6 +183,12 @@ class Settings(BaseSettings):
         ge=0,
         description="guaranteed work that waited this long may reclaim small borrowed jobs of higher classes (inf: never)",
     )
+    spares_yield_after_s: float = Field(
+        60.0,
+        ge=0,
+        description="guaranteed work that waited this long and fits nowhere else may take large gangs' hot spare"
+        " nodes, only those it needs (inf: never)",
+    )
     borrowed_gang_guard: float | None = Field(
         0.5,
         ge=0,

@@ -97,6 +97,7 @@ class _Cycle:
         self.pending: list[Pending] = []
         self.relabels: list[Relabel] = []
         self.dropped_spares: list[str] = []
+        self.spares_taken: list[str] = []  # spare nodes released for guaranteed work (Plan.spares_taken)
         self.memo: dict[tuple, PendingReason] = {}
         self.victim_memo: set[tuple] = set()
         self.reserve_memo: set[tuple] = set()
@@ -168,6 +169,7 @@ class _Cycle:
             pending=tuple(self.pending),
             relabels=tuple(self.relabels),
             dropped_spares=tuple(self.dropped_spares),
+            spares_taken=tuple(self.spares_taken),
             quota_checked=checked,
             quota_blocked=tuple(sorted(self.blocked)),
             considered=self.considered,
@@ -450,6 +452,14 @@ class _Cycle:
             state.hold_spare(nid, job.job_id)
         if fail is not None and self._kept_off_spares(ti, shape, fail):
             fail = PendingReason.HOT_SPARE
+            if not borrowed and job.waited(self.now, policy.spares_yield_after_s):
+                taken = self._take_spares(ti, shape)
+                if taken:
+                    _, placed = self._try_place(job, ti, shape, borrowed, restrict, False)
+                    if placed is not None:
+                        self._commit(job, placed, own_res)
+                        return
+                    self._give_back_spares(taken)
         if fail is PendingReason.CAPACITY and self._would_fit_healthy(ti, shape):
             fail = PendingReason.NODE_HEALTH
         if state._awaiting.get(job.job_id):
@@ -662,6 +672,50 @@ class _Cycle:
         if fail is PendingReason.CAPACITY:
             return ti.free_gpus < shape.total <= ti.free_gpus + ti.spare_gpus
         return fail is PendingReason.TOPOLOGY and shape.total <= ti.node_gpus
+
+    def _take_spares(self, ti: _TypeIndex, shape: Shape) -> list[tuple[str, str]]:
+        """Release from their gangs' pools the hot spares ``shape`` needs beyond the free
+        capacity (for guaranteed work that waited ``Policy.spares_yield_after_s``), one node at
+        a time from the largest pool, so every gang keeps spares as long as it can. Empty
+        when the spares would not cover the need."""
+        state = self.state
+        if shape.whole:
+            need = shape.nodes - ti.free_nodes
+        else:
+            need = max(1, -(-(shape.total - ti.free_gpus) // ti.node_gpus))
+        # a gang placed this cycle holds its spares only once the plan is applied (after
+        # the plan's dropped spares): those stay
+        placed_now = {p.job_id for p in self.placements}
+        pools: list[tuple[str, list[str]]] = []
+        for owner in state.spare_owners():
+            if owner in placed_now:
+                continue
+            nodes = [nid for nid in state.spares(owner) if state._nodes[nid].gpu_type == ti.gpu_type]
+            if nodes:
+                pools.append((owner, nodes))
+        if sum(len(p) for _, p in pools) < need:
+            return []
+        taken: list[tuple[str, str]] = []
+        for _ in range(need):
+            owner, pool = max(pools, key=lambda p: (len(p[1]), p[0]))
+            taken.append((pool.pop(), owner))
+        for nid, _ in taken:
+            state.drop_spare(nid)
+        self.spares_taken.extend(nid for nid, _ in taken)
+        # more room than the memoised searches saw: forget their failures
+        self.memo.clear()
+        self.try_memo.clear()
+        self.victim_memo.clear()
+        self.reserve_memo.clear()
+        self.preempt_fail.clear()
+        self.victim_index.clear()
+        return taken
+
+    def _give_back_spares(self, taken: list[tuple[str, str]]) -> None:
+        """The job did not fit even with them: the (still free) nodes go back to their pools."""
+        for nid, owner in taken:
+            self.state.hold_spare(nid, owner)
+        del self.spares_taken[-len(taken) :]
 
     def _would_fit_healthy(self, ti: _TypeIndex, shape: Shape) -> bool:
         if shape.whole:
@@ -965,6 +1019,8 @@ def apply(
     state.mark_quota_checked(plan.quota_checked)
     for owner in plan.dropped_spares:
         state.release_spares(owner)
+    for nid in plan.spares_taken:
+        state.drop_spare(nid)
     for p in plan.placements:
         if committed is not None and p.job_id not in committed:
             continue

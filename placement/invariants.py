@@ -291,7 +291,12 @@ def check_plan(
                 m = mask_of(ng.gpus)
                 if node.free_mask & m != m:
                     errs.append(f"{p.job_id}: GPUs {ng.gpus} of {ng.node_id} are not free")
-                if node.spare_of is not None and node.spare_of != p.job_id and node.spare_of not in plan.dropped_spares:
+                if (
+                    node.spare_of is not None
+                    and node.spare_of != p.job_id
+                    and node.spare_of not in plan.dropped_spares
+                    and ng.node_id not in plan.spares_taken
+                ):
                     errs.append(f"{p.job_id}: uses {ng.node_id}, a spare of {node.spare_of}")
             for n in p.spare_nodes:
                 node = nodes.get(n)

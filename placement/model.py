@@ -276,6 +276,10 @@ class Policy:
       this long since submit may also reclaim other teams' borrowed jobs of *higher* classes
       (never prod-serving) smaller than ``reserve_min_gpus``. None: only borrowed work of its
       own class and lower classes (docs/design.md's victims).
+    * ``spares_yield_after_s``: a job that runs guaranteed, has waited this long since
+      submit and fits nowhere else but on the idle nodes held as hot spares takes the spare
+      nodes it needs, one at a time from the largest pool (the plan's ``spares_taken``); the
+      gangs keep the rest. None: spares are held against everyone.
     * ``idle_victims_first``: a borrowed job whose GPUs the agents read idle (below
       ``idle_gpu_util_pct`` for ``idle_gpu_after_s``) is the cheapest victim: it does no work
       to lose. The driver marks such jobs (``ClusterState.set_idle``) only under this field;
@@ -348,6 +352,7 @@ class Policy:
     spread_before_preempt: bool = False
     preempt_patience_s: float | None = None
     patience_max_lost_s: float = 300.0
+    spares_yield_after_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -377,6 +382,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "borrowed_gang_guard": None,
     "spread_before_preempt": False,
     "preempt_patience_s": None,
+    "spares_yield_after_s": None,
 }
 
 PRESETS: dict[str, Policy] = {
@@ -511,6 +517,7 @@ class Plan:
     pending: tuple[Pending, ...] = ()
     relabels: tuple[Relabel, ...] = ()
     dropped_spares: tuple[str, ...] = ()
+    spares_taken: tuple[str, ...] = ()  # spare nodes released from their pools (Policy.spares_yield_after_s)
     quota_checked: tuple[tuple[str, str], ...] = ()
     quota_blocked: tuple[tuple[str, str, int], ...] = ()
     considered: int = 0

@@ -967,6 +967,15 @@ class ClusterState:
             self._log(self._rehold_spare, node, job_id)
         return nodes
 
+    def drop_spare(self, node_id: str) -> None:
+        """Release one spare node from its gang's pool (a no-op if it is not a spare)."""
+        node = self._node(node_id)
+        owner = node.spare_of
+        if owner is None:
+            return
+        self._unhold_spare(node)
+        self._log(self._rehold_spare, node, owner)
+
     def spares(self, job_id: str) -> tuple[str, ...]:
         return tuple(sorted(self._spares.get(job_id, ())))
 

@@ -160,6 +160,7 @@ class Metrics:
         self.res_held_s: list[float] = []
         self.res_dropped_held_s = 0.0
         self.next_reason_sample = 0.0
+        self.spares_taken = 0  # hot spare nodes released to guaranteed work (Policy.spares_yield_after_s)
         self.starving_reasons: Counter = Counter()
         self.below_max: dict[str, float] = {}
         self.starved_max: dict[str, float] = {}
@@ -383,6 +384,8 @@ class Metrics:
         if now < 0 or self.closed:
             return
         st = self.state
+        if plan is not None and plan.spares_taken:
+            self.spares_taken += len(plan.spares_taken)
         if plan is not None and now >= self.next_reason_sample and self.recs is not None:
             self._sample_starving_reasons(now, plan, self.recs)
         # reclaimable borrowed GPUs per (type, class rank): the engine's victim lists (borrowed,
@@ -591,6 +594,7 @@ class Metrics:
             "idle": {
                 "gpu_hours": r(idle_h, 1),
                 "breakdown_pct_of_healthy": self._breakdown(),
+                "hot_spare_nodes_taken_by_guaranteed_work": self.spares_taken,
                 "cost_usd": r(idle_h * GPU_HOUR_USD, 0),
                 "gpu_hours_while_demand_exceeds_capacity": r(over_idle_h, 1),
                 "cost_usd_while_demand_exceeds_capacity": r(over_idle_h * GPU_HOUR_USD, 0),

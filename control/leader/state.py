@@ -42,6 +42,7 @@ def policy_from_settings(settings: Settings) -> Policy:
         daily_preemption_budget=settings.preemption_daily_budget,
         claim_borrowed_reservations_after_s=settings.claim_borrowed_reservations_after_s,
         reclaim_small_borrowed_after_s=settings.reclaim_small_borrowed_after_s,
+        spares_yield_after_s=settings.spares_yield_after_s,
         borrowed_gang_guard=settings.borrowed_gang_guard,
     )
 

@@ -21,6 +21,10 @@ def test_policy_from_settings_carries_the_placement_durations() -> None:
         Settings(claim_borrowed_reservations_after_s=-1)
     with pytest.raises(ValidationError, match="greater than or equal to 0"):
         Settings(reclaim_small_borrowed_after_s=-1)
+    assert policy_from_settings(Settings()).spares_yield_after_s == 60
+    assert policy_from_settings(Settings(spares_yield_after_s=3)).spares_yield_after_s == 3
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        Settings(spares_yield_after_s=-1)
 
 
 def test_the_borrowed_gang_guard_is_a_setting_and_the_leader_keeps_the_demand_it_reads(pool) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from placement import (
+    ClusterState,
     JobEnded,
     NodeHealth,
     PendingReason,
@@ -178,12 +181,12 @@ def test_hot_spares_held_for_large_gangs_and_used_on_restart() -> None:
     assert len(pl.nodes) == 8 and len(pl.spare_nodes) == 1
     spare = pl.spare_nodes[0]
     assert st.spares("big") == (spare,)
-    # nobody else may take the spare
+    # nobody else may take the spare (not before Policy.spares_yield_after_s: see below)
     q2 = queue_of(
-        spec("other", gpr=8, submit=1),
-        spec("other2", gpr=8, submit=2),
-        spec("other3", gpr=8, submit=3),
-        spec("other4", gpr=8, submit=4),
+        spec("other", gpr=8, submit=101),
+        spec("other2", gpr=8, submit=102),
+        spec("other3", gpr=8, submit=103),
+        spec("other4", gpr=8, submit=104),
     )
     p2 = cycle(st, q2, 110, policy)
     assert all(spare not in [n.node_id for n in pl2.nodes] for pl2 in p2.placements)
@@ -269,10 +272,11 @@ def test_a_job_kept_off_hot_spares_is_told_hot_spare_not_capacity() -> None:
     assert len(free) == 1
     # 7 GPUs of the last free node busy: one GPU free, nowhere a node for 2 GPUs but the spare
     occupy(st, spec("frag", team="s", gpr=7), {free[0]: tuple(range(7))}, started_at=100)
+    # (queued for less than Policy.spares_yield_after_s: the spare is not theirs yet)
     q = queue_of(
-        spec("one-node", gpr=8, replicas=1, submit=1),
-        spec("small", gpr=2, submit=2),
-        spec("too-big", gpr=8, replicas=3, submit=3),
+        spec("one-node", gpr=8, replicas=1, submit=101),
+        spec("small", gpr=2, submit=102),
+        spec("too-big", gpr=8, replicas=3, submit=103),
     )
     p = cycle(st, q, 110, policy, do_apply=False)
     assert p.placements == ()
@@ -285,3 +289,63 @@ def test_a_job_kept_off_hot_spares_is_told_hot_spare_not_capacity() -> None:
     occupy(st, spec("frag2", team="s", gpr=7), {left[0]: tuple(range(7))}, started_at=100)
     p = cycle(st, queue_of(spec("small", gpr=2, submit=2)), 130, policy, do_apply=False)
     assert p.reason("small") is PendingReason.TOPOLOGY
+
+
+def test_hot_spares_yield_to_guaranteed_work_that_waited() -> None:
+    """A big gang's spare node stays idle for its restart, but a job within its team's
+    guarantee that has waited ``spares_yield_after_s`` and fits nowhere else takes it: the
+    node leaves the gang's pool (the plan's ``spares_taken``). Borrowed work and work that
+    has not waited that long are told ``hot_spare``; with the rule off, so is everyone."""
+    policy = Policy(hot_spare_min_gpus=64, hot_spare_fraction=0.1, preemption=False, reservations=False)
+
+    def setup() -> tuple[ClusterState, str]:
+        st = cluster(blocks=2, nodes=5)
+        big_quota(st, "t")
+        st.set_quota("g", "h100", 8, 0)
+        st.set_quota("b", "h100", 0, 64)
+        p = cycle(st, queue_of(spec("big", replicas=8, gpr=8, pack="block")), 100, policy)
+        (spare,) = p.placement("big").spare_nodes
+        last = [n for n in st.node_ids() if not st.node_jobs(n) and n != spare]
+        occupy(st, spec("other", team="t", gpr=8), last, started_at=100)
+        return st, spare
+
+    st, spare = setup()
+    q = queue_of(spec("borrower", team="b", gpr=8, submit=0), spec("fresh", team="g", gpr=8, submit=150))
+    p = cycle(st, q, 200, policy)
+    assert p.placements == () and p.spares_taken == ()
+    assert p.reason("borrower") is PendingReason.HOT_SPARE
+    assert p.reason("fresh") is PendingReason.HOT_SPARE
+    assert st.spares("big") == (spare,)
+    # the guaranteed job that waited past the threshold takes it
+    p = cycle(st, queue_of(spec("waited", team="g", gpr=8, submit=100)), 200, policy)
+    assert nodes_of(p, "waited") == [spare]
+    assert p.spares_taken == (spare,) and p.dropped_spares == ()
+    assert st.spares("big") == ()
+    # the rule off: held whatever the wait
+    st, spare = setup()
+    off = replace(policy, spares_yield_after_s=None)
+    p = cycle(st, queue_of(spec("waited", team="g", gpr=8, submit=100)), 200, off)
+    assert p.reason("waited") is PendingReason.HOT_SPARE and st.spares("big") == (spare,)
+
+
+def test_guaranteed_work_takes_only_the_spares_it_needs() -> None:
+    """Two spares held; a waited 8-GPU guaranteed job takes one, the gang keeps the other.
+    A job that would not fit even with every spare takes none."""
+    policy = Policy(hot_spare_min_gpus=64, hot_spare_fraction=0.2, preemption=False, reservations=False)
+    st = cluster(blocks=2, nodes=6)
+    big_quota(st, "t")
+    st.set_quota("g", "h100", 64, 0)
+    p = cycle(st, queue_of(spec("big", replicas=8, gpr=8, pack="block")), 100, policy)
+    spares = p.placement("big").spare_nodes
+    assert len(spares) == 2
+    occupy(
+        st,
+        spec("other", team="t", replicas=2, gpr=8),
+        [n for n in st.node_ids() if not st.node_jobs(n) and n not in spares],
+        started_at=100,
+    )
+    p = cycle(st, queue_of(spec("huge", team="g", replicas=3, gpr=8, submit=0)), 300, policy)
+    assert p.reason("huge") is PendingReason.CAPACITY and p.spares_taken == () and st.spares("big") == spares
+    p = cycle(st, queue_of(spec("one", team="g", gpr=8, submit=0)), 300, policy)
+    assert len(p.spares_taken) == 1 and nodes_of(p, "one") == list(p.spares_taken)
+    assert st.spares("big") == tuple(n for n in spares if n not in p.spares_taken)

@@ -102,3 +102,31 @@ async def test_a_deposed_leader_cannot_publish_spares(pool, leader):
     with pytest.raises(StaleEpoch):
         await publications.publish_hot_spares(pool, scope=cycles.scope, epoch=epoch, spares={})
     assert await published(pool) == before
+
+
+async def test_guaranteed_work_that_waited_takes_a_spare_and_the_published_set_shrinks(pool, leader):
+    """Policy.spares_yield_after_s through the leader: the plan's ``spares_taken`` node leaves
+    the gang's pool in the leader's state and in the published rows, and the job's lease is on it."""
+    cycles, epoch = leader
+    async with pool.acquire() as conn:
+        await queued_job(conn, "big", "alpha", replicas=4, gpus_per_replica=8)  # 4 nodes, 2 spares
+    await cycles.run_cycle(epoch)
+    spares = await published(pool)
+    assert len(spares) == 2
+    async with pool.acquire() as conn:
+        await queued_job(conn, "fill1", "alpha", gpus_per_replica=8)
+        await queued_job(conn, "fill2", "alpha", gpus_per_replica=8)
+    await cycles.run_cycle(epoch)
+    async with pool.acquire() as conn:
+        await queued_job(conn, "late", "alpha", gpus_per_replica=8)  # 56 of alpha's 64 guaranteed GPUs
+    cycles.policy = dataclasses.replace(cycles.policy, spares_yield_after_s=None)
+    await cycles.run_cycle(epoch)
+    assert await published(pool) == spares
+    assert not await pool.fetchval("SELECT count(*) FROM allocations WHERE job_id = 'late'")
+    cycles.policy = dataclasses.replace(cycles.policy, spares_yield_after_s=0.0)
+    await cycles.run_cycle(epoch)
+    late_nodes = {r["node_id"] for r in await pool.fetch("SELECT node_id FROM leases WHERE job_id = 'late'")}
+    assert len(late_nodes) == 1 and late_nodes <= spares.keys()
+    left = await published(pool)
+    assert len(left) == 1 and left.keys() == spares.keys() - late_nodes
+    assert left.keys() == set(cycles.state.cluster.spares("big"))
