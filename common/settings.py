@@ -183,11 +183,11 @@ class Settings(BaseSettings):
         ge=0,
         description="guaranteed work that waited this long may reclaim small borrowed jobs of higher classes (inf: never)",
     )
-    spares_yield_after_s: float = Field(
-        60.0,
+    spares_yield_after_s: float | None = Field(
+        None,
         ge=0,
         description="guaranteed work that waited this long and fits nowhere else may take large gangs' hot spare"
-        " nodes, only those it needs (inf: never)",
+        " nodes, only those it needs. null: off (docs/design.md, Placement: tried, left off)",
     )
     borrowed_gang_guard: float | None = Field(
         0.5,

@@ -1007,8 +1007,8 @@ def apply(
     committed: set[str] | frozenset[str] | None = None,
     jobs: dict[str, JobSpec] | None = None,
 ) -> None:
-    """Record a committed plan: relabels, placements (removed from ``queue``), preemptions,
-    reservations, dropped spares.
+    """Record a committed plan: relabels, dropped spares and spare nodes taken, placements
+    (removed from ``queue``), preemptions, reservations.
 
     ``committed``: job ids whose placement / victim ids whose preemption actually
     committed (None: all). Job specs come from ``queue`` (or ``jobs``).

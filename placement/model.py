@@ -279,7 +279,8 @@ class Policy:
     * ``spares_yield_after_s``: a job that runs guaranteed, has waited this long since
       submit and fits nowhere else but on the idle nodes held as hot spares takes the spare
       nodes it needs, one at a time from the largest pool (the plan's ``spares_taken``); the
-      gangs keep the rest. None: spares are held against everyone.
+      gangs keep the rest. None (the default; docs/design.md, tried and left off): spares
+      are held against everyone.
     * ``idle_victims_first``: a borrowed job whose GPUs the agents read idle (below
       ``idle_gpu_util_pct`` for ``idle_gpu_after_s``) is the cheapest victim: it does no work
       to lose. The driver marks such jobs (``ClusterState.set_idle``) only under this field;
@@ -352,7 +353,7 @@ class Policy:
     spread_before_preempt: bool = False
     preempt_patience_s: float | None = None
     patience_max_lost_s: float = 300.0
-    spares_yield_after_s: float | None = 60.0
+    spares_yield_after_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):

@@ -21,7 +21,7 @@ def test_policy_from_settings_carries_the_placement_durations() -> None:
         Settings(claim_borrowed_reservations_after_s=-1)
     with pytest.raises(ValidationError, match="greater than or equal to 0"):
         Settings(reclaim_small_borrowed_after_s=-1)
-    assert policy_from_settings(Settings()).spares_yield_after_s == 60
+    assert policy_from_settings(Settings()).spares_yield_after_s is None  # off, as measured (sim/README.md)
     assert policy_from_settings(Settings(spares_yield_after_s=3)).spares_yield_after_s == 3
     with pytest.raises(ValidationError, match="greater than or equal to 0"):
         Settings(spares_yield_after_s=-1)

@@ -296,7 +296,9 @@ def test_hot_spares_yield_to_guaranteed_work_that_waited() -> None:
     guarantee that has waited ``spares_yield_after_s`` and fits nowhere else takes it: the
     node leaves the gang's pool (the plan's ``spares_taken``). Borrowed work and work that
     has not waited that long are told ``hot_spare``; with the rule off, so is everyone."""
-    policy = Policy(hot_spare_min_gpus=64, hot_spare_fraction=0.1, preemption=False, reservations=False)
+    policy = Policy(
+        hot_spare_min_gpus=64, hot_spare_fraction=0.1, preemption=False, reservations=False, spares_yield_after_s=60
+    )
 
     def setup() -> tuple[ClusterState, str]:
         st = cluster(blocks=2, nodes=5)
@@ -321,9 +323,10 @@ def test_hot_spares_yield_to_guaranteed_work_that_waited() -> None:
     assert nodes_of(p, "waited") == [spare]
     assert p.spares_taken == (spare,) and p.dropped_spares == ()
     assert st.spares("big") == ()
-    # the rule off: held whatever the wait
+    # the rule off (the default): held whatever the wait
     st, spare = setup()
     off = replace(policy, spares_yield_after_s=None)
+    assert Policy().spares_yield_after_s is None
     p = cycle(st, queue_of(spec("waited", team="g", gpr=8, submit=100)), 200, off)
     assert p.reason("waited") is PendingReason.HOT_SPARE and st.spares("big") == (spare,)
 
@@ -331,7 +334,9 @@ def test_hot_spares_yield_to_guaranteed_work_that_waited() -> None:
 def test_guaranteed_work_takes_only_the_spares_it_needs() -> None:
     """Two spares held; a waited 8-GPU guaranteed job takes one, the gang keeps the other.
     A job that would not fit even with every spare takes none."""
-    policy = Policy(hot_spare_min_gpus=64, hot_spare_fraction=0.2, preemption=False, reservations=False)
+    policy = Policy(
+        hot_spare_min_gpus=64, hot_spare_fraction=0.2, preemption=False, reservations=False, spares_yield_after_s=60
+    )
     st = cluster(blocks=2, nodes=6)
     big_quota(st, "t")
     st.set_quota("g", "h100", 64, 0)

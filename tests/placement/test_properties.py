@@ -40,6 +40,8 @@ PROPS = settings(
 )
 POLICIES = [
     Policy(reserve_min_gpus=16, hot_spare_min_gpus=16, hot_spare_fraction=0.2),
+    # hot spares that yield to guaranteed work (off by default)
+    Policy(reserve_min_gpus=16, hot_spare_min_gpus=16, hot_spare_fraction=0.2, spares_yield_after_s=60.0),
     Policy(),
     Policy(serving_borrows_idle=True, reserve_min_gpus=8, max_reservations_per_type=2),
     PRESETS["easy_backfill"],
