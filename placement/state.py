@@ -1123,18 +1123,7 @@ class ClusterState:
         res = self._reservations.pop(job_id)
         self.res_cache.pop(job_id, None)
         for n in self.reservation_nodes(res):
-            owners = self._node_res.get(n, ())
-            if job_id in owners:
-                left = tuple(o for o in owners if o != job_id)
-                node = self._nodes[n]
-                self._set_node_owners(node, owners, left)
-                b = node.block
-                d = self._block_res[b]
-                d[job_id] -= 1
-                if d[job_id] <= 0:
-                    del d[job_id]
-                    if not d:
-                        del self._block_res[b]
+            self._drop_owner(n, job_id)
 
     def set_reservations(self, reservations: Iterable[Reservation]) -> None:
         """Replace the reservation set (``apply`` does this with ``Plan.reservations``)."""
