@@ -222,12 +222,16 @@ def _reserved_node_errors(
     borrowed: bool,
     held: dict,
     policy: Policy,
+    placed_guaranteed: dict[tuple[str, str], int],
 ) -> list[str]:
     """A placement on nodes another job's reservation held for the whole cycle (before the plan
     and after it, the same reservation) must be one the rules allow: never nodes cleared by
     preemption; on a head-of-line reservation's nodes only backfill ending by the expected
     start, a higher class (last resort), borrowed work that accepts eviction, or guaranteed
-    work that waited past ``claim_borrowed_reservations_after_s`` on a borrowing gang's nodes."""
+    work that waited past ``claim_borrowed_reservations_after_s`` on a borrowing gang's nodes.
+    Whether the gang borrows is judged as the engine judged it, mid-cycle: counting the
+    guaranteed GPUs the plan placed for the gang's team before this placement
+    (``placed_guaranteed``; plan placements are in the engine's order)."""
     errs: list[str] = []
     mine = state._reservations.get(job_id)
     own_pre = set(mine.nodes) if mine is not None and mine.kind is ReservationKind.PREEMPTION else set()
@@ -249,11 +253,19 @@ def _reserved_node_errors(
                 not borrowed
                 and spec.waited(now, policy.claim_borrowed_reservations_after_s)
                 and post.team != spec.team
-                and owner_borrows(state, post)
+                and _owner_borrowed_then(state, post, placed_guaranteed)
             ):
                 continue
             errs.append(f"{job_id}: uses {nid}, reserved for {owner} from {post.expected_start:.0f}")
     return errs
+
+
+def _owner_borrowed_then(state: ClusterState, res: Reservation, placed_guaranteed: dict[tuple[str, str], int]) -> bool:
+    """``owner_borrows`` after the plan's earlier guaranteed placements for the owner's team."""
+    if owner_borrows(state, res):
+        return True
+    used = state.guaranteed_used(res.team, res.gpu_type) + placed_guaranteed.get((res.team, res.gpu_type), 0)
+    return used + res.gpus > state.quota(res.team, res.gpu_type).guaranteed
 
 
 def check_plan(
@@ -330,7 +342,7 @@ def check_plan(
             )
             placed_at = math.inf if spread_ok else now
             errs.extend(_shape_errors(state, p.job_id, spec, sorted(held), held, respect_topology, placed_at))
-            errs.extend(_reserved_node_errors(state, res_after, now, p.job_id, spec, p.borrowed, held, policy))
+            errs.extend(_reserved_node_errors(state, res_after, now, p.job_id, spec, p.borrowed, held, policy, gadd))
             key = (spec.team, spec.gpu_type)
             if p.borrowed:
                 badd[key] = badd.get(key, 0) + p.gpus

@@ -342,3 +342,22 @@ def test_guaranteed_work_that_waited_may_use_a_borrowing_gangs_reserved_nodes() 
         else:
             assert blocks_of(p, "theirs") == ("b0",) and not p.placement("theirs").borrowed
             assert [r.job_id for r in p.reservations] == ["bgang"]  # the gang keeps waiting, later
+
+
+def test_a_gang_that_borrows_after_its_teams_placements_this_cycle_may_be_claimed() -> None:
+    """The gang fits its team's guarantee when the cycle starts; its team's prod-serving job,
+    placed first in the same cycle, takes one reserved node (the higher-class last resort) and
+    pushes the gang beyond the guarantee. Another team's guaranteed job that waited may then
+    claim a reserved node, and ``check_plan`` judges the claim on the state the engine saw."""
+    pol = Policy(reserve_min_gpus=32, claim_borrowed_reservations_after_s=300.0)
+    st = setup()
+    st.set_quota("over", "h100", 32, 1000)  # the 4-node gang alone runs guaranteed
+    st.set_quota("t2", "h100", 100)
+    q = queue_of(spec("g", team="over", replicas=4, gpr=8, pack="block", max_blocks=1))
+    p = cycle(st, q, 100, pol)
+    assert [(r.job_id, r.blocks) for r in p.reservations] == [("g", ("b0",))]
+    q.push(spec("serve", team="over", cls="prod-serving", gpr=8, submit=390))
+    q.push(spec("theirs", team="t2", gpr=8, submit=50))
+    p = cycle(st, q, 400, pol)  # "theirs" waited 350 s
+    assert blocks_of(p, "serve") == ("b0",) and not p.placement("serve").borrowed
+    assert blocks_of(p, "theirs") == ("b0",) and not p.placement("theirs").borrowed
