@@ -354,3 +354,26 @@ def test_guaranteed_work_takes_only_the_spares_it_needs() -> None:
     p = cycle(st, queue_of(spec("one", team="g", gpr=8, submit=0)), 300, policy)
     assert len(p.spares_taken) == 1 and nodes_of(p, "one") == list(p.spares_taken)
     assert st.spares("big") == tuple(n for n in spares if n not in p.spares_taken)
+
+
+def test_spares_of_a_gang_placed_in_the_same_cycle_do_not_yield() -> None:
+    """The gang's spare is chosen by this plan and held only once it is applied: a guaranteed
+    job that waited past ``spares_yield_after_s`` and is decided after the gang in the same
+    cycle is told ``hot_spare``; it takes the spare in a later cycle."""
+    policy = Policy(
+        hot_spare_min_gpus=64, hot_spare_fraction=0.1, preemption=False, reservations=False, spares_yield_after_s=60
+    )
+    st = cluster(blocks=2, nodes=5)
+    big_quota(st, "t")
+    st.set_quota("g", "h100", 8, 0)
+    occupy(st, spec("other", team="t", gpr=8), ["b1n4"], started_at=0)
+    q = queue_of(
+        spec("big", cls="prod-batch", replicas=8, gpr=8, pack="block", submit=50),
+        spec("waited", team="g", gpr=8, submit=0),
+    )
+    p = cycle(st, q, 200, policy)
+    (spare,) = p.placement("big").spare_nodes
+    assert p.reason("waited") is PendingReason.HOT_SPARE and p.spares_taken == ()
+    assert st.spares("big") == (spare,)
+    p = cycle(st, q, 230, policy)
+    assert nodes_of(p, "waited") == [spare] and p.spares_taken == (spare,)
