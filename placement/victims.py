@@ -47,6 +47,7 @@ since each victim's last checkpoint, or since its start if it cannot checkpoint)
 
 from __future__ import annotations
 
+from bisect import insort
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -830,12 +831,17 @@ def _greedy(
 ) -> set[str] | None:
     """The approximation for large instances: each step takes the occupants of one candidate
     node, the step with the least new weight per node it frees (up to what is still needed),
-    then least lost work per node, then the team furthest over its share, then node id."""
+    then least lost work per node, then the team furthest over its share, then node id.
+
+    Kept step by step rather than re-scored from scratch: each node not yet freed has its
+    occupants not yet chosen (``new_of``); nodes with equal sets form a group, scored once. A
+    group's gain is the number of nodes not yet freed whose set is within the group's (those
+    the step would free). A step changes only the nodes holding a chosen job, and the gain of
+    only the groups sharing a job with their new sets. Every set is built as the plain
+    re-scoring builds it (occupants in id order, the chosen ones left out), so sums of lost
+    work run in the same order and the scores are the same floats."""
     running = state._running
-    chosen: set[str] = set()
-    remaining = set(occupants)
     over_cache: dict[str, float] = {}
-    freed = 0
 
     def over(team: str) -> float:
         v = over_cache.get(team)
@@ -847,30 +853,63 @@ def _greedy(
     for nid, occ in occupants.items():
         for j in occ:
             holders.setdefault(j, []).append(nid)
+    chosen: set[str] = set()
+    new_of: dict[str, frozenset[str]] = {}  # every node not yet freed -> its occupants not chosen
+    groups: dict[frozenset[str], list[str]] = {}  # such a set -> its nodes, by id
+    for nid in sorted(occupants):
+        s = frozenset(occupants[nid])
+        new_of[nid] = s
+        g = groups.get(s)
+        if g is None:
+            groups[s] = [nid]
+        else:
+            g.append(nid)
+    base: dict[frozenset[str], tuple[int, float, float]] = {}  # (weight, lost work, -over share)
+    gains: dict[frozenset[str], int] = {}
+    freed = 0
     while freed < need:
         left = need - freed
-        best = None
-        scored: dict[frozenset[str], tuple] = {}
-        for nid in sorted(remaining):
-            new = frozenset(j for j in occupants[nid] if j not in chosen)
-            got = scored.get(new)
-            if got is None:
-                after = chosen | new
-                touched = {n for j in new for n in holders[j] if n in remaining}
-                gain = sum(1 for n in touched if all(j in after for j in occupants[n]))
-                useful = min(gain, left) or 1
-                w = sum(weight[j] for j in new)
-                lo = sum(lost[j] for j in new)
-                o = max((over(running[j].team) for j in new), default=0.0)
-                got = scored[new] = (w / useful, lo / useful, -o)
-            key = (*got, nid)
+        best: tuple | None = None
+        for s, members in groups.items():
+            gain = gains.get(s)
+            if gain is None:
+                touched = {n for j in s for n in holders[j] if n in new_of}
+                gain = gains[s] = sum(1 for n in touched if new_of[n] <= s)
+            b = base.get(s)
+            if b is None:
+                b = base[s] = (
+                    sum(weight[j] for j in s),
+                    sum(lost[j] for j in s),
+                    -max((over(running[j].team) for j in s), default=0.0),
+                )
+            useful = min(gain, left) or 1
+            key = (b[0] / useful, b[1] / useful, b[2], members[0])
             if best is None or key < best[0]:
-                best = (key, new)
+                best = (key, s)
         if best is None:
             return None
-        chosen |= best[1]
-        for nid in sorted(remaining):
-            if all(j in chosen for j in occupants[nid]):
-                remaining.discard(nid)
+        pick: frozenset[str] = best[1]
+        chosen |= pick
+        dirty: set[str] = set()
+        for n in sorted({n for j in pick for n in holders[j] if n in new_of}):
+            old = new_of[n]
+            members = groups[old]
+            members.remove(n)
+            if not members:
+                del groups[old]
+                gains.pop(old, None)
+            t = frozenset(j for j in occupants[n] if j not in chosen)
+            if not t:
+                del new_of[n]
                 freed += 1
+                continue
+            new_of[n] = t
+            g = groups.get(t)
+            if g is None:
+                groups[t] = [n]
+            else:
+                insort(g, n)
+            dirty |= t
+        for s in [s for s in gains if not s.isdisjoint(dirty)]:
+            del gains[s]
     return chosen

@@ -361,3 +361,75 @@ def test_renewing_a_reservation_in_place_equals_removing_and_adding_it(seed: int
         twin.add_reservation(r)
         assert _indexes(st) == _indexes(twin), (seed, step)
         assert not check_state(st)
+
+
+def _greedy_plain(occupants, weight, lost, need, state, gpu_type):
+    """``victims._greedy`` as it was: every step re-scores every node not yet freed."""
+    running = state._running
+    chosen: set[str] = set()
+    remaining = set(occupants)
+    freed = 0
+    holders: dict[str, list[str]] = {}
+    for nid, occ in occupants.items():
+        for j in occ:
+            holders.setdefault(j, []).append(nid)
+    while freed < need:
+        left = need - freed
+        best = None
+        scored: dict[frozenset[str], tuple] = {}
+        for nid in sorted(remaining):
+            new = frozenset(j for j in occupants[nid] if j not in chosen)
+            got = scored.get(new)
+            if got is None:
+                after = chosen | new
+                touched = {n for j in new for n in holders[j] if n in remaining}
+                gain = sum(1 for n in touched if all(j in after for j in occupants[n]))
+                useful = min(gain, left) or 1
+                w = sum(weight[j] for j in new)
+                lo = sum(lost[j] for j in new)
+                o = max((victims_mod.over_share(state, running[j].team, gpu_type) for j in new), default=0.0)
+                got = scored[new] = (w / useful, lo / useful, -o)
+            key = (*got, nid)
+            if best is None or key < best[0]:
+                best = (key, new)
+        if best is None:
+            return None
+        chosen |= best[1]
+        for nid in sorted(remaining):
+            if all(j in chosen for j in occupants[nid]):
+                remaining.discard(nid)
+                freed += 1
+    return chosen
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_stepwise_greedy_equals_re_scoring_every_step(seed: int, monkeypatch) -> None:
+    """Random occupant sets (shared victims, ties in weight and lost work): the same victims,
+    in the same set order (the caller sums their lost work in it)."""
+    from types import SimpleNamespace
+
+    rng = random.Random(seed)
+    shares: dict[str, float] = {}
+    monkeypatch.setattr(victims_mod, "over_share", lambda state, team, gpu_type: shares[team])
+    found = 0
+    for case in range(300):
+        jobs = [f"j{i:03d}" for i in range(rng.randint(1, 40))]
+        teams = [f"t{i}" for i in range(rng.randint(1, 4))]
+        shares.clear()
+        shares.update({t: rng.choice([0.0, 0.5, rng.random()]) for t in teams})
+        state = SimpleNamespace(_running={j: SimpleNamespace(team=rng.choice(teams)) for j in jobs})
+        occupants = {
+            f"n{rng.randint(0, 999):04d}": tuple(sorted({rng.choice(jobs) for _ in range(rng.choice([1, 1, 2, 3]))}))
+            for _ in range(rng.randint(1, 80))
+        }
+        used = {j for occ in occupants.values() for j in occ}
+        weight = {j: rng.choice([1, 2, 3, 5]) for j in used}
+        lost = {j: rng.choice([0.0, 1.5, 3.0, rng.random() * 1e5]) for j in used}
+        need = rng.randint(1, len(occupants) + 2)
+        want = _greedy_plain(occupants, weight, lost, need, state, "h100")
+        got = victims_mod._greedy(occupants, weight, lost, need, state, "h100")  # type: ignore[arg-type]
+        assert (got is None) == (want is None), (seed, case)
+        if want is not None:
+            assert list(got or ()) == list(want), (seed, case)
+            found += 1
+    assert found > 200
