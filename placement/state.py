@@ -91,7 +91,7 @@ class _Node:
 
 
 class _Block:
-    __slots__ = ("free_nodes", "gpu_type", "id", "nodes", "version")
+    __slots__ = ("free_nodes", "gpu_type", "id", "jversion", "nodes", "version")
 
     def __init__(self, block_id: str, gpu_type: str) -> None:
         self.id = block_id
@@ -101,6 +101,10 @@ class _Block:
         # bumped on any change to its nodes (free GPUs, health, spares, jobs, their borrowed /
         # stopping flags, which reservations hold them): a key for caches, never restored
         self.version = 0
+        # bumped on changes to its nodes that run jobs (free GPUs, health, jobs, their borrowed /
+        # stopping flags, victim listing), not on reservations or on nodes without jobs (spares
+        # held and released): the victim index's key (``victims._BlockPart``), never restored
+        self.jversion = 0
 
 
 class _TypeIndex:
@@ -370,6 +374,8 @@ class ClusterState:
         ti = self._types[node.gpu_type]
         blk = self._blocks[node.block]
         blk.version += 1
+        if node.jobs:
+            blk.jversion += 1
         if node.spare_of is not None:
             return
         if node.health is not NodeHealth.READY:
@@ -397,6 +403,8 @@ class ClusterState:
         ti = self._types[node.gpu_type]
         blk = self._blocks[node.block]
         blk.version += 1
+        if node.jobs:
+            blk.jversion += 1
         if node.spare_of is not None:
             return
         if node.health is not NodeHealth.READY:
@@ -729,10 +737,13 @@ class ClusterState:
                 self._bump_held(rj)  # listed now: its blocks' victim parts change
 
     def _bump_held(self, rj: RunningJob) -> None:
-        """Move the versions of the blocks where ``rj`` holds nodes (its victim listing changed)."""
+        """Move the versions (both) of the blocks where ``rj`` holds nodes (its victim listing,
+        borrowed or stopping flag, or nodes changed)."""
         nodes, blocks = self._nodes, self._blocks
         for nid in rj.held:
-            blocks[nodes[nid].block].version += 1
+            blk = blocks[nodes[nid].block]
+            blk.version += 1
+            blk.jversion += 1
 
     def release(self, job_id: str, now: float, keep_spares: bool = False) -> RunningJob:
         """A job's gang is gone (ended, stopped, failed): free its GPUs.
@@ -887,8 +898,7 @@ class ClusterState:
             a.gused -= rj.charge
         rj.borrowed = not rj.borrowed
         self._victim_add(rj)
-        for nid in rj.held:  # node free times of reservations that may evict borrowed work change
-            self._blocks[self._nodes[nid].block].version += 1
+        self._bump_held(rj)  # node free times of reservations that may evict borrowed work change
 
     def mark_preempting(self, victim: str, beneficiary: str) -> None:
         """A victim was told to stop for ``beneficiary``; it holds its GPUs until ``release``.
@@ -912,8 +922,7 @@ class ClusterState:
         if beneficiary is not None:
             self._awaiting.setdefault(beneficiary, set()).add(rj.job_id)
         self._victim_add(rj)
-        for nid in rj.held:
-            self._blocks[self._nodes[nid].block].version += 1
+        self._bump_held(rj)
 
     def awaiting(self, beneficiary: str) -> tuple[str, ...]:
         """Victims still stopping for ``beneficiary``."""

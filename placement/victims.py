@@ -263,8 +263,9 @@ class VictimIndex:
     a cycle relabels running jobs borrowed (``_guarantee_gang``): that adds victims.
 
     A block's part is kept across cycles (``ClusterState.victim_blocks``, per block and mode)
-    while the block's version stands (any change to its nodes, their jobs' borrowed / stopping
-    flags or victim listing moves it) and time has not made one of its ineligible jobs eligible
+    while the block's ``jversion`` stands (any change to its nodes that run jobs, their jobs'
+    borrowed / stopping flags or victim listing moves it; reservations and nodes without jobs,
+    which a part never reads, do not) and time has not made one of its ineligible jobs eligible
     (re-asked: time only ever makes a job eligible, never the reverse)."""
 
     def __init__(self, state: ClusterState, ti: _TypeIndex, mode: Mode, now: float, policy: Policy) -> None:
@@ -278,7 +279,7 @@ class VictimIndex:
         for bid in self.bids:
             key = (bid, mode)
             part = cache.get(key)
-            if part is None or not part.holds(blocks[bid].version, now, policy):
+            if part is None or not part.holds(blocks[bid].jversion, now, policy):
                 part = cache[key] = _BlockPart(state, blocks[bid], mode, now, policy)
             parts.append(part)
         self._parts = parts
@@ -326,7 +327,7 @@ class _BlockPart:
     __slots__ = ("clear", "mode", "nodes", "now", "occ", "policy", "single", "unfit", "version")
 
     def __init__(self, state: ClusterState, blk: _Block, mode: Mode, now: float, policy: Policy) -> None:
-        self.version = blk.version
+        self.version = blk.jversion
         self.mode = mode
         self.now = now
         self.policy = policy
