@@ -28,7 +28,7 @@ from typing import cast
 
 from placement.model import SERVING_RANK, JobSpec, NodeHealth, Pack, Policy, Reservation, ReservationKind
 from placement.quota import beyond_guarantee
-from placement.state import ClusterState, RunningJob, _Node, _TypeIndex
+from placement.state import ClusterState, RunningJob, _Block, _Node, _TypeIndex
 
 _INF = float("inf")
 _NEG = float("-inf")
@@ -231,11 +231,12 @@ def _block_node_times(state: ClusterState, bid: str, owner: str | None) -> list[
     beneficiary takes its cleared nodes whatever other reservations hold them.
 
     Cached per (block, owner): the answer reads only the block's nodes, their jobs (started_at,
-    max_runtime, borrowed, stopping), the reservations holding them (all of which move the
-    block's version) and the owner's reservation terms. Read-only for callers."""
+    max_runtime, borrowed, stopping), the other reservations holding them (all of which move the
+    block's version less the owner's own bumps, ``_owner_version``) and the owner's reservation
+    terms; never which nodes the owner itself holds. Read-only for callers."""
     blk = state._blocks[bid]
     ev = _evict_terms(state, owner)
-    stamp = (blk.version, ev[1] if ev is not None else None)
+    stamp = (_owner_version(blk, owner), ev[1] if ev is not None else None)
     cache = state.block_times_cache
     got = cache.get((bid, owner))
     if got is not None and got[0] == stamp:
@@ -245,6 +246,13 @@ def _block_node_times(state: ClusterState, bid: str, owner: str | None) -> list[
         cache.clear()
     cache[(bid, owner)] = (stamp, out)
     return out
+
+
+def _owner_version(blk: _Block, owner: str | None) -> int:
+    """The block's version less the bumps of ``owner``'s own reservation changes there (its nodes,
+    its kind: what its own node times never read). Moves on every other change and never goes
+    back (an owner's count is dropped only with its last node there, which only raises it)."""
+    return blk.version - blk.own.get(owner, 0) if owner is not None else blk.version
 
 
 def _block_node_times_now(
@@ -273,11 +281,12 @@ def select_nodes(
 ) -> tuple[tuple[str, ...], float]:
     """The ``k`` nodes of ``blocks`` that free soonest (free ones first, then by id), and when
     the last of them frees (inf if fewer than ``k`` ever will)."""
-    times: list[tuple[float, int, str]] = []
-    for b in blocks:
-        if b in state._blocks:
-            times.extend(_block_node_times(state, b, owner))
-    times.sort()
+    lists = [_block_node_times(state, b, owner) for b in blocks if b in state._blocks]
+    if len(lists) == 1:
+        times = lists[0]  # sorted already (and read-only)
+    else:
+        times = [t for lst in lists for t in lst]
+        times.sort()
     if len(times) < k or k <= 0:
         return (), _INF
     picked = times[:k]
@@ -286,9 +295,11 @@ def select_nodes(
 
 def refresh_head_of_line(state: ClusterState, res: Reservation, now: float) -> tuple[tuple[str, ...], float]:
     """A node-level head-of-line reservation re-chosen in its blocks: (nodes, expected start).
-    Cached per block versions (a block's version changes with any of its nodes, and with the
-    reservations holding them) and the owner's terms."""
-    versions = tuple(state._blocks[b].version for b in res.blocks if b in state._blocks)
+    Cached per block versions less the owner's own bumps (``_owner_version``: a block's version
+    changes with any of its nodes, and with the reservations holding them) and the owner's
+    terms; kept when the reservation is renewed (the key holds all the answer reads)."""
+    blocks = state._blocks
+    versions = tuple(_owner_version(blocks[b], res.job_id) for b in res.blocks if b in blocks)
     ev = _evict_terms(state, res.job_id)
     key = (res.blocks, res.nodes_needed, versions, ev[1] if ev is not None else None)
     cached = state.res_cache.get(res.job_id)

@@ -91,7 +91,7 @@ class _Node:
 
 
 class _Block:
-    __slots__ = ("free_nodes", "gpu_type", "id", "jversion", "nodes", "version")
+    __slots__ = ("free_nodes", "gpu_type", "id", "jversion", "nodes", "own", "version")
 
     def __init__(self, block_id: str, gpu_type: str) -> None:
         self.id = block_id
@@ -105,6 +105,10 @@ class _Block:
         # stopping flags, victim listing), not on reservations or on nodes without jobs (spares
         # held and released): the victim index's key (``victims._BlockPart``), never restored
         self.jversion = 0
+        # per reservation owner holding nodes here: how many of the version's bumps were changes
+        # to its own reservation (its nodes here, its kind), which its own node times never read:
+        # ``version - own[owner]`` moves on every other change (``reservations._block_node_times``)
+        self.own: dict[str, int] = {}
 
 
 class _TypeIndex:
@@ -251,10 +255,12 @@ class ClusterState:
         self._quota_dirty: set[tuple[str, str]] = set()
         self._forecast: dict[tuple[str, str], int] = {}  # (team, type) -> recent peak demand (driver's data)
         self._journal: list[tuple[Callable[..., Any], tuple[Any, ...]]] | None = None
-        # per head-of-line reservation: (its blocks, nodes needed, their versions, the owner's
+        # per head-of-line reservation: (its blocks, nodes needed, their versions less the owner's
+        # own bumps, the owner's
         # evictable-backfill terms) -> (nodes, expected start), see reservations.refresh_head_of_line
         self.res_cache: dict[str, tuple[Any, tuple[tuple[str, ...], float]]] = {}
-        # per (block, owner): ((block version, owner's evictable-backfill terms), node times),
+        # per (block, owner): ((block version less the owner's own bumps, owner's evictable-backfill
+        # terms), node times),
         # see reservations._block_node_times; bounded (cleared past _BLOCK_TIMES_MAX entries)
         self.block_times_cache: dict[tuple[str, str | None], tuple[tuple[int, Any], list[tuple[float, int, str]]]] = {}
         # per (block, victim mode): that block's part of a ``victims.VictimIndex``, kept while the
@@ -441,8 +447,17 @@ class ClusterState:
         return node.health is NodeHealth.READY and node.spare_of is None and node.nfree == node.gpus
 
     def _set_node_owners(self, node: _Node, old: tuple[str, ...], new: tuple[str, ...]) -> None:
-        # the block's version covers who holds its nodes too (``reservations._block_node_times``)
-        self._blocks[node.block].version += 1
+        # the block's version covers who holds its nodes too (``reservations._block_node_times``):
+        # one bump per owner that comes or goes, counted as that owner's own
+        blk = self._blocks[node.block]
+        own = blk.own
+        blk.version += 1  # (once even if no owner comes or goes)
+        first = True
+        for o in [o for o in old if o not in new] + [o for o in new if o not in old]:
+            if not first:
+                blk.version += 1
+            first = False
+            own[o] = own.get(o, 0) + 1
         if new:
             self._node_res[node.id] = new
         else:
@@ -1067,7 +1082,8 @@ class ClusterState:
         old = self._reservations.pop(jid)
         self.res_version += 2
         self.res_free_version += 1
-        self.res_cache.pop(jid, None)
+        # (its ``res_cache`` entry stays: keyed on everything the refresh reads, which its own
+        # nodes and kind are not)
         self._reservations[jid] = res
         nodes = self.reservation_nodes(res)
         if old.nodes != res.nodes:
@@ -1077,10 +1093,12 @@ class ClusterState:
                     self._drop_owner(n, jid)
         for n in nodes:
             self._add_owner(n, jid)
-        if old.kind is not res.kind:  # other owners' node times read the kinds
+        if old.kind is not res.kind:  # other owners' node times read the kinds (its own do not)
             blocks, nodes_ = self._blocks, self._nodes
             for n in nodes:
-                blocks[nodes_[n].block].version += 1
+                blk = blocks[nodes_[n].block]
+                blk.version += 1
+                blk.own[jid] = blk.own.get(jid, 0) + 1
         return old
 
     def _add_owner(self, n: str, jid: str) -> None:
@@ -1103,6 +1121,8 @@ class ClusterState:
         d[jid] -= 1
         if d[jid] <= 0:
             del d[jid]
+            # none of its nodes here any more: ``version - own`` for it only moves up from here
+            self._blocks[b].own.pop(jid, None)
             if not d:
                 del self._block_res[b]
 

@@ -161,6 +161,19 @@ MODES = [
 ]
 
 
+def _fresh_refresh(st: ClusterState, r: Reservation, now: float) -> tuple[tuple[str, ...], float]:
+    ev = res_mod._evict_terms(st, r.job_id)
+    times = sorted(
+        t
+        for b in r.blocks
+        for t in res_mod._block_node_times_now(st, st._blocks[b].nodes, r.job_id, ev[0] if ev else None)
+    )
+    if len(times) < r.nodes_needed:
+        return (), max(float("inf"), now)
+    picked = times[: r.nodes_needed]
+    return tuple(sorted(n for _, _, n in picked)), max(picked[-1][0], now)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_cached_answers_equal_fresh_ones_through_random_changes(seed: int) -> None:
     """Allocations, releases, relabels, stops, checkpoints, idleness, health, spares and
@@ -259,6 +272,9 @@ def test_cached_answers_equal_fresh_ones_through_random_changes(seed: int) -> No
                 got_t = res_mod._block_node_times(st, bid, owner)
                 fresh = res_mod._block_node_times_now(st, st._blocks[bid].nodes, owner, ev[0] if ev else None)
                 assert got_t == fresh, (seed, _step, bid, owner)
+        for r in st.reservations():  # kept across renewals: as fresh as a new choice
+            if r.kind is ReservationKind.HEAD_OF_LINE:
+                assert res_mod.refresh_head_of_line(st, r, now) == _fresh_refresh(st, r, now), (seed, _step)
 
 
 def test_the_caches_are_bounded(monkeypatch) -> None:
