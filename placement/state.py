@@ -113,6 +113,7 @@ class _Block:
 
 class _TypeIndex:
     __slots__ = (
+        "block_ids",
         "blocks",
         "blocks_free",
         "buckets",
@@ -134,6 +135,7 @@ class _TypeIndex:
         self.gpu_type = gpu_type
         self.node_gpus = node_gpus
         self.blocks: dict[str, _Block] = {}
+        self.block_ids: list[str] = []  # ``blocks``' ids, sorted
         self.buckets: list[list[str]] = [[] for _ in range(node_gpus + 1)]
         self.free_gpus = 0
         self.free_nodes = 0
@@ -263,9 +265,10 @@ class ClusterState:
         # terms), node times),
         # see reservations._block_node_times; bounded (cleared past _BLOCK_TIMES_MAX entries)
         self.block_times_cache: dict[tuple[str, str | None], tuple[tuple[int, Any], list[tuple[float, int, str]]]] = {}
-        # per (block, victim mode): that block's part of a ``victims.VictimIndex``, kept while the
-        # block's version stands; bounded (cleared past victims._VICTIM_BLOCKS_MAX entries)
-        self.victim_blocks: dict[tuple[str, Any], Any] = {}
+        # per victim mode, per block: that block's part of a ``victims.VictimIndex``, kept while
+        # the block's ``jversion`` stands; bounded (at most one part per block and mode; cleared
+        # past victims._VICTIM_BLOCKS_MAX modes)
+        self.victim_blocks: dict[Any, dict[str, Any]] = {}
         self.res_version = 0  # bumped on every reservation change (cache invalidation only)
         self.res_free_version = 0  # bumped only when a reservation goes (capacity may come back)
         self._young: list[tuple[float, int, RunningJob]] = []  # (started_at, seq, job) not yet listed
@@ -324,6 +327,7 @@ class ClusterState:
         if blk is None:
             blk = self._blocks[block_id] = _Block(block_id, gpu_type)
             ti.blocks[block_id] = blk
+            insort(ti.block_ids, block_id)
         elif blk.gpu_type != gpu_type:
             raise ValueError(f"block {block_id} holds {blk.gpu_type}, not {gpu_type}")
         node = _Node(node_id, block_id, gpu_type, gpus, health)

@@ -270,17 +270,26 @@ class VictimIndex:
 
     def __init__(self, state: ClusterState, ti: _TypeIndex, mode: Mode, now: float, policy: Policy) -> None:
         self.state, self.ti, self.mode, self.now, self.policy = state, ti, mode, now, policy
-        self.bids = sorted(ti.blocks)
+        self.bids = ti.block_ids
         cache = state.victim_blocks
-        if len(cache) > _VICTIM_BLOCKS_MAX:
-            cache.clear()
+        kept = cache.get(mode)
+        if kept is None:
+            if len(cache) >= _VICTIM_BLOCKS_MAX:
+                cache.clear()
+            kept = cache[mode] = {}
         parts: list[_BlockPart] = []
         blocks = ti.blocks
         for bid in self.bids:
-            key = (bid, mode)
-            part = cache.get(key)
-            if part is None or not part.holds(blocks[bid].jversion, now, policy):
-                part = cache[key] = _BlockPart(state, blocks[bid], mode, now, policy)
+            part = kept.get(bid)
+            blk = blocks[bid]
+            if (
+                part is None
+                or part.version != blk.jversion
+                or now < part.now
+                or policy is not part.policy
+                or (part.unfit and not part.holds(blk.jversion, now, policy))
+            ):
+                part = kept[bid] = _BlockPart(state, blk, mode, now, policy)
             parts.append(part)
         self._parts = parts
         self._all: list[_BlockView] | None = None
@@ -316,8 +325,9 @@ class VictimIndex:
         return self._all
 
 
-# entries of ``ClusterState.victim_blocks`` kept at most (then it starts afresh)
-_VICTIM_BLOCKS_MAX = 1 << 16
+# victim modes of ``ClusterState.victim_blocks`` kept at most (then it starts afresh); each
+# holds at most one part per block
+_VICTIM_BLOCKS_MAX = 64
 
 
 class _BlockPart:

@@ -284,7 +284,8 @@ def test_the_caches_are_bounded(monkeypatch) -> None:
     fill(st, st.node_ids(), team="low", cls="preemptible")
     for i, mode in enumerate(MODES):
         VictimIndex(st, st._types["h100"], mode, NOW + i, Policy())
-        assert len(st.victim_blocks) <= 4 + 8
+        assert len(st.victim_blocks) <= 4  # modes
+        assert all(len(parts) <= 8 for parts in st.victim_blocks.values())  # a part per block
     for owner in ("a", "b", "c"):
         for bid in st.block_ids():
             res_mod._block_node_times(st, bid, owner)
