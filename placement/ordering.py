@@ -52,6 +52,9 @@ class JobQueue:
 
     def __init__(self, jobs: list[JobSpec] | None = None) -> None:
         self._jobs: dict[str, JobSpec] = {}
+        # job id -> (its queued spec, that spec as placed past its max_blocks_wait_s), see
+        # ``placed_at``; an entry goes with the job
+        self._placed: dict[str, tuple[JobSpec, JobSpec]] = {}
         self._lanes: dict[tuple[int, str, str, int], list[tuple[float, str]]] = {}
         self._front: dict[int, list[tuple[float, str]]] = {}
         for j in jobs or ():
@@ -72,6 +75,7 @@ class JobQueue:
         job = self._jobs.pop(job_id, None)
         if job is None:
             return None
+        self._placed.pop(job_id, None)
         key = (job.submit_time, job.job_id)
         if job.front:
             lane = self._front[job.rank]
@@ -86,6 +90,20 @@ class JobQueue:
         if not lane:
             del store[lk]
         return job
+
+    def placed_at(self, job: JobSpec, now: float) -> JobSpec:
+        """``job.as_placed_at(now)``, the copy without a block limit made once per queued spec
+        (the engine asks for it every cycle, for every job drawn)."""
+        t = job.topology
+        if t.max_blocks is None or t.max_blocks_wait_s is None or t.max_blocks_at(now - job.submit_time) is not None:
+            return job
+        got = self._placed.get(job.job_id)
+        if got is not None and got[0] is job:
+            return got[1]
+        placed = job.as_placed_at(now)
+        if self._jobs.get(job.job_id) is job:
+            self._placed[job.job_id] = (job, placed)
+        return placed
 
     def get(self, job_id: str) -> JobSpec | None:
         return self._jobs.get(job_id)
@@ -144,21 +162,28 @@ def iter_order(
     lane_ok: Callable[[str, str, int], bool] | None = None,
     blocked: set[tuple[str, str, int]] | None = None,
 ) -> Iterator[JobSpec]:
-    """Queued jobs in placement order, lazily (take as many as the lookahead allows).
+    """Queued jobs in placement order, lazily (take as many as the lookahead allows), each as
+    the engine places it at ``now`` (``JobSpec.as_placed_at``: past its ``max_blocks_wait_s``
+    without a block limit; the same object every cycle, ``JobQueue.placed_at``).
 
     ``lane_ok(team, gpu_type, size_floor)`` is asked when a lane's next job comes up;
     if it says no (the team has less quota room left than the lane's smallest job)
     the rest of the lane is skipped and the triple is added to ``blocked``.
     """
     jobs = queue._jobs
+    placed = queue.placed_at
+
+    def get(jid: str) -> JobSpec:
+        return placed(jobs[jid], now)
+
     front = queue.front()
     lanes = queue.lanes()
     if policy.ordering is Ordering.FIFO:
         for rank in sorted(front):
             for _, jid in front[rank]:
-                yield jobs[jid]
+                yield get(jid)
         yield from _merge(
-            [(lane, 0.0, 0, k[1], k[2], k[3]) for k, lane in sorted(lanes.items())], jobs, 0.0, now, lane_ok, blocked
+            [(lane, 0.0, 0, k[1], k[2], k[3]) for k, lane in sorted(lanes.items())], get, 0.0, now, lane_ok, blocked
         )
         return
     by_rank: dict[int, list[tuple[tuple[int, str, str, int], list[tuple[float, str]]]]] = {}
@@ -171,7 +196,7 @@ def iter_order(
     step = policy.aging_step_per_hour / 3600.0 if fair else 0.0
     for rank in sorted(set(by_rank) | set(front)):
         for _, jid in front.get(rank, ()):
-            yield jobs[jid]
+            yield get(jid)
         entries = []
         for (_, team, gpu_type, floor), lane in sorted(by_rank.get(rank, ()), key=lambda kv: kv[0]):
             if fair:
@@ -179,7 +204,7 @@ def iter_order(
                 entries.append((lane, float(pos[team]), below, team, gpu_type, floor))
             else:
                 entries.append((lane, 0.0, 0, team, gpu_type, floor))
-        yield from _merge(entries, jobs, step, now, lane_ok, blocked, _below(state) if fair else None)
+        yield from _merge(entries, get, step, now, lane_ok, blocked, _below(state) if fair else None)
 
 
 def _below(state: ClusterState) -> Callable[[str, str], bool]:
@@ -191,7 +216,7 @@ def _below(state: ClusterState) -> Callable[[str, str], bool]:
 
 def _merge(
     entries: list[tuple[list[tuple[float, str]], float, int, str, str, int]],
-    jobs: dict[str, JobSpec],
+    get: Callable[[str], JobSpec],
     step: float,
     now: float,
     lane_ok: Callable[[str, str, int], bool] | None = None,
@@ -219,7 +244,7 @@ def _merge(
             if blocked is not None:
                 blocked.add((team, gpu_type, floor))
             continue  # the rest of this lane cannot run this cycle
-        yield jobs[jid]
+        yield get(jid)
         i += 1
         if i < len(lane):
             submit, jid2 = lane[i]

@@ -450,3 +450,42 @@ def test_the_stepwise_greedy_equals_re_scoring_every_step(seed: int, monkeypatch
             assert list(got or ()) == list(want), (seed, case)
             found += 1
     assert found > 200
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_queue_hands_out_each_job_as_placed_now(seed: int) -> None:
+    """``iter_order`` yields ``as_placed_at(now)`` of every queued job (a job past its
+    ``max_blocks_wait_s`` without a block limit, made once per queued spec) through random
+    pushes, re-pushes, removals and times, in the order of the queued specs."""
+    from placement import JobQueue, iter_order
+
+    rng = random.Random(seed)
+    st = cluster(blocks=2, nodes=2)
+    q = JobQueue()
+    now = 0.0
+    for step in range(300):
+        now += rng.choice([0.0, 10.0, 600.0, 2 * HOUR])
+        op = rng.random()
+        if op < 0.6:
+            jid = f"j{rng.randint(0, 30)}"
+            q.push(
+                spec(
+                    jid,
+                    team=rng.choice(["a", "b"]),
+                    cls=rng.choice(["prod-batch", "research"]),
+                    replicas=rng.choice([1, 4]),
+                    gpr=8,
+                    pack=rng.choice(["any", "block"]),
+                    max_blocks=rng.choice([None, 1, 2]),
+                    max_blocks_wait_s=rng.choice([None, 0.0, HOUR, 3 * HOUR]),
+                    submit=now - rng.choice([0.0, HOUR, 4 * HOUR]),
+                    front=rng.random() < 0.2,
+                )
+            )
+        elif op < 0.8 and len(q):
+            q.remove(rng.choice(sorted(q._jobs)))
+        for _ in range(2):  # asked twice: the kept copy is handed out again
+            got = list(iter_order(q, st, Policy(), now))
+            queued = [q.get(j.job_id) for j in got]
+            assert got == [j.as_placed_at(now) for j in queued if j is not None], (seed, step)
+        assert set(q._placed) <= set(q._jobs)
