@@ -270,6 +270,7 @@ class ClusterState:
         # past victims._VICTIM_BLOCKS_MAX modes)
         self.victim_blocks: dict[Any, dict[str, Any]] = {}
         self.res_version = 0  # bumped on every reservation change (cache invalidation only)
+        self._res_sorted: tuple[int, tuple[Reservation, ...]] = (0, ())  # ``reservations()`` at a version
         self.res_free_version = 0  # bumped only when a reservation goes (capacity may come back)
         self._young: list[tuple[float, int, RunningJob]] = []  # (started_at, seq, job) not yet listed
         self._young_seq = 0
@@ -1013,7 +1014,14 @@ class ClusterState:
     # ------------------------------------------------------------------ reservations
 
     def reservations(self) -> tuple[Reservation, ...]:
-        return tuple(self._reservations[j] for j in sorted(self._reservations))
+        """Every reservation, by owner id (kept while ``res_version`` stands: the engine asks
+        for it for every gang it considers reserving)."""
+        got = self._res_sorted
+        if got[0] == self.res_version:
+            return got[1]
+        out = tuple(self._reservations[j] for j in sorted(self._reservations))
+        self._res_sorted = (self.res_version, out)
+        return out
 
     def reservation(self, job_id: str) -> Reservation | None:
         return self._reservations.get(job_id)

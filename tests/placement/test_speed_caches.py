@@ -272,6 +272,7 @@ def test_cached_answers_equal_fresh_ones_through_random_changes(seed: int) -> No
                 got_t = res_mod._block_node_times(st, bid, owner)
                 fresh = res_mod._block_node_times_now(st, st._blocks[bid].nodes, owner, ev[0] if ev else None)
                 assert got_t == fresh, (seed, _step, bid, owner)
+        assert st.reservations() == tuple(st._reservations[j] for j in sorted(st._reservations))
         for r in st.reservations():  # kept across renewals: as fresh as a new choice
             if r.kind is ReservationKind.HEAD_OF_LINE:
                 assert res_mod.refresh_head_of_line(st, r, now) == _fresh_refresh(st, r, now), (seed, _step)
@@ -377,6 +378,9 @@ def test_renewing_a_reservation_in_place_equals_removing_and_adding_it(seed: int
         twin.remove_reservation(owner)
         twin.add_reservation(r)
         assert _indexes(st) == _indexes(twin), (seed, step)
+        assert (
+            st.reservations() == twin.reservations() == tuple(sorted(st._reservations.values(), key=lambda x: x.job_id))
+        )
         assert not check_state(st)
 
 
