@@ -232,20 +232,25 @@ def _merge(
             submit, jid = lane[0]
             heap.append((below, base - step * (now - submit), submit, jid, li, 0))
     heapq.heapify(heap)
-    pop, push = heapq.heappop, heapq.heappush
+    # the top stays in the heap until its lane's next job replaces it (one sift, not two); keys
+    # are distinct (job ids), so the order is the same whatever the heap's layout
+    pop, replace = heapq.heappop, heapq.heapreplace
     while heap:
-        below, key, submit, jid, li, i = pop(heap)
+        below, key, submit, jid, li, i = heap[0]
         lane, base, _, team, gpu_type, floor = entries[li]
         if below == 0 and below_now is not None and not below_now(team, gpu_type):
             entries[li] = (lane, base, 1, team, gpu_type, floor)
-            push(heap, (1, key, submit, jid, li, i))
+            replace(heap, (1, key, submit, jid, li, i))
             continue
         if lane_ok is not None and not lane_ok(team, gpu_type, floor):
             if blocked is not None:
                 blocked.add((team, gpu_type, floor))
+            pop(heap)
             continue  # the rest of this lane cannot run this cycle
         yield get(jid)
         i += 1
         if i < len(lane):
             submit, jid2 = lane[i]
-            push(heap, (entries[li][2], base - step * (now - submit), submit, jid2, li, i))
+            replace(heap, (entries[li][2], base - step * (now - submit), submit, jid2, li, i))
+        else:
+            pop(heap)
