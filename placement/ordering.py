@@ -174,7 +174,9 @@ def iter_order(
     placed = queue.placed_at
 
     def get(jid: str) -> JobSpec:
-        return placed(jobs[jid], now)
+        job = jobs[jid]
+        t = job.topology
+        return job if t.max_blocks is None or t.max_blocks_wait_s is None else placed(job, now)
 
     front = queue.front()
     lanes = queue.lanes()
@@ -183,7 +185,13 @@ def iter_order(
             for _, jid in front[rank]:
                 yield get(jid)
         yield from _merge(
-            [(lane, 0.0, 0, k[1], k[2], k[3]) for k, lane in sorted(lanes.items())], get, 0.0, now, lane_ok, blocked
+            [(lane, 0.0, 0, k[1], k[2], k[3]) for k, lane in sorted(lanes.items())],
+            jobs,
+            placed,
+            0.0,
+            now,
+            lane_ok,
+            blocked,
         )
         return
     by_rank: dict[int, list[tuple[tuple[int, str, str, int], list[tuple[float, str]]]]] = {}
@@ -204,7 +212,7 @@ def iter_order(
                 entries.append((lane, float(pos[team]), below, team, gpu_type, floor))
             else:
                 entries.append((lane, 0.0, 0, team, gpu_type, floor))
-        yield from _merge(entries, get, step, now, lane_ok, blocked, _below(state) if fair else None)
+        yield from _merge(entries, jobs, placed, step, now, lane_ok, blocked, _below(state) if fair else None)
 
 
 def _below(state: ClusterState) -> Callable[[str, str], bool]:
@@ -216,7 +224,8 @@ def _below(state: ClusterState) -> Callable[[str, str], bool]:
 
 def _merge(
     entries: list[tuple[list[tuple[float, str]], float, int, str, str, int]],
-    get: Callable[[str], JobSpec],
+    jobs: dict[str, JobSpec],
+    placed: Callable[[JobSpec, float], JobSpec],
     step: float,
     now: float,
     lane_ok: Callable[[str, str, int], bool] | None = None,
@@ -247,7 +256,10 @@ def _merge(
                 blocked.add((team, gpu_type, floor))
             pop(heap)
             continue  # the rest of this lane cannot run this cycle
-        yield get(jid)
+        job = jobs[jid]
+        t = job.topology
+        # (``get`` inlined: most jobs have no block limit to lift)
+        yield job if t.max_blocks is None or t.max_blocks_wait_s is None else placed(job, now)
         i += 1
         if i < len(lane):
             submit, jid2 = lane[i]
