@@ -1056,23 +1056,16 @@ class ClusterState:
         self._add_res(res, nodes)
         self._log(self._del_res, res.job_id)
 
-    def _holds_same_nodes(self, res: Reservation) -> bool:
-        """Does ``res.job_id`` already hold exactly the nodes ``res`` names (and every one of them
-        is indexed as held by it)?"""
-        old = self._reservations.get(res.job_id)
-        if old is None or old.nodes != res.nodes:
-            return False
-        node_res, jid = self._node_res, res.job_id
-        return all(jid in node_res.get(n, ()) for n in self.reservation_nodes(res))
-
     def _hol_overlap(self, swap: set[str], new: dict[str, Reservation]) -> bool:
         """Does a head-of-line reservation of ``swap`` (as in ``new``) share a node with another
-        reservation that is head-of-line now or in ``new``?"""
+        reservation that is head-of-line now or in ``new`` (another of ``swap`` too)?"""
         held: set[str] = set()
         cur, node_res = self._reservations, self._node_res
         for jid in swap:
             if new[jid].kind is not ReservationKind.HEAD_OF_LINE:
                 continue
+            if not held.isdisjoint(new[jid].nodes):
+                return True  # two renewed ones (moved onto a common node)
             held.update(new[jid].nodes)
             for n in new[jid].nodes:
                 for o in node_res.get(n, ()):
@@ -1171,11 +1164,11 @@ class ClusterState:
         new = {r.job_id: r for r in reservations}
         cur = self._reservations
         changed = [jid for jid in sorted(cur) if jid not in new or new[jid] != cur[jid]]
-        # a reservation kept on the same nodes under new terms is swapped in place (what removing
-        # and adding it again leaves), unless a head-of-line one among them shares a node with
-        # another head-of-line one, kept or to add: then the order of removals and additions
-        # below decides which stays
-        swap = {jid for jid in changed if jid in new and self._holds_same_nodes(new[jid])}
+        # a reservation kept under new terms (on nodes mostly the same) is renewed in place (what
+        # removing and adding it again leaves, touching only the nodes that change), unless a
+        # head-of-line one among them shares a node with another head-of-line one, kept or to
+        # add: then the order of removals and additions below decides which stays
+        swap = {jid for jid in changed if jid in new}
         if swap and self._hol_overlap(swap, new):
             swap = set()
         for jid in changed:

@@ -493,3 +493,55 @@ def test_the_queue_hands_out_each_job_as_placed_now(seed: int) -> None:
             queued = [q.get(j.job_id) for j in got]
             assert got == [j.as_placed_at(now) for j in queued if j is not None], (seed, step)
         assert set(q._placed) <= set(q._jobs)
+
+
+def _set_reservations_plain(st: ClusterState, want: list[Reservation]) -> None:
+    """``set_reservations`` without renewals in place: every changed one removed, then added."""
+    new = {r.job_id: r for r in want}
+    for jid in [j for j in sorted(st._reservations) if j not in new or new[j] != st._reservations[j]]:
+        st.remove_reservation(jid)
+    for jid in sorted(new):
+        if jid not in st._reservations:
+            st.add_reservation(new[jid])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_set_reservations_renewing_in_place_equals_removing_and_adding(seed: int) -> None:
+    """Random reservation sets (kinds, overlaps, moved nodes) applied with ``set_reservations``
+    against a twin that removes every changed one and adds it again; tentatively too."""
+    from placement import check_state
+
+    rng = random.Random(seed)
+    st, twin = cluster(blocks=2, nodes=4), cluster(blocks=2, nodes=4)
+    for s in (st, twin):
+        s.set_quota("t", "h100", 100)
+        occupy(s, spec("j", gpr=8), ["b1n0"])
+    nodes = st.node_ids()
+    for step in range(300):
+        want = []
+        for owner in rng.sample(["a", "b", "c", "d"], rng.randint(0, 4)):
+            cur = st._reservations.get(owner)
+            if cur is not None and rng.random() < 0.5:
+                ns = set(cur.nodes)  # mostly the same nodes: one traded, or new terms only
+                if rng.random() < 0.6:
+                    ns.discard(rng.choice(sorted(ns)))
+                    ns.add(rng.choice(nodes))
+                kind = cur.kind if rng.random() < 0.8 else rng.choice(list(ReservationKind))
+                want.append(_res(owner, tuple(sorted(ns)), kind, float(step), rank=cur.priority_rank))
+            else:
+                ns2 = tuple(sorted(rng.sample(nodes, rng.choice([1, 2, 3]))))
+                kind = rng.choice([ReservationKind.HEAD_OF_LINE, ReservationKind.PREEMPTION])
+                want.append(_res(owner, ns2, kind, float(step), rank=rng.choice([1, 2])))
+        tentative = rng.random() < 0.3
+        before = _indexes(st)
+        if tentative:
+            st.begin_tentative()
+        st.set_reservations(want)
+        if tentative:
+            st.rollback()
+            assert _indexes(st) == before
+            continue
+        _set_reservations_plain(twin, want)
+        assert _indexes(st) == _indexes(twin), (seed, step)
+        assert st.reservations() == twin.reservations()
+        assert not check_state(st)
