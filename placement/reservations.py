@@ -67,6 +67,7 @@ class Exclusions:
     """
 
     __slots__ = (
+        "avail",
         "cache",
         "claim_team",
         "class_rule",
@@ -100,6 +101,10 @@ class Exclusions:
         # gangs of other teams do not hold their nodes against it
         self.claim_team = claim_team
         self.cache: dict[object, bool] = {}  # keyed like ``__contains__``'s argument
+        # block -> (its version, free whole nodes the job may use): ``topology.Search.block_avail``
+        # of this object's answers, which are kept once asked (every owner it reads holds nodes
+        # there, so a reservation coming or going there, or a node freeing, moves the version)
+        self.avail: dict[str, tuple[int, int]] = {}
         own = job.job_id if job.job_id in state._reservations else None
         self.own = own
         # nodes cleared by preemption for this job are its own whatever else holds them

@@ -70,7 +70,7 @@ def _shape(job: JobSpec, node_gpus: int) -> Shape | str:
 class Search:
     """One job's view of the free capacity: which reservations it may not use, which nodes only."""
 
-    __slots__ = ("any_excl", "excl", "node_res", "own_pre", "restrict", "state", "ti")
+    __slots__ = ("any_excl", "avail", "excl", "node_res", "own_pre", "restrict", "state", "ti")
 
     def __init__(
         self,
@@ -87,6 +87,8 @@ class Search:
         self.any_excl = bool(excl)  # a Search lives within one decision: the set cannot change
         # the job's own preemption reservation: its nodes are usable whoever else holds them
         self.own_pre: str | None = getattr(excl, "own_pre", None)
+        # the exclusions' own memo of ``block_avail`` (``Exclusions.avail``), None for a plain set
+        self.avail: dict[str, tuple[int, int]] | None = getattr(excl, "avail", None) if restrict is None else None
 
     def ok(self, nid: str) -> bool:
         if self.restrict is not None and nid not in self.restrict:
@@ -109,6 +111,11 @@ class Search:
                 return n
             held = self.state._block_res_free.get(bid)
             if held:
+                memo = self.avail
+                if memo is not None:
+                    got = memo.get(bid)
+                    if got is not None and got[0] == blk.version:
+                        return got[1]
                 excl = self.excl
                 own = self.own_pre
                 for owners, c in held.items():
@@ -118,6 +125,8 @@ class Search:
                         if o in excl:
                             n -= c
                             break
+                if memo is not None:
+                    memo[bid] = (blk.version, n)
             return n
         ok = self.ok
         return sum(1 for n in blk.free_nodes if ok(n))

@@ -13,6 +13,7 @@ from placement import Policy, Reservation, ReservationKind, plan
 from placement import reservations as res_mod
 from placement import victims as victims_mod
 from placement.state import ClusterState
+from placement.topology import Search
 from placement.victims import Mode, VictimIndex
 
 from .helpers import HOUR, cluster, cycle, fill, occupy, queue_of, spec
@@ -185,6 +186,8 @@ def test_cached_answers_equal_fresh_ones_through_random_changes(seed: int) -> No
     classes = ["prod-serving", "prod-batch", "research", "preemptible"]
     now = 0.0
     seq = 0
+    probe = spec("probe", team="b", cls="research", gpr=8, runtime=HOUR)
+    excl = res_mod.Exclusions(st, probe, now, policy)  # lives through the changes, as in a cycle
     for _step in range(400):
         now += rng.choice([0.0, 1.0, 30.0, 400.0, 2 * HOUR])
         st.promote(now, policy.preemption_protect_s)
@@ -273,6 +276,13 @@ def test_cached_answers_equal_fresh_ones_through_random_changes(seed: int) -> No
                 fresh = res_mod._block_node_times_now(st, st._blocks[bid].nodes, owner, ev[0] if ev else None)
                 assert got_t == fresh, (seed, _step, bid, owner)
         assert st.reservations() == tuple(st._reservations[j] for j in sorted(st._reservations))
+        if rng.random() < 0.1:
+            excl = res_mod.Exclusions(st, probe, now, policy)
+        for bid in st.block_ids():  # kept per block version: as the exclusions' answers make it
+            kept = Search(st, st._types["h100"], excl).block_avail(bid)
+            plain = Search(st, st._types["h100"], excl)
+            plain.avail = None
+            assert kept == plain.block_avail(bid), (seed, _step, bid)
         for r in st.reservations():  # kept across renewals: as fresh as a new choice
             if r.kind is ReservationKind.HEAD_OF_LINE:
                 assert res_mod.refresh_head_of_line(st, r, now) == _fresh_refresh(st, r, now), (seed, _step)
