@@ -332,6 +332,18 @@ class _Cycle:
         # team whose jobs keep arriving would otherwise wait for ever, one patience at a time
         return self.now - self._team_waiting_since(job.team, job.gpu_type) < patience
 
+    def _small_reclaim_due(self, job: JobSpec) -> bool:
+        """May this job (within its team's guarantee) reclaim small borrowed jobs of higher
+        classes (``Policy.reclaim_small_borrowed_after_s``)? With ``reclaim_wait_per_team``
+        the wait counts from the team's oldest queued job of the type, so a team whose jobs
+        keep arriving is not held back one wait after another while others borrow."""
+        wait = self.policy.reclaim_small_borrowed_after_s
+        if wait is None:
+            return False
+        if job.waited(self.now, wait):
+            return True
+        return self.policy.reclaim_wait_per_team and self.now - self._team_waiting_since(job.team, job.gpu_type) >= wait
+
     def _team_waiting_since(self, team: str, gpu_type: str) -> float:
         """The submit time of the team's oldest queued job of this GPU type (this cycle's queue)."""
         since = self.waiting_since
@@ -475,7 +487,7 @@ class _Cycle:
             return
         mode = None
         if not borrowed:
-            mode = Mode(job.rank, False, job.team, job.waited(self.now, policy.reclaim_small_borrowed_after_s))
+            mode = Mode(job.rank, False, job.team, self._small_reclaim_due(job))
         elif serving or (
             policy.borrowed_gangs_reclaim_lower and shape.whole and shape.charge >= policy.reserve_min_gpus
         ):

@@ -268,6 +268,17 @@ def _owner_borrowed_then(state: ClusterState, res: Reservation, placed_guarantee
     return used + res.gpus > state.quota(res.team, res.gpu_type).guaranteed
 
 
+def _small_reclaim_due(job, now: float, policy: Policy, team_since: dict[tuple[str, str], float]) -> bool:
+    """The engine's ``_small_reclaim_due``: waited ``reclaim_small_borrowed_after_s`` since its
+    own submit or, with ``reclaim_wait_per_team``, since its team's oldest queued job's."""
+    wait = policy.reclaim_small_borrowed_after_s
+    if wait is None:
+        return False
+    if job.waited(now, wait):
+        return True
+    return policy.reclaim_wait_per_team and now - team_since.get((job.team, job.gpu_type), now) >= wait
+
+
 def check_plan(
     state: ClusterState, plan: Plan, queue: JobQueue, policy: Policy, respect_topology: bool = True
 ) -> list[str]:
@@ -362,6 +373,10 @@ def check_plan(
                 errs.append(f"{key}: borrowed usage {b} > borrow limit {q.borrow_limit}")
         # victims
         victims_seen: set[str] = set()
+        team_since: dict[tuple[str, str], float] = {}  # oldest queued submit per (team, type)
+        for j in queue:
+            k = (j.team, j.gpu_type)
+            team_since[k] = min(team_since.get(k, math.inf), j.submit_time)
         for pr in plan.preemptions:
             if pr.victim in victims_seen:
                 errs.append(f"{pr.victim}: preempted twice")
@@ -398,7 +413,7 @@ def check_plan(
                 elif not rj.borrowed:
                     errs.append(f"{pr.beneficiary}: prod-serving beyond guarantee takes non-borrowed {pr.victim}")
             higher_small = (
-                ben.waited(now, policy.reclaim_small_borrowed_after_s)
+                _small_reclaim_due(ben, now, policy, team_since)
                 and not ben_borrowed
                 and rj.rank != SERVING_RANK
                 and rj.charge < policy.reserve_min_gpus

@@ -276,6 +276,10 @@ class Policy:
       this long since submit may also reclaim other teams' borrowed jobs of *higher* classes
       (never prod-serving) smaller than ``reserve_min_gpus``. None: only borrowed work of its
       own class and lower classes (docs/design.md's victims).
+    * ``reclaim_wait_per_team``: ``reclaim_small_borrowed_after_s`` is counted from the
+      team's oldest queued job of the GPU type (as ``preempt_patience_s`` is), not only from
+      the job's own submit: a team whose small jobs keep arriving, each waiting its own 300 s,
+      stays below its guarantee for as long as they keep coming. False: per job.
     * ``spares_yield_after_s``: a job that runs guaranteed, has waited this long since
       submit and fits nowhere else but on the idle nodes held as hot spares takes the spare
       nodes it needs, one at a time from the largest pool (the plan's ``spares_taken``); the
@@ -354,6 +358,7 @@ class Policy:
     preempt_patience_s: float | None = None
     patience_max_lost_s: float = 300.0
     spares_yield_after_s: float | None = None
+    reclaim_wait_per_team: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -384,6 +389,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "spread_before_preempt": False,
     "preempt_patience_s": None,
     "spares_yield_after_s": None,
+    "reclaim_wait_per_team": False,
 }
 
 PRESETS: dict[str, Policy] = {

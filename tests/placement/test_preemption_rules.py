@@ -24,6 +24,25 @@ def test_victims_only_from_lower_classes() -> None:
     assert p.reason("x") is PendingReason.PREEMPTING
 
 
+def test_the_wait_before_reclaiming_higher_classes_counts_per_team_when_asked() -> None:
+    """``reclaim_wait_per_team``: a job queued 10 s ago, whose team's other job has been queued
+    for 300 s (a 4-node job that no capacity holds), reclaims a small borrowed prod-batch job;
+    per job (the default) it does not yet. A team without an older job waits its own 300 s."""
+    for per_team, older, reclaimed in [(True, True, True), (False, True, False), (True, False, False)]:
+        st = cluster(blocks=1, nodes=2)
+        st.set_quota("me", "h100", 100, 100)
+        st.set_quota("b", "h100", 0, 100)
+        occupy(st, spec("v", team="b", cls="prod-batch", gpr=8), ["b0n0"], borrowed=True)
+        fill(st, ["b0n1"], team="g", cls="prod-batch")
+        jobs = [spec("x", team="me", cls="research", gpr=8, submit=NOW - 10)]
+        if older:
+            jobs.append(spec("old", team="me", cls="research", replicas=4, gpr=8, submit=NOW - 300))
+        pol = Policy(reserve_min_gpus=64, reclaim_wait_per_team=per_team)
+        p = cycle(st, queue_of(*jobs), NOW, pol)
+        assert (victims(p) == ["v"]) is reclaimed, (per_team, older)
+        assert p.preemptions == () or p.preemptions[0].beneficiary == "x"
+
+
 def test_same_class_victims_only_if_borrowed() -> None:
     st = cluster(blocks=1, nodes=2)
     st.set_quota("me", "h100", 100)
