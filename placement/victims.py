@@ -47,6 +47,7 @@ since each victim's last checkpoint, or since its start if it cannot checkpoint)
 
 from __future__ import annotations
 
+import math
 from bisect import insort
 from dataclasses import dataclass
 from itertools import combinations
@@ -534,7 +535,7 @@ def _several_on_one_node(
                 if have + sum(g for _, g in combo) < need:
                     continue
                 picked = tuple(sorted(j for j, _ in combo))
-                key = (c, sum(lost_of[j] for j in picked), nid, picked)
+                key = (c, math.fsum(lost_of[j] for j in picked), nid, picked)
                 if best is None or key < best:
                     best = key
     if best is None:
@@ -708,7 +709,7 @@ def _solve(
         return None
     freed = sorted(n for n, occ in occupants.items() if all(j in chosen for j in occ))
     wsum = sum(weight[j] for j in chosen)
-    return chosen, freed, free_nodes, wsum, sum(lost[j] for j in chosen)
+    return chosen, freed, free_nodes, wsum, math.fsum(lost[j] for j in chosen)
 
 
 def _components(occupants: dict[str, tuple[str, ...]]) -> list[list[str]]:
@@ -754,7 +755,7 @@ def _all_options(
             continue
         seen.add(v)
         freed = min(need, sum(c for g, c in groups.items() if g <= v))
-        opt = (freed, sum(weight[j] for j in v), sum(lost[j] for j in v), sum(over[j] for j in v), v)
+        opt = (freed, sum(weight[j] for j in v), math.fsum(lost[j] for j in v), math.fsum(over[j] for j in v), v)
         cur = best.get(freed)
         if cur is None or (opt[1], opt[2], opt[3], sorted(v)) < (cur[1], cur[2], cur[3], sorted(cur[4])):
             best[freed] = opt
@@ -781,7 +782,7 @@ def _greedy_chain(
             after = chosen | new
             gain = sum(c for h, c in left.items() if h <= after)
             w = sum(weight[j] for j in new)
-            lo = sum(lost[j] for j in new)
+            lo = math.fsum(lost[j] for j in new)
             key = (w / gain, lo / gain)
             if best is None or key < best[0]:
                 best = (key, after)
@@ -793,8 +794,8 @@ def _greedy_chain(
             (
                 min(need, freed),
                 sum(weight[j] for j in chosen),
-                sum(lost[j] for j in chosen),
-                sum(over[j] for j in chosen),
+                math.fsum(lost[j] for j in chosen),
+                math.fsum(over[j] for j in chosen),
                 chosen,
             )
         )
@@ -848,9 +849,9 @@ def _greedy(
     occupants not yet chosen (``new_of``); nodes with equal sets form a group, scored once. A
     group's gain is the number of nodes not yet freed whose set is within the group's (those
     the step would free). A step changes only the nodes holding a chosen job, and the gain of
-    only the groups sharing a job with their new sets. Every set is built as the plain
-    re-scoring builds it (occupants in id order, the chosen ones left out), so sums of lost
-    work run in the same order and the scores are the same floats."""
+    only the groups sharing a job with their new sets. Sums of lost work are correctly rounded
+    (``math.fsum``), so a score is the same float whatever order a set iterates in: set order
+    follows the interpreter's string hash seed, and a plan must not."""
     running = state._running
     over_cache: dict[str, float] = {}
 
@@ -890,7 +891,7 @@ def _greedy(
             if b is None:
                 b = base[s] = (
                     sum(weight[j] for j in s),
-                    sum(lost[j] for j in s),
+                    math.fsum(lost[j] for j in s),
                     -max((over(running[j].team) for j in s), default=0.0),
                 )
             useful = min(gain, left) or 1
