@@ -280,6 +280,11 @@ class Policy:
       team's oldest queued job of the GPU type (as ``preempt_patience_s`` is), not only from
       the job's own submit: a team whose small jobs keep arriving, each waiting its own 300 s,
       stays below its guarantee for as long as they keep coming. False: per job.
+    * ``borrowed_apart``: a small job (within one node) goes first to the best-fitting partly
+      used node whose running jobs all share its borrowed flag, then as before (best fit
+      among partly used nodes, then a free node): borrowed work kept off nodes with
+      guaranteed work leaves whole nodes a reclaim can clear. False (the default; tried and
+      left off, docs/design.md): best fit whatever the neighbours.
     * ``spares_yield_after_s``: a job that runs guaranteed, has waited this long since
       submit and fits nowhere else but on the idle nodes held as hot spares takes the spare
       nodes it needs, one at a time from the largest pool (the plan's ``spares_taken``); the
@@ -359,6 +364,7 @@ class Policy:
     patience_max_lost_s: float = 300.0
     spares_yield_after_s: float | None = None
     reclaim_wait_per_team: bool = False
+    borrowed_apart: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -390,6 +396,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "preempt_patience_s": None,
     "spares_yield_after_s": None,
     "reclaim_wait_per_team": False,
+    "borrowed_apart": False,
 }
 
 PRESETS: dict[str, Policy] = {

@@ -209,13 +209,19 @@ def _lowest(mask: int, g: int) -> tuple[int, ...]:
     return indices_of(mask)[:g]
 
 
-def find_small_node(search: Search, need: int, policy: Policy) -> str | None:
+def find_small_node(search: Search, need: int, policy: Policy, borrowed: bool | None = None) -> str | None:
     """The node for ``need`` GPUs: best fit among partly used nodes, else a free node in the
-    most used block (first fit by id without topology)."""
+    most used block (first fit by id without topology). With ``Policy.borrowed_apart`` and
+    the job's ``borrowed`` flag given, best fit among partly used nodes whose jobs all share
+    that flag comes first."""
     ti = search.ti
     G = ti.node_gpus
     buckets = ti.buckets
     ok = search.ok
+    if borrowed is not None and policy.borrowed_apart and policy.topology and search.restrict is None:
+        nid = _apart_node(search, need, borrowed)
+        if nid is not None:
+            return nid
     if search.restrict is not None:
         best = None
         for nid in sorted(search.restrict):
@@ -248,6 +254,21 @@ def find_small_node(search: Search, need: int, policy: Policy) -> str | None:
         nodes = search.block_nodes(bid, 1)
         if nodes:
             return nodes[0]
+    return None
+
+
+def _apart_node(search: Search, need: int, borrowed: bool) -> str | None:
+    """Best fit among partly used nodes whose running jobs are all ``borrowed`` (or all not):
+    borrowed work kept off nodes with guaranteed work leaves whole nodes a reclaim can clear."""
+    ti = search.ti
+    nodes = search.state._nodes
+    running = search.state._running
+    ok = search.ok
+    for f in range(need, ti.node_gpus):
+        for nid in ti.buckets[f]:
+            jobs = nodes[nid].jobs
+            if jobs and all(running[j].borrowed is borrowed for j in jobs) and ok(nid):
+                return nid
     return None
 
 
@@ -333,7 +354,7 @@ def find_placement(
     ti = search.ti
     if ti.free_gpus < shape.total:
         return PendingReason.CAPACITY
-    nid = find_small_node(search, shape.total, policy)
+    nid = find_small_node(search, shape.total, policy, borrowed)
     if nid is not None:
         return build_small(state, job, [(nid, job.replicas)], borrowed)
     if job.replicas > 1 and job.topology.pack is not Pack.NODE and search.restrict is None:

@@ -6,8 +6,9 @@ import pytest
 
 from placement import PendingReason, Policy
 from placement.forecast import DemandWindow
+from placement.model import PRESETS
 
-from .helpers import cluster, cycle, fill, nodes_of, queue_of, spec
+from .helpers import cluster, cycle, fill, nodes_of, occupy, queue_of, spec
 
 NOW = 10_000.0
 
@@ -305,3 +306,32 @@ def test_patience_is_counted_from_the_teams_oldest_queued_job() -> None:
         )
         p = cycle(st, q, NOW, Policy(preempt_patience_s=300.0))
         assert [pr.beneficiary for pr in p.preemptions] == (["new", "new"] if preempts else []), oldest_waited
+
+
+@pytest.mark.parametrize(
+    ("apart", "borrowed", "want"),
+    [
+        (False, True, "b0n0"),  # best fit: the node with 4 free, beside guaranteed work
+        (True, True, "b0n1"),  # apart: beside the borrowed job, though 6 are free there
+        (True, False, "b0n0"),  # guaranteed work beside guaranteed work (also the best fit)
+        (False, False, "b0n0"),
+    ],
+)
+def test_borrowed_small_jobs_go_beside_borrowed_work_when_apart(apart: bool, borrowed: bool, want: str) -> None:
+    """(borrowed_apart, is the new job borrowed?) -> its node. b0n0 runs "g"'s guaranteed
+    job (4 free), b0n1 "l"'s borrowed job (6 free), b0n2 is free. Kept apart, a reclaim of
+    the borrowed jobs frees b0n1 whole; beside guaranteed work it frees no node."""
+    st = cluster(blocks=1, nodes=3)
+    st.set_quota("g", "h100", 8, 8)
+    st.set_quota("l", "h100", 0, 16)
+    st.set_quota("new", "h100", 0 if borrowed else 8, 16)
+    occupy(st, spec("g1", team="g", gpr=4), {"b0n0": (0, 1, 2, 3)}, started_at=NOW - 600)
+    occupy(st, spec("l1", team="l", gpr=2), {"b0n1": (0, 1)}, started_at=NOW - 600, borrowed=True)
+    p = cycle(st, queue_of(spec("x", team="new", gpr=2, submit=NOW)), NOW, Policy(borrowed_apart=apart))
+    assert p.placement("x").borrowed is borrowed
+    assert nodes_of(p, "x") == [want]
+
+
+def test_the_baselines_keep_borrowed_work_in_best_fit() -> None:
+    assert Policy().borrowed_apart is False
+    assert all(not p.borrowed_apart for p in PRESETS.values())

@@ -101,6 +101,22 @@ def test_plan_invariants_with_hot_spares_that_yield(data) -> None:
     checked_cycle(stt, q, SPARES_YIELD, now + 120)
 
 
+# borrowed small jobs kept apart from guaranteed work (Policy.borrowed_apart, off by default)
+BORROWED_APART = Policy(reserve_min_gpus=16, borrowed_apart=True)
+
+
+@PROPS
+@given(data=st.data())
+def test_plan_invariants_with_borrowed_work_kept_apart(data) -> None:
+    sc = data.draw(scenarios())
+    stt = build(sc)
+    populate(stt, unique(data.draw(st.lists(job_specs(sc, "r"), max_size=20))), [0.0, 1000.0, 3000.0])
+    q = JobQueue(unique(data.draw(st.lists(job_specs(sc, "q"), max_size=14))))
+    now = data.draw(st.sampled_from([3000.0, 2 * HOUR, 6 * HOUR]))
+    checked_cycle(stt, q, BORROWED_APART, now, twice=True)
+    checked_cycle(stt, q, BORROWED_APART, now + 120)
+
+
 @PROPS
 @given(data=st.data())
 def test_contended_clusters_preempt_by_the_rules(data) -> None:
