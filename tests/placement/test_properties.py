@@ -84,37 +84,36 @@ def test_plan_invariants_on_random_clusters_and_queues(data) -> None:
         assert p.reason_for(j) is not PendingReason.LOOKAHEAD, j.job_id
 
 
-# hot spares that yield to guaranteed work (Policy.spares_yield_after_s, off by default); a
-# test of its own, so that POLICIES, and with it the other tests' derandomized examples, stay
-SPARES_YIELD = Policy(reserve_min_gpus=16, hot_spare_min_gpus=16, hot_spare_fraction=0.2, spares_yield_after_s=60.0)
-
-
-@PROPS
-@given(data=st.data())
-def test_plan_invariants_with_hot_spares_that_yield(data) -> None:
+def two_cycles_on_a_random_world(data, policy: Policy) -> None:
+    """A random cluster and queue, planned twice at one time and once two minutes later,
+    every invariant checked: the property test of a policy field that is off by default."""
     sc = data.draw(scenarios())
     stt = build(sc)
     populate(stt, unique(data.draw(st.lists(job_specs(sc, "r"), max_size=20))), [0.0, 1000.0, 3000.0])
     q = JobQueue(unique(data.draw(st.lists(job_specs(sc, "q"), max_size=14))))
     now = data.draw(st.sampled_from([3000.0, 2 * HOUR, 6 * HOUR]))
-    checked_cycle(stt, q, SPARES_YIELD, now, twice=True)
-    checked_cycle(stt, q, SPARES_YIELD, now + 120)
+    checked_cycle(stt, q, policy, now, twice=True)
+    checked_cycle(stt, q, policy, now + 120)
 
 
-# borrowed small jobs kept apart from guaranteed work (Policy.borrowed_apart, off by default)
+# Fields off by default get tests of their own, so that POLICIES, and with it the other
+# tests' derandomized examples, stay.
+# hot spares that yield to guaranteed work (Policy.spares_yield_after_s)
+SPARES_YIELD = Policy(reserve_min_gpus=16, hot_spare_min_gpus=16, hot_spare_fraction=0.2, spares_yield_after_s=60.0)
+# borrowed small jobs kept apart from guaranteed work (Policy.borrowed_apart)
 BORROWED_APART = Policy(reserve_min_gpus=16, borrowed_apart=True)
 
 
 @PROPS
 @given(data=st.data())
+def test_plan_invariants_with_hot_spares_that_yield(data) -> None:
+    two_cycles_on_a_random_world(data, SPARES_YIELD)
+
+
+@PROPS
+@given(data=st.data())
 def test_plan_invariants_with_borrowed_work_kept_apart(data) -> None:
-    sc = data.draw(scenarios())
-    stt = build(sc)
-    populate(stt, unique(data.draw(st.lists(job_specs(sc, "r"), max_size=20))), [0.0, 1000.0, 3000.0])
-    q = JobQueue(unique(data.draw(st.lists(job_specs(sc, "q"), max_size=14))))
-    now = data.draw(st.sampled_from([3000.0, 2 * HOUR, 6 * HOUR]))
-    checked_cycle(stt, q, BORROWED_APART, now, twice=True)
-    checked_cycle(stt, q, BORROWED_APART, now + 120)
+    two_cycles_on_a_random_world(data, BORROWED_APART)
 
 
 @PROPS
