@@ -77,17 +77,22 @@ _NO_EXCL: frozenset[str] = frozenset()
 _PROD_BATCH_RANK = PriorityClass.PROD_BATCH.rank
 
 
-def plan(state: ClusterState, queue: JobQueue, policy: Policy = DEFAULT_POLICY, now: float = 0.0) -> Plan:
-    """One placement cycle. Leaves ``state`` and ``queue`` unchanged; returns a ``Plan``."""
+def plan(
+    state: ClusterState, queue: JobQueue, policy: Policy = DEFAULT_POLICY, now: float = 0.0, *, dedupe: bool = True
+) -> Plan:
+    """One placement cycle. Leaves ``state`` and ``queue`` unchanged; returns a ``Plan``.
+
+    ``dedupe=False`` decides every job afresh instead of repeating an equal job's decision
+    (``_Cycle._decide``): the same plan, slower; the tests compare the two."""
     state.begin_tentative()
     try:
-        return _Cycle(state, queue, policy, now).run()
+        return _Cycle(state, queue, policy, now, dedupe).run()
     finally:
         state.rollback()
 
 
 class _Cycle:
-    def __init__(self, state: ClusterState, queue: JobQueue, policy: Policy, now: float) -> None:
+    def __init__(self, state: ClusterState, queue: JobQueue, policy: Policy, now: float, dedupe: bool = True) -> None:
         self.state = state
         self.queue = queue
         self.policy = policy
@@ -119,6 +124,10 @@ class _Cycle:
         self.evictable_placement = False  # the last _try_place used evictable backfill
         self.claim_team: str | None = None  # Exclusions.claim_team for the job being decided
         self.returning: dict[tuple[str, int], int] = {}  # (type, placements so far) -> demand expected back
+        self.dedupe = dedupe
+        # equal job -> (epoch, reason, detail, quota only, claim team) of a decision that only pended
+        self.decided: dict[tuple, tuple[tuple[int, ...], PendingReason, str, bool, str | None]] = {}
+        self.side_effects = 0  # decisions that may have touched state outside the epoch's counts
 
     # ------------------------------------------------------------------ cycle
 
@@ -382,9 +391,68 @@ class _Cycle:
         self._decide(job)
         return not self.quota_only
 
+    def _epoch(self) -> tuple[int, int, int, int, int]:
+        """Moves whenever this cycle changes the state a decision reads (``_decide``)."""
+        return (
+            len(self.placements),
+            len(self.preemptions),
+            self.state.res_version,
+            len(self.relabels),
+            self.side_effects,
+        )
+
     def _decide(self, job: JobSpec) -> None:
+        """Decide for one job, or repeat the decision of an equal job taken earlier in the
+        cycle when that one only pended and nothing has changed since.
+
+        Most of a busy cycle's jobs wait for the same reason as the equal job before them
+        (same team, class, shape, topology, run time and waiting thresholds crossed), and a
+        decision that changed nothing reads only those and the state, so the answer is the
+        same; jobs with state of their own (a reservation, spares, victims stopping for
+        them) are always decided afresh. ``dedupe=False`` turns this off (the tests compare).
+        """
+        state, policy, now = self.state, self.policy, self.now
+        job = job.as_placed_at(now)  # past its max_blocks_wait_s: no block limit
+        jid = job.job_id
+        key = None
+        if (
+            self.dedupe
+            and jid not in state._reservations
+            and jid not in state._spares
+            and not state._awaiting.get(jid)
+            and jid not in state._running
+        ):
+            key = (
+                job.team,
+                job.gpu_type,
+                job.priority,
+                job.replicas,
+                job.gpus_per_replica,
+                job.topology,
+                job.max_runtime_s,
+                job.preemptible,
+                job.grace_s,
+                job.waited(now, policy.claim_borrowed_reservations_after_s),
+                job.waited(now, policy.reclaim_small_borrowed_after_s),
+                job.waited(now, policy.spares_yield_after_s),
+            )
+            epoch = self._epoch()
+            hit = self.decided.get(key)
+            if hit is not None and hit[0] == epoch:
+                self.claim_team = hit[4]
+                self.quota_only = hit[3]
+                self.pending.append(Pending(jid, hit[1], hit[2]))
+                return
+        else:
+            self.side_effects += 1  # its own reservation or spares may change (and be restored)
+        n = len(self.pending)
+        self._decide_afresh(job)
+        if key is not None and len(self.pending) == n + 1 and self._epoch() == epoch:
+            p = self.pending[-1]
+            self.decided[key] = (epoch, p.reason, p.detail, self.quota_only, self.claim_team)
+
+    def _decide_afresh(self, job: JobSpec) -> None:
         state, policy = self.state, self.policy
-        job = job.as_placed_at(self.now)  # past its max_blocks_wait_s: no block limit
         self.claim_team = None
         ti = state._types.get(job.gpu_type)
         if ti is None:
@@ -691,6 +759,7 @@ class _Cycle:
         a time from the largest pool, so every gang keeps spares as long as it can. Empty
         when the spares would not cover the need."""
         state = self.state
+        self.side_effects += 1  # taken, and given back if the job still does not fit
         if shape.whole:
             need = shape.nodes - ti.free_nodes
         else:
