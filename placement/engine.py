@@ -125,8 +125,8 @@ class _Cycle:
         self.claim_team: str | None = None  # Exclusions.claim_team for the job being decided
         self.returning: dict[tuple[str, int], int] = {}  # (type, placements so far) -> demand expected back
         self.dedupe = dedupe
-        # equal job -> (epoch, reason, detail, quota only, claim team) of a decision that only pended
-        self.decided: dict[tuple, tuple[tuple[int, ...], PendingReason, str, bool, str | None]] = {}
+        # equal job -> (epoch, reason, detail, quota only) of a decision that only pended
+        self.decided: dict[tuple, tuple[tuple[int, ...], PendingReason, str, bool]] = {}
         self.side_effects = 0  # decisions that may have touched state outside the epoch's counts
 
     # ------------------------------------------------------------------ cycle
@@ -439,7 +439,6 @@ class _Cycle:
             epoch = self._epoch()
             hit = self.decided.get(key)
             if hit is not None and hit[0] == epoch:
-                self.claim_team = hit[4]
                 self.quota_only = hit[3]
                 self.pending.append(Pending(jid, hit[1], hit[2]))
                 return
@@ -449,7 +448,7 @@ class _Cycle:
         self._decide_afresh(job)
         if key is not None and len(self.pending) == n + 1 and self._epoch() == epoch:
             p = self.pending[-1]
-            self.decided[key] = (epoch, p.reason, p.detail, self.quota_only, self.claim_team)
+            self.decided[key] = (epoch, p.reason, p.detail, self.quota_only)
 
     def _decide_afresh(self, job: JobSpec) -> None:
         state, policy = self.state, self.policy
