@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from placement import JobQueue, Pack, Policy, Topology, apply, plan, requeue_spec
+from placement import JobQueue, Pack, Policy, Topology, apply, fail_node, plan, requeue_spec
 
+from .helpers import big_quota, cluster, cycle, fill, nodes_of, occupy, queue_of, spec
 from .strategies import CLASSES, HOUR, build, job_specs, populate, scenarios, unique
 from .test_properties import BORROWED_APART, POLICIES, PROPS, SPARES_YIELD
+from .test_reservation_rules import setup as reservation_setup
 
 # spares that yield after a minute, reclaim and claims after short waits: thresholds that
 # clones of one template cross at different times
@@ -88,3 +91,158 @@ def test_repeated_decisions_equal_fresh_ones(data) -> None:
             for rj in list(stt.running_jobs())[::3]:
                 if rj.preempting_for is None:
                     stt.release(rj.job_id, now)
+
+
+# --------------------------------------------------------------------------- table
+# Each case queues a job that pends, then a job equal to it but for one thing a decision
+# reads (or with something changed in between), decided afterwards in the same cycle
+# (``front`` orders them and is not read by a decision), whose answer differs: repeating
+# the first decision would be wrong (the other waiting thresholds are off, so that the one
+# under test is the only difference). Every case asserts the answers differ, so a case that
+# stops crossing its line fails instead of passing vacuously.
+
+NOW = 10_000.0
+
+
+def _spares_yield_wait():
+    """Only a guaranteed job that waited ``spares_yield_after_s`` may take a hot spare."""
+    pol = Policy(
+        hot_spare_min_gpus=64, hot_spare_fraction=0.1, preemption=False, reservations=False, spares_yield_after_s=60
+    )
+    st = cluster(blocks=2, nodes=5)
+    big_quota(st, "t")
+    st.set_quota("g", "h100", 8, 0)
+    cycle(st, queue_of(spec("big", replicas=8, gpr=8, pack="block")), 100, pol)
+    last = [n for n in st.node_ids() if not st.node_jobs(n) and n not in st.spares("big")]
+    occupy(st, spec("other", team="t", gpr=8), last, started_at=100)
+    q = queue_of(spec("fresh", team="g", gpr=8, submit=190, front=True), spec("waited", team="g", gpr=8, submit=100))
+    return st, q, pol, 200.0, "fresh", "waited"
+
+
+def _reclaim_small_wait():
+    """Only a guaranteed job that waited ``reclaim_small_borrowed_after_s`` takes back a
+    higher class's small borrowed job."""
+    pol = Policy(reserve_min_gpus=16, reclaim_small_borrowed_after_s=300.0, claim_borrowed_reservations_after_s=None)
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("me", "h100", 100, 100)
+    st.set_quota("b", "h100", 0, 100)
+    occupy(st, spec("v", team="b", cls="prod-batch", gpr=8), ["b0n0"], borrowed=True)
+    fill(st, ["b0n1"], team="g", cls="prod-batch")
+    q = queue_of(
+        spec("fresh", team="me", gpr=8, submit=NOW - 10, front=True), spec("waited", team="me", gpr=8, submit=NOW - 300)
+    )
+    return st, q, pol, NOW, "fresh", "waited"
+
+
+def _claim_wait():
+    """Only a guaranteed job that waited ``claim_borrowed_reservations_after_s`` may use a
+    borrowing gang's reserved nodes."""
+    pol = Policy(reserve_min_gpus=32, claim_borrowed_reservations_after_s=300.0, reclaim_small_borrowed_after_s=None)
+    st = reservation_setup()
+    st.set_quota("over", "h100", 8, 1000)  # the 4-node gang runs borrowed
+    st.set_quota("t2", "h100", 100)
+    q = queue_of(spec("bgang", team="over", replicas=4, gpr=8, pack="block", max_blocks=1, front=True))
+    cycle(st, q, 100, pol)
+    assert [r.job_id for r in st.reservations()] == ["bgang"]
+    q.push(spec("fresh", team="t2", gpr=8, submit=350, front=True))  # after the owner (submit 0)
+    q.push(spec("waited", team="t2", gpr=8, submit=50))
+    return st, q, pol, 400.0, "fresh", "waited"
+
+
+def _run_time():
+    """A job short enough to end before a reservation's start backfills; a long one does not."""
+    pol = Policy(reserve_min_gpus=32)
+    st = reservation_setup()
+    q = queue_of(spec("gang", team="t", replicas=4, gpr=8, pack="block", max_blocks=1, front=True))
+    cycle(st, q, 100, pol)
+    q.push(spec("long", team="t", gpr=8, runtime=10 * HOUR, submit=1, front=True))
+    q.push(spec("short", team="t", gpr=8, runtime=1000, submit=2))
+    return st, q, pol, 200.0, "long", "short"
+
+
+def _after_a_placement():
+    """A gang finds two free nodes in different blocks (``topology``); a job placed next takes
+    one, and an equal gang after it finds too few nodes (``capacity``)."""
+    pol = Policy(preemption=False, reservations=False)
+    st = cluster(blocks=2, nodes=2)
+    big_quota(st, "t")
+    fill(st, ["b0n0", "b1n0"], team="run")
+    gang = {"team": "t", "replicas": 2, "gpr": 8, "pack": "block", "max_blocks": 1}
+    q = queue_of(
+        spec("a1", **gang, submit=20, front=True), spec("b", team="t", gpr=8, submit=0), spec("a2", **gang, submit=10)
+    )
+    return st, q, pol, 100.0, "a1", "a2"
+
+
+def _own_spares():
+    """A gang restarting after a node failure places on the hot spare it kept; an equal gang
+    without spares, decided just before it, is told ``hot_spare``."""
+    pol = Policy(hot_spare_min_gpus=64, hot_spare_fraction=0.1, preemption=False, reservations=False)
+    st = cluster(blocks=2, nodes=5)
+    big_quota(st, "t")
+    q = queue_of(spec("big", replicas=8, gpr=8, pack="block"))
+    p = cycle(st, q, 100, pol)
+    last = [n for n in st.node_ids() if not st.node_jobs(n) and n not in st.spares("big")]
+    occupy(st, spec("other", team="t", gpr=8), last, started_at=100)
+    fail_node(st, nodes_of(p, "big")[0], 200)
+    assert st.spares("big")
+    q = queue_of(
+        spec("a-twin", replicas=8, gpr=8, pack="block", front=True),  # same submit, sorts first by id
+        requeue_spec(spec("big", replicas=8, gpr=8, pack="block"), 200, front=True),
+    )
+    return st, q, pol, 300.0, "a-twin", "big"
+
+
+def _own_reservation():
+    """The owner of a head-of-line reservation is told ``reserved``; an equal gang without
+    one, decided just before it, cannot reserve (one slot per type)."""
+    pol = Policy(reserve_min_gpus=32, max_reservations_per_type=1)
+    st = reservation_setup()
+    gang = {"team": "t", "replicas": 4, "gpr": 8, "pack": "block", "max_blocks": 1}
+    q = queue_of(spec("gang", **gang, submit=5, front=True))
+    cycle(st, q, 100, pol)
+    q.push(spec("a-twin", **gang, submit=5, front=True))  # sorts first by id
+    return st, q, pol, 200.0, "a-twin", "gang"
+
+
+def _victims_stopping():
+    """A job whose victims are stopping is told ``preempting``; an equal job decided just
+    before it finds nothing left to take (``capacity``)."""
+    pol = Policy(reserve_min_gpus=16, reclaim_small_borrowed_after_s=None, claim_borrowed_reservations_after_s=None)
+    st = cluster(blocks=1, nodes=1)
+    st.set_quota("me", "h100", 100, 100)
+    st.set_quota("b", "h100", 0, 100)
+    occupy(st, spec("v", team="b", gpr=8), ["b0n0"], borrowed=True)
+    p = cycle(st, queue_of(spec("x", team="me", gpr=8, submit=NOW - 60)), NOW, pol)
+    assert [v.victim for v in p.preemptions] == ["v"]
+    twin = {"team": "me", "gpr": 8, "submit": NOW - 60, "front": True}
+    q = queue_of(spec("a-twin", **twin), spec("x", **twin))  # the twin sorts first by id
+    return st, q, pol, NOW + 10, "a-twin", "x"
+
+
+def _outcome(p, jid: str):
+    if p.placement(jid) is not None:
+        return "placed"
+    return (p.reason(jid), next(x.detail for x in p.pending if x.job_id == jid))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        _spares_yield_wait,
+        _reclaim_small_wait,
+        _claim_wait,
+        _run_time,
+        _after_a_placement,
+        _own_spares,
+        _own_reservation,
+        _victims_stopping,
+    ],
+)
+def test_a_job_that_differs_where_the_decision_reads_is_decided_afresh(case) -> None:
+    stt, q, pol, now, first, second = case()
+    fresh = plan(stt, q, pol, now, dedupe=False)
+    order = [x.job_id for x in fresh.pending]
+    assert first in order, f"{first} should pend: {fresh}"
+    assert _outcome(fresh, second) != _outcome(fresh, first)
+    assert plan(stt, q, pol, now) == fresh
