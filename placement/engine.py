@@ -435,7 +435,6 @@ class _Cycle:
                 job.waited(now, policy.claim_borrowed_reservations_after_s),
                 job.waited(now, policy.reclaim_small_borrowed_after_s),
                 job.waited(now, policy.spares_yield_after_s),
-                job.waited(now, policy.borrowed_gang_guard_max_wait_s),
             )
             epoch = self._epoch()
             hit = self.decided.get(key)
@@ -490,7 +489,6 @@ class _Cycle:
             borrowed
             and policy.borrowed_gang_guard is not None
             and own_res is None
-            and not job.waited(self.now, policy.borrowed_gang_guard_max_wait_s)
             and not serving
             and shape.whole
             and shape.charge >= policy.reserve_min_gpus

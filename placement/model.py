@@ -359,7 +359,6 @@ class Policy:
     idle_victims_first: bool = True
     unsaved_borrow_guard: float | None = None
     borrowed_gang_guard: float | None = 0.5
-    borrowed_gang_guard_max_wait_s: float | None = None
     spread_before_preempt: bool = False
     preempt_patience_s: float | None = None
     patience_max_lost_s: float = 300.0
@@ -393,7 +392,6 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "reclaim_small_borrowed_after_s": None,
     "unsaved_borrow_guard": None,
     "borrowed_gang_guard": None,
-    "borrowed_gang_guard_max_wait_s": None,
     "spread_before_preempt": False,
     "preempt_patience_s": None,
     "spares_yield_after_s": None,
