@@ -197,6 +197,7 @@ def test_reads_demand_forecast_and_baselines_keep_the_gang_guard_off() -> None:
     assert Policy().reads_demand_forecast
     assert not Policy(borrowed_gang_guard=None).reads_demand_forecast
     assert Policy(borrowed_gang_guard=None, unsaved_borrow_guard=1.0).reads_demand_forecast
+    assert Policy(borrowed_gang_guard=None, borrowed_restart_backoff_s=600.0).reads_demand_forecast
     for name in ("fifo_first_fit", "no_topology_no_reservation", "easy_backfill"):
         assert PRESETS[name].borrowed_gang_guard is None, name
 
@@ -335,3 +336,40 @@ def test_borrowed_small_jobs_go_beside_borrowed_work_when_apart(apart: bool, bor
 def test_the_baselines_keep_borrowed_work_in_best_fit() -> None:
     assert Policy().borrowed_apart is False
     assert all(not p.borrowed_apart for p in PRESETS.values())
+
+
+def test_a_job_preempted_lately_backs_off_before_it_starts_borrowed_again() -> None:
+    """(backoff, its preemption times, its team's guarantee, demand expected back) -> an
+    8-GPU job starts on one of two free nodes?
+
+    ``borrowed_restart_backoff_s``: after ``n`` preemptions within ``preemption_window_s``
+    a job waits ``n`` x the backoff from the last one before it starts borrowed (told
+    ``capacity``), while the GPUs free after it would not cover the guaranteed demand
+    expected back; within its team's guarantee it starts at once; off, nothing waits."""
+    day = 86_400.0
+    now = 2 * day
+    cases = [
+        # backoff, preemption times, guarantee, lender's recent peak, starts
+        (600.0, (now - 100,), 0, 16, False),  # borrowed, 100 s after its preemption
+        (600.0, (now - 600,), 0, 16, True),  # the backoff has passed
+        (600.0, (now - 2000, now - 700), 0, 16, False),  # twice: 1,200 s from the last
+        (600.0, (now - 2000, now - 1200), 0, 16, True),
+        (600.0, (now - day - 10, now - 700), 0, 16, True),  # the first is outside the window: once
+        (600.0, (now - 100,), 8, 16, True),  # runs within its team's guarantee: never held
+        (600.0, (now - 100,), 0, 8, True),  # 8 GPUs expected back, 8 free after it: a reclaim is unlikely
+        (600.0, (), 0, 16, True),  # never preempted
+        (None, (now - 100,), 0, 16, True),  # the field off (the default)
+    ]
+    assert Policy().borrowed_restart_backoff_s is None
+    for backoff, times, guarantee, peak, starts in cases:
+        st = cluster(blocks=1, nodes=2)
+        st.set_quota("lender", "h100", 16, 0)
+        st.set_demand_forecast({("lender", "h100"): peak})
+        st.set_quota("b", "h100", guarantee, 100)
+        job = spec("x", team="b", gpr=8, submit=now - 3 * day, preemption_times=times)
+        p = cycle(st, queue_of(job), now, Policy(borrowed_restart_backoff_s=backoff))
+        case = (backoff, times, guarantee, peak)
+        assert (p.placement("x") is not None) is starts, case
+        if not starts:
+            assert p.reason("x") is PendingReason.CAPACITY, case
+            assert "backs off" in p.pending[0].detail, case

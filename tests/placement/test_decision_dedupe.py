@@ -18,7 +18,7 @@ from placement import JobQueue, Pack, Policy, Topology, apply, fail_node, plan, 
 
 from .helpers import big_quota, cluster, cycle, fill, nodes_of, occupy, queue_of, spec
 from .strategies import CLASSES, HOUR, build, job_specs, populate, scenarios, unique
-from .test_properties import BORROWED_APART, POLICIES, PROPS, SPARES_YIELD
+from .test_properties import BORROWED_APART, POLICIES, PROPS, RESTART_BACKOFF, SPARES_YIELD
 from .test_reservation_rules import setup as reservation_setup
 
 # spares that yield after a minute, reclaim and claims after short waits: thresholds that
@@ -78,7 +78,7 @@ def test_repeated_decisions_equal_fresh_ones(data) -> None:
     stt = build(sc)
     populate(stt, unique(data.draw(st.lists(job_specs(sc, "r"), max_size=16))), [0.0, 1000.0, 3000.0])
     q = JobQueue(data.draw(clone_queues(sc, "q")))
-    policy = data.draw(st.sampled_from([*POLICIES, SPARES_YIELD, BORROWED_APART, SHORT_WAITS]))
+    policy = data.draw(st.sampled_from([*POLICIES, SPARES_YIELD, BORROWED_APART, RESTART_BACKOFF, SHORT_WAITS]))
     now = data.draw(st.sampled_from([3000.0, 2 * HOUR, 6 * HOUR]))
     for step in range(3):
         p = _same_plan(stt, q, policy, now)
@@ -220,6 +220,21 @@ def _victims_stopping():
     return st, q, pol, NOW + 10, "a-twin", "x"
 
 
+def _restart_backoff():
+    """A job preempted lately backs off before it starts borrowed; an equal job never
+    preempted, decided after it, starts."""
+    pol = Policy(borrowed_restart_backoff_s=600.0)
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("lender", "h100", 16, 0)
+    st.set_demand_forecast({("lender", "h100"): 16})  # 16 GPUs expected back: more than is free after it
+    st.set_quota("b", "h100", 0, 100)
+    q = queue_of(
+        spec("backs-off", team="b", gpr=8, submit=0, preemption_times=(NOW - 100,), front=True),
+        spec("fresh", team="b", gpr=8, submit=0),
+    )
+    return st, q, pol, NOW, "backs-off", "fresh"
+
+
 def _outcome(p, jid: str):
     if p.placement(jid) is not None:
         return "placed"
@@ -237,6 +252,7 @@ def _outcome(p, jid: str):
         _own_spares,
         _own_reservation,
         _victims_stopping,
+        _restart_backoff,
     ],
 )
 def test_a_job_that_differs_where_the_decision_reads_is_decided_afresh(case) -> None:

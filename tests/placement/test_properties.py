@@ -102,6 +102,8 @@ def two_cycles_on_a_random_world(data, policy: Policy) -> None:
 SPARES_YIELD = Policy(reserve_min_gpus=16, hot_spare_min_gpus=16, hot_spare_fraction=0.2, spares_yield_after_s=60.0)
 # borrowed small jobs kept apart from guaranteed work (Policy.borrowed_apart)
 BORROWED_APART = Policy(reserve_min_gpus=16, borrowed_apart=True)
+# a job preempted lately waits before it starts borrowed (Policy.borrowed_restart_backoff_s)
+RESTART_BACKOFF = Policy(reserve_min_gpus=16, borrowed_restart_backoff_s=600.0)
 
 
 @PROPS
@@ -114,6 +116,12 @@ def test_plan_invariants_with_hot_spares_that_yield(data) -> None:
 @given(data=st.data())
 def test_plan_invariants_with_borrowed_work_kept_apart(data) -> None:
     two_cycles_on_a_random_world(data, BORROWED_APART)
+
+
+@PROPS
+@given(data=st.data())
+def test_plan_invariants_with_borrowed_restarts_backing_off(data) -> None:
+    two_cycles_on_a_random_world(data, RESTART_BACKOFF)
 
 
 @PROPS
