@@ -106,6 +106,7 @@ class _Cycle:
         self.memo: dict[tuple, PendingReason] = {}
         self.victim_memo: set[tuple] = set()
         self.reserve_memo: set[tuple] = set()
+        self.head_of_line: dict[tuple[str, int], list[Reservation]] = {}  # (type, res_version) -> head-of-line
         self.preempt_fail: set[tuple] = set()
         self.reclaimed: set[tuple[str, str]] = set()
         self.waiting_since: dict[tuple[str, str], float] | None = None  # per (team, type), built on first use
@@ -958,9 +959,14 @@ class _Cycle:
 
     def _reserve(self, job: JobSpec, ti: _TypeIndex, shape: Shape, borrowed: bool) -> bool:
         state, policy, now = self.state, self.policy, self.now
-        mine = [
-            r for r in state.reservations() if r.gpu_type == job.gpu_type and r.kind is ReservationKind.HEAD_OF_LINE
-        ]
+        # the type's head-of-line reservations, kept while the reservation set stands: a busy
+        # cycle asks for every gang that may reserve, and most reservations are preemptions'
+        hkey = (job.gpu_type, state.res_version)
+        mine = self.head_of_line.get(hkey)
+        if mine is None:
+            mine = self.head_of_line[hkey] = [
+                r for r in state.reservations() if r.gpu_type == job.gpu_type and r.kind is ReservationKind.HEAD_OF_LINE
+            ]
         if len(mine) >= policy.max_reservations_per_type:
             # the slot goes to a lower class's gang, or (a guaranteed gang) to a borrowing one
             # of its class: seen, a team's guaranteed 4,096-GPU gang never started in 2.4 h
