@@ -77,6 +77,12 @@ def sim(
         "column", "--team-assign", help="trace: column (the trace's team/vc column, else hash) | hash | round-robin"
     ),
     default_class: str = typer.Option("research", "--default-class", help="trace: class of jobs without one"),
+    times_from: Path | None = typer.Option(
+        None,
+        "--times-from",
+        help="alibaba trace without times (openb_pod_list_multigpu50.csv): take each pod's times from its"
+        " namesake in this pod list, or from a GPU pod of it drawn by the seed",
+    ),
     check_invariants: int = typer.Option(
         0, "--check-invariants", help="check plan and state invariants every N cycles (0: off; slow)"
     ),
@@ -168,6 +174,7 @@ def sim(
                         team_assign=team_assign,
                         default_class=default_class,
                         seed=run_seed,
+                        times_from=str(times_from) if times_from is not None else None,
                         gpu_type=cluster.gpu_types()[0],
                     ),
                 )

@@ -14,7 +14,12 @@ Formats (header row required; extra columns are ignored):
   ``deletion_time - scheduled_time`` (``- creation_time`` if never scheduled; such
   pending pods are skipped unless ``alibaba_pending``); ``qos`` maps to a class
   (``LS`` prod-serving, ``Guaranteed`` prod-batch, ``Burstable`` research, ``BE``
-  preemptible by default).
+  preemptible by default). A pod list without times (``openb_pod_list_multigpu50.csv``:
+  the default list's pods, then multi-GPU pods appended, with only ``name`` and resource
+  columns) replays with ``times_from`` another pod list: a pod found there by ``name``
+  takes its times and ``qos``; any other pod takes those of a GPU pod of that list drawn
+  by a ``random.Random`` seeded with the run's seed and the pod's name (the report counts
+  both: ``times_joined``, ``times_drawn``).
 
 Options (``TraceOptions``): scale the arrival rate (``arrival_scale`` 2 = twice as many
 submissions per hour) and job sizes (``size_scale``), pick a window (``start``,
@@ -80,6 +85,7 @@ class TraceOptions:
     gpu_type: str = "h100"
     seed: int = 1
     block_pack_min_gpus: int = 64  # jobs at least this large ask for pack=block
+    times_from: str | None = None  # alibaba: a pod list whose times (and qos) the pods take
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +162,18 @@ def read_rows(path: str | Path, opts: TraceOptions) -> tuple[list[TraceRow], dic
             _require(header, ("submit_time", "duration", "num_gpu"), fmt)
         elif fmt == "philly":
             _require(header, ("submission_time", "duration", "num_gpu"), fmt)
+        elif opts.times_from is not None:
+            _require(header, ("name", "num_gpu", "gpu_milli"), fmt)
         else:
+            if "name" in header and "num_gpu" in header and "creation_time" not in header:
+                raise TraceError(
+                    f"{fmt} trace: no times (header: {header}); replay it with --times-from"
+                    " a pod list that has them (openb_pod_list_default.csv)"
+                )
             _require(header, ("creation_time", "deletion_time", "num_gpu", "gpu_milli", "qos"), fmt)
+        times = _pod_times(opts.times_from) if fmt == "alibaba" and opts.times_from is not None else None
+        if times is not None:
+            stats["times_joined"] = stats["times_drawn"] = 0
         r: TraceRow | None
         for i, row in enumerate(reader, start=2):
             stats["rows"] += 1
@@ -166,6 +182,8 @@ def read_rows(path: str | Path, opts: TraceOptions) -> tuple[list[TraceRow], dic
             elif fmt == "philly":
                 r = _philly(row, i)
             else:
+                if times is not None:
+                    row = _with_times(row, i, times, opts.seed, stats)
                 r = _alibaba(row, i, opts, stats)
             if r is None:
                 continue
@@ -177,6 +195,44 @@ def read_rows(path: str | Path, opts: TraceOptions) -> tuple[list[TraceRow], dic
                 continue
             rows.append(r)
     return rows, stats
+
+
+_TIME_COLUMNS = ("creation_time", "deletion_time", "scheduled_time", "qos")
+
+
+def _pod_times(path: str) -> tuple[dict[str, dict], list[dict]]:
+    """An Alibaba pod list's times by pod name, and the scheduled GPU pods' times in file
+    order (the ones a pod without times of its own draws from)."""
+    by_name: dict[str, dict] = {}
+    gpu_pods: list[dict] = []
+    with open(path, newline="", encoding="utf-8") as fh:
+        reader = csv.DictReader(fh)
+        header = [h.strip() for h in (reader.fieldnames or [])]
+        reader.fieldnames = header
+        _require(header, ("name", "num_gpu", "creation_time", "deletion_time", "qos"), f"--times-from {path}")
+        for i, row in enumerate(reader, start=2):
+            t = {c: row.get(c, "") for c in _TIME_COLUMNS}
+            by_name[(row.get("name") or "").strip()] = t
+            if (row.get("scheduled_time") or "").strip() and _num(row, "num_gpu", i) > 0:
+                gpu_pods.append(t)
+    if not gpu_pods:
+        raise TraceError(f"--times-from {path}: no scheduled GPU pods to take times from")
+    return by_name, gpu_pods
+
+
+def _with_times(row: dict, line: int, times: tuple[dict[str, dict], list[dict]], seed: int, stats: dict) -> dict:
+    """The pod with the times of its namesake in ``times``, else of a GPU pod drawn from it."""
+    by_name, gpu_pods = times
+    name = (row.get("name") or "").strip()
+    if not name:
+        raise TraceError(f"line {line}: column 'name' is empty (needed to join times)")
+    t = by_name.get(name)
+    if t is not None:
+        stats["times_joined"] += 1
+    else:
+        t = random.Random(f"{seed}:{name}").choice(gpu_pods)
+        stats["times_drawn"] += 1
+    return {**row, **t}
 
 
 def _generic(row: dict, line: int) -> TraceRow:

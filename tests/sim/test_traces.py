@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,28 @@ def test_topology_csv_gives_uneven_blocks(tmp_path: Path) -> None:
     cl = load_topology_csv(topo)
     assert [(b.block_id, b.nodes) for b in cl.blocks] == [("P1-S1", 5), ("P1-S2", 1), ("P2-S1", 3)]
     assert cl.min_blocks("h100", 6) == 2 and cl.min_blocks("h100", 9) == 3
+
+
+def test_an_alibaba_pod_list_without_times_takes_them_from_another() -> None:
+    """``openb_pod_list_multigpu50.csv`` has only names and resources: its pods take the
+    times and qos of their namesakes in a pod list with times, and pods found nowhere
+    those of a scheduled GPU pod drawn by the seed (the same draw every run)."""
+    no_times = FIX / "alibaba_pods_no_times.csv"
+    with pytest.raises(TraceError, match="--times-from"):
+        read_rows(no_times, TraceOptions(format="alibaba"))
+    opts = TraceOptions(format="alibaba", times_from=str(FIX / "alibaba_pods.csv"), seed=3)
+    rows, stats = read_rows(no_times, opts)
+    assert (stats["rows"], stats["times_joined"], stats["times_drawn"]) == (7, 4, 3)
+    assert stats["skipped_no_gpu"] == 1 and stats["skipped_pending"] == 1  # a02 (no GPU), a11 (never scheduled)
+    by_key = {r.key: r for r in rows}
+    a08 = by_key["pod-a08"]  # its own times and qos, its own GPUs
+    assert (a08.submit, a08.duration, a08.gpus, a08.priority) == (1200.0, 60000.0 - 1260.0, 4, "prod-batch")
+    timed, _ = read_rows(FIX / "alibaba_pods.csv", TraceOptions(format="alibaba"))
+    donors = {(r.submit, r.duration, r.priority) for r in timed}
+    for k, gpus in (("pod-x00", 8), ("pod-x01", 2), ("pod-x02", 4)):
+        assert by_key[k].gpus == gpus
+        assert (by_key[k].submit, by_key[k].duration, by_key[k].priority) in donors, k
+    again, _ = read_rows(no_times, opts)
+    assert again == rows
+    with pytest.raises(TraceError, match="missing column"):
+        read_rows(no_times, replace(opts, times_from=str(FIX / "generic.csv")))
