@@ -301,7 +301,7 @@ class _Cycle:
         key = (gpu_type, len(self.placements))
         back = self.returning.get(key)
         if back is None:
-            back = self.returning[key] = self.state.returning_demand(gpu_type)
+            back = self.returning[key] = self.state.returning_demand(gpu_type, self.policy.pooled_demand_forecast)
         return ti.free_gpus - charge < guard * back
 
     def _gang_reclaim_likely(self, job: JobSpec, ti: _TypeIndex, charge: int, guard: float) -> bool:

@@ -10,6 +10,11 @@ all their work when reclaimed.
 
 Buckets of ``bucket_s`` keep it cheap: one max per (team, type) per bucket, at most
 ``window_s / bucket_s + 1`` buckets held.
+
+``DemandForecast`` is what a driver keeps: the per-team window, and per GPU type a window of
+all teams' demand within their guarantees together (``Policy.pooled_demand_forecast``
+reads its peak: teams rarely peak at once, so the sum of their own peaks overstates what
+comes back together).
 """
 
 from __future__ import annotations
@@ -70,6 +75,33 @@ class DemandWindow:
         _merge_max(out, older)
         _merge_max(out, self._buckets[-1][1])
         return out
+
+
+class DemandForecast:
+    """Both forecasts, fed together: ``observe`` each cycle, then ``apply`` to the state."""
+
+    def __init__(self, window_s: float = 1800.0, bucket_s: float = 300.0) -> None:
+        self.teams = DemandWindow(window_s, bucket_s)
+        self.pooled = DemandWindow(window_s, bucket_s)  # keyed (GPU type, "")
+
+    def observe(self, now: float, state: ClusterState, demand: Mapping[tuple[str, str], int]) -> None:
+        """Each (team, type)'s demand at ``now`` (``demand_of``), and per type the sum of every
+        team's demand up to its guarantee."""
+        self.teams.observe(now, demand)
+        self.pooled.observe(now, {(t, ""): v for t, v in guaranteed_demand(state, demand).items()})
+
+    def apply(self, state: ClusterState, now: float) -> None:
+        state.set_demand_forecast(self.teams.peaks(now), pooled={t: v for (t, _), v in self.pooled.peaks(now).items()})
+
+
+def guaranteed_demand(state: ClusterState, demand: Mapping[tuple[str, str], int]) -> dict[str, int]:
+    """Per GPU type, all teams' demand within their guarantees, together."""
+    out: dict[str, int] = {}
+    for (team, t), v in demand.items():
+        g = state.quota(team, t).guaranteed
+        if g and v > 0:
+            out[t] = out.get(t, 0) + min(g, v)
+    return out
 
 
 def _merge_max(into: dict[tuple[str, str], int], d: Mapping[tuple[str, str], int]) -> None:

@@ -318,6 +318,13 @@ class Policy:
       otherwise it waits (``capacity``, "borrowed restart backs off"). Within its team's
       guarantee it starts at once. None: off (in every preset: on seeds 1-5 it starved fewer
       teams but held seed 2 under the 90% floor while over capacity, sim/README.md).
+    * ``pooled_demand_forecast``: the borrow guards and the restart backoff expect back at most the
+      teams' combined recent peak demand within their guarantees, less what they use within
+      them now (``ClusterState.returning_demand``), not the sum of each team's own recent
+      peak: teams peak at different times. False: the sum (in every preset; alone on seeds
+      1-5 it raised seed 2's allocation while over capacity but lost more to preemption on
+      the heavy days; with ``borrowed_restart_backoff_s`` it starved fewer teams on seeds
+      1-7, docs/design.md and sim/README.md).
     * ``spread_before_preempt``: a job that runs guaranteed and has a block limit it would
       outwait (``Topology.max_blocks_wait_s`` set, not yet past) takes free nodes beyond the
       limit at once when enough are free but not within it, instead of preempting or
@@ -367,6 +374,7 @@ class Policy:
     unsaved_borrow_guard: float | None = None
     borrowed_gang_guard: float | None = 0.5
     borrowed_restart_backoff_s: float | None = None
+    pooled_demand_forecast: bool = False
     spread_before_preempt: bool = False
     preempt_patience_s: float | None = None
     patience_max_lost_s: float = 300.0
@@ -405,6 +413,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "unsaved_borrow_guard": None,
     "borrowed_gang_guard": None,
     "borrowed_restart_backoff_s": None,
+    "pooled_demand_forecast": False,
     "spread_before_preempt": False,
     "preempt_patience_s": None,
     "spares_yield_after_s": None,

@@ -256,6 +256,8 @@ class ClusterState:
         self._awaiting: dict[str, set[str]] = {}
         self._quota_dirty: set[tuple[str, str]] = set()
         self._forecast: dict[tuple[str, str], int] = {}  # (team, type) -> recent peak demand (driver's data)
+        # type -> recent peak of all teams' demand within their guarantees, together (driver's data)
+        self._pooled_forecast: dict[str, int] = {}
         self._journal: list[tuple[Callable[..., Any], tuple[Any, ...]]] | None = None
         # per head-of-line reservation: (its blocks, nodes needed, their versions less the owner's
         # own bumps, the owner's
@@ -538,20 +540,28 @@ class ClusterState:
     def teams(self) -> tuple[str, ...]:
         return tuple(sorted({k[0] for k in self._quota} | {k[0] for k in self._acct}))
 
-    def set_demand_forecast(self, forecast: Mapping[tuple[str, str], int]) -> None:
+    def set_demand_forecast(
+        self, forecast: Mapping[tuple[str, str], int], pooled: Mapping[str, int] | None = None
+    ) -> None:
         """Each (team, GPU type)'s expected demand (GPUs running + queued), as the driver
-        estimates it from the recent past (``placement.forecast.DemandWindow``): replaces the
-        previous forecast. Set between cycles, never during ``plan``. Read under
-        ``Policy.unsaved_borrow_guard``."""
+        estimates it from the recent past (``placement.forecast.DemandForecast``), and per GPU
+        type the recent peak of all teams' demand within their guarantees together
+        (``pooled``): replaces the previous forecast. Set between cycles, never during
+        ``plan``. Read under the borrow guards (``Policy.reads_demand_forecast``)."""
         self._forecast = {k: int(v) for k, v in forecast.items() if v > 0}
+        self._pooled_forecast = {t: int(v) for t, v in (pooled or {}).items() if v > 0}
 
     def demand_forecast(self, team: str, gpu_type: str) -> int:
         return self._forecast.get((team, gpu_type), 0)
 
-    def returning_demand(self, gpu_type: str) -> int:
+    def returning_demand(self, gpu_type: str, pooled: bool = False) -> int:
         """GPUs of guaranteed demand expected back: per team, its forecast demand within its
-        guarantee less what it uses now (0 for a team at or over either)."""
+        guarantee less what it uses now (0 for a team at or over either), summed. ``pooled``
+        (``Policy.pooled_demand_forecast``): at most the teams' combined recent peak within
+        their guarantees less what they use within them now; teams peak at different times,
+        so the sum of their own peaks expects more back at once than came back together."""
         total = 0
+        within = 0
         for (team, t), peak in self._forecast.items():
             if t != gpu_type:
                 continue
@@ -561,7 +571,10 @@ class ClusterState:
             a = self._acct.get((team, t))
             used = a.used if a is not None else 0
             total += max(0, min(q.guaranteed, peak) - used)
-        return total
+            within += min(q.guaranteed, used)  # a team using GPUs has a forecast (its demand >= its use)
+        if not pooled:
+            return total
+        return min(total, max(0, self._pooled_forecast.get(gpu_type, 0) - within))
 
     def set_usage(self, team: str, gpu_type: str, gpu_hours: float, as_of: float) -> None:
         """Decayed GPU-hours of a team (on rebuild from the store); running jobs keep accruing."""

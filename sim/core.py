@@ -66,7 +66,7 @@ from placement import (
     plan,
     requeue_spec,
 )
-from placement.forecast import DemandWindow
+from placement.forecast import DemandForecast
 from sim.costs import restart_s, saves_on_sigterm
 from sim.failures import Fault
 from sim.metrics import Metrics
@@ -175,7 +175,7 @@ class Simulation:
         self.wall_s = 0.0
         self._node_gpus = {t: workload.cluster.node_gpus(t) for t in workload.cluster.gpu_types()}
         # each team's recent demand, only for a policy that reads it (Policy.reads_demand_forecast)
-        self.demand = DemandWindow() if policy.reads_demand_forecast else None
+        self.demand = DemandForecast() if policy.reads_demand_forecast else None
         self.queued_by_team: dict[tuple[str, str], int] = {}
         self.team_types = sorted({(t.name, g) for t in workload.teams for g, _, _ in t.quotas})
 
@@ -288,8 +288,8 @@ class Simulation:
         engine (``Policy.reads_demand_forecast``), as the leader does."""
         assert self.demand is not None
         st = self.state
-        self.demand.observe(now, {k: st.used(*k) + self.queued_by_team.get(k, 0) for k in self.team_types})
-        st.set_demand_forecast(self.demand.peaks(now))
+        self.demand.observe(now, st, {k: st.used(*k) + self.queued_by_team.get(k, 0) for k in self.team_types})
+        self.demand.apply(st, now)
 
     def _arrive(self, rec: JobRecord) -> None:
         rec.phase = "queued"

@@ -39,7 +39,7 @@ from control.leader.metrics import ControlMetrics
 from control.leader.signals import JobSignals
 from control.leader.state import LeaderState, policy_from_settings
 from placement import Placement, Plan, Policy, iter_order
-from placement.forecast import DemandWindow, demand_of
+from placement.forecast import DemandForecast, demand_of
 from placement.lifecycle import JobState
 from store import allocations, job_states, publications
 from store.allocations import GangPlacement
@@ -107,7 +107,7 @@ class PlacementCycles:
         self.published_res: tuple | None = None
         self.published_spares: dict[str, str] | None = None  # node -> job (None: not yet)
         # each team's recent peak demand, kept only for a policy that reads it (the borrow guards)
-        self.demand = DemandWindow() if self.policy.reads_demand_forecast else None
+        self.demand = DemandForecast() if self.policy.reads_demand_forecast else None
 
     def forget_publications(self) -> None:
         """A new leadership re-publishes everything once."""
@@ -181,8 +181,8 @@ class PlacementCycles:
         if self.metrics is not None:
             self.metrics.before_plan(cluster, state.queue, now)
         if self.demand is not None:
-            self.demand.observe(now, demand_of(cluster, state.queue))
-            cluster.set_demand_forecast(self.demand.peaks(now))
+            self.demand.observe(now, cluster, demand_of(cluster, state.queue))
+            self.demand.apply(cluster, now)
         plan = engine.plan(cluster, state.queue, self.policy, now)
 
         for rl in plan.relabels:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from placement import PendingReason, Policy
-from placement.forecast import DemandWindow
+from placement.forecast import DemandForecast, DemandWindow
 from placement.model import PRESETS
 
 from .helpers import cluster, cycle, fill, nodes_of, occupy, queue_of, spec
@@ -373,3 +373,46 @@ def test_a_job_preempted_lately_backs_off_before_it_starts_borrowed_again() -> N
         if not starts:
             assert p.reason("x") is PendingReason.CAPACITY, case
             assert "backs off" in p.pending[0].detail, case
+
+
+def test_the_pooled_forecast_expects_back_the_teams_combined_peak() -> None:
+    """Teams "x" and "y" (16-GPU guarantees) each asked for 16 GPUs in the last half hour, but
+    one after the other: their own peaks sum to 32, their combined peak within guarantees is
+    16 (``DemandForecast``). "x" uses 8 now, so 24 GPUs are expected back summed, 8 pooled."""
+    st = cluster(blocks=1, nodes=6)
+    st.set_quota("x", "h100", 16, 0)
+    st.set_quota("y", "h100", 16, 0)
+    st.set_quota("z", "h100", 0, 100)  # a borrower: no guarantee, none of its demand comes back
+    f = DemandForecast(window_s=1800, bucket_s=300)
+    f.observe(0, st, {("x", "h100"): 16, ("y", "h100"): 0, ("z", "h100"): 64})
+    f.observe(600, st, {("x", "h100"): 0, ("y", "h100"): 16, ("z", "h100"): 64})
+    f.observe(1200, st, {("x", "h100"): 8, ("y", "h100"): 0, ("z", "h100"): 64})
+    f.apply(st, 1200)
+    assert (st.demand_forecast("x", "h100"), st.demand_forecast("y", "h100")) == (16, 16)
+    occupy(st, spec("xs", team="x", gpr=8), ["b0n0"])
+    assert st.returning_demand("h100") == 8 + 16
+    assert st.returning_demand("h100", pooled=True) == 16 - 8
+    # never more than the sum: "x" back at its guarantee and "y" idle expect nothing
+    occupy(st, spec("xs2", team="x", gpr=8), ["b0n1"])
+    assert st.returning_demand("h100") == 16 and st.returning_demand("h100", pooled=True) == 0
+
+
+def test_a_borrowed_gang_the_summed_forecast_holds_starts_under_the_pooled_one() -> None:
+    """The same two lenders, 8 GPUs of "x" in use: 32 GPUs free, a 3-node borrowed gang of
+    "b" would leave 8. Summed, 24 GPUs are expected back and the gang guard (1.0) holds it;
+    pooled, 8 are, and it starts."""
+    for pooled, starts in ((False, False), (True, True)):
+        st = cluster(blocks=1, nodes=6)
+        st.set_quota("x", "h100", 16, 0)
+        st.set_quota("y", "h100", 16, 0)
+        st.set_quota("b", "h100", 8, 100)
+        occupy(st, spec("xs", team="x", gpr=8), ["b0n0"])
+        st.set_demand_forecast({("x", "h100"): 16, ("y", "h100"): 16, ("b", "h100"): 400}, pooled={"h100": 16})
+        q = queue_of(
+            spec("own", team="b", gpr=8, cls="prod-batch"),
+            spec("gang", team="b", replicas=3, gpr=8, pack="block", submit=1),
+        )
+        pol = Policy(borrowed_gang_guard=1.0, reserve_min_gpus=16, pooled_demand_forecast=pooled)
+        p = cycle(st, q, NOW, pol)
+        assert (p.placement("gang") is not None) is starts, pooled
+    assert Policy().pooled_demand_forecast is False
