@@ -197,6 +197,18 @@ class Settings(BaseSettings):
         " of the guaranteed demand other teams are expected to want back (recent peaks); it then waits rather than"
         " reclaim or reserve. null: off (docs/design.md, Placement: less churn)",
     )
+    borrowed_restart_backoff_s: float | None = Field(
+        1800.0,
+        ge=0,
+        description="a job preempted n times in 24 h starts beyond its team's guarantee again only n x this long"
+        " after its last preemption, unless the free GPUs left cover the guaranteed demand expected back."
+        " null: off (docs/design.md, Placement: less churn)",
+    )
+    pooled_demand_forecast: bool = Field(
+        True,
+        description="the borrow guards expect back the teams' combined recent peak demand within their guarantees,"
+        " not the sum of each team's own peak (docs/design.md, Placement: less churn)",
+    )
     fair_share_half_life_h: float = Field(84.0, description="half-life of decayed GPU-hour usage (7-day window)")
 
     # --- jobs (docs/design.md, Job lifecycle) ------------------------------------

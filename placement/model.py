@@ -316,15 +316,16 @@ class Policy:
       borrowed again only ``n`` x this long after its last preemption, unless the free GPUs
       left after it cover all the guaranteed demand expected back (as above, share 1):
       otherwise it waits (``capacity``, "borrowed restart backs off"). Within its team's
-      guarantee it starts at once. None: off (in every preset: on seeds 1-5 it starved fewer
-      teams but held seed 2 under the 90% floor while over capacity, sim/README.md).
+      guarantee it starts at once. 1,800 s in ``gpufleet``, with ``pooled_demand_forecast``
+      (alone it held seed 2 under the 90% floor while over capacity; together, on seeds 1-7
+      and the week, fewer teams starved and less work was lost, sim/README.md); None: off
+      (the baselines).
     * ``pooled_demand_forecast``: the borrow guards and the restart backoff expect back at most the
       teams' combined recent peak demand within their guarantees, less what they use within
       them now (``ClusterState.returning_demand``), not the sum of each team's own recent
-      peak: teams peak at different times. False: the sum (in every preset; alone on seeds
-      1-5 it raised seed 2's allocation while over capacity but lost more to preemption on
-      the heavy days; with ``borrowed_restart_backoff_s`` it starved fewer teams on seeds
-      1-7, docs/design.md and sim/README.md).
+      peak: teams peak at different times. True in ``gpufleet``, with
+      ``borrowed_restart_backoff_s`` (alone it lost more to preemption on seeds 4 and 5,
+      sim/README.md); False: the sum (the baselines).
     * ``spread_before_preempt``: a job that runs guaranteed and has a block limit it would
       outwait (``Topology.max_blocks_wait_s`` set, not yet past) takes free nodes beyond the
       limit at once when enough are free but not within it, instead of preempting or
@@ -373,8 +374,8 @@ class Policy:
     idle_victims_first: bool = True
     unsaved_borrow_guard: float | None = None
     borrowed_gang_guard: float | None = 0.5
-    borrowed_restart_backoff_s: float | None = None
-    pooled_demand_forecast: bool = False
+    borrowed_restart_backoff_s: float | None = 1800.0
+    pooled_demand_forecast: bool = True
     spread_before_preempt: bool = False
     preempt_patience_s: float | None = None
     patience_max_lost_s: float = 300.0

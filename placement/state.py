@@ -559,7 +559,8 @@ class ClusterState:
         guarantee less what it uses now (0 for a team at or over either), summed. ``pooled``
         (``Policy.pooled_demand_forecast``): at most the teams' combined recent peak within
         their guarantees less what they use within them now; teams peak at different times,
-        so the sum of their own peaks expects more back at once than came back together."""
+        so the sum of their own peaks expects more back at once than came back together
+        (the sum where the driver gave no combined peak for the type)."""
         total = 0
         within = 0
         for (team, t), peak in self._forecast.items():
@@ -572,9 +573,10 @@ class ClusterState:
             used = a.used if a is not None else 0
             total += max(0, min(q.guaranteed, peak) - used)
             within += min(q.guaranteed, used)  # a team using GPUs has a forecast (its demand >= its use)
-        if not pooled:
-            return total
-        return min(total, max(0, self._pooled_forecast.get(gpu_type, 0) - within))
+        combined = self._pooled_forecast.get(gpu_type) if pooled else None
+        if combined is None:
+            return total  # not asked, or the driver gave no combined peak: the sum
+        return min(total, max(0, combined - within))
 
     def set_usage(self, team: str, gpu_type: str, gpu_hours: float, as_of: float) -> None:
         """Decayed GPU-hours of a team (on rebuild from the store); running jobs keep accruing."""

@@ -44,6 +44,8 @@ def policy_from_settings(settings: Settings) -> Policy:
         reclaim_small_borrowed_after_s=settings.reclaim_small_borrowed_after_s,
         spares_yield_after_s=settings.spares_yield_after_s,
         borrowed_gang_guard=settings.borrowed_gang_guard,
+        borrowed_restart_backoff_s=settings.borrowed_restart_backoff_s,
+        pooled_demand_forecast=settings.pooled_demand_forecast,
     )
 
 

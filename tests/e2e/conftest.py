@@ -68,6 +68,7 @@ def e2e_settings(tmp: Path, db_dsn: str, temporal_target: str, **over: Any) -> S
         preemption_protect_s=0.0,
         gang_start_timeout_s=20.0,
         default_grace_s=5.0,
+        borrowed_restart_backoff_s=2.0,  # scaled like the grace: 1,800 s by default
         start_task_timeout_s=10.0,
         stop_margin_s=3.0,
         allocation_resignal_s=1.0,

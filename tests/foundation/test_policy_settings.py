@@ -34,8 +34,16 @@ def test_the_borrowed_gang_guard_is_a_setting_and_the_leader_keeps_the_demand_it
 
     assert policy_from_settings(Settings()).borrowed_gang_guard == 0.5  # on, as measured (sim/README.md)
     assert policy_from_settings(Settings(borrowed_gang_guard=0.25)).borrowed_gang_guard == 0.25
-    off = Settings(borrowed_gang_guard=None)
+    off = Settings(borrowed_gang_guard=None, borrowed_restart_backoff_s=None)
     assert policy_from_settings(off).borrowed_gang_guard is None
+    # the restart backoff and the pooled forecast: on, as measured (sim/README.md), and settings
+    on = policy_from_settings(Settings())
+    assert (on.borrowed_restart_backoff_s, on.pooled_demand_forecast) == (1800.0, True)
+    tuned = policy_from_settings(Settings(borrowed_restart_backoff_s=5, pooled_demand_forecast=False))
+    assert (tuned.borrowed_restart_backoff_s, tuned.pooled_demand_forecast) == (5.0, False)
+    assert policy_from_settings(off).borrowed_restart_backoff_s is None
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        Settings(borrowed_restart_backoff_s=-1)
     with pytest.raises(ValidationError, match="greater than or equal to 0"):
         Settings(borrowed_gang_guard=-0.1)
 
@@ -43,6 +51,6 @@ def test_the_borrowed_gang_guard_is_a_setting_and_the_leader_keeps_the_demand_it
         signals = JobSignals(pool, None, settings)  # type: ignore[arg-type]
         return PlacementCycles(LeaderState(pool, settings, signals), signals, None)  # type: ignore[arg-type]
 
-    # the guard reads each team's recent demand: without the window it would see none expected back
+    # the guards read each team's recent demand: without the window they would see none expected back
     assert cycles(Settings()).demand is not None
     assert cycles(off).demand is None

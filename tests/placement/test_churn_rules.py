@@ -195,11 +195,15 @@ def test_reads_demand_forecast_and_baselines_keep_the_gang_guard_off() -> None:
 
     assert Policy().borrowed_gang_guard == 0.5  # on in gpufleet (sim/README.md has the runs)
     assert Policy().reads_demand_forecast
-    assert not Policy(borrowed_gang_guard=None).reads_demand_forecast
-    assert Policy(borrowed_gang_guard=None, unsaved_borrow_guard=1.0).reads_demand_forecast
+    assert not Policy(borrowed_gang_guard=None, borrowed_restart_backoff_s=None).reads_demand_forecast
+    assert Policy(
+        borrowed_gang_guard=None, borrowed_restart_backoff_s=None, unsaved_borrow_guard=1.0
+    ).reads_demand_forecast
     assert Policy(borrowed_gang_guard=None, borrowed_restart_backoff_s=600.0).reads_demand_forecast
     for name in ("fifo_first_fit", "no_topology_no_reservation", "easy_backfill"):
         assert PRESETS[name].borrowed_gang_guard is None, name
+        assert PRESETS[name].borrowed_restart_backoff_s is None, name
+        assert PRESETS[name].pooled_demand_forecast is False, name
 
 
 def test_spread_before_preempt_runs_a_guaranteed_job_wider_instead_of_reclaiming() -> None:
@@ -358,9 +362,9 @@ def test_a_job_preempted_lately_backs_off_before_it_starts_borrowed_again() -> N
         (600.0, (now - 100,), 8, 16, True),  # runs within its team's guarantee: never held
         (600.0, (now - 100,), 0, 8, True),  # 8 GPUs expected back, 8 free after it: a reclaim is unlikely
         (600.0, (), 0, 16, True),  # never preempted
-        (None, (now - 100,), 0, 16, True),  # the field off (the default)
+        (None, (now - 100,), 0, 16, True),  # the field off (the baselines)
     ]
-    assert Policy().borrowed_restart_backoff_s is None
+    assert Policy().borrowed_restart_backoff_s == 1800.0  # on in gpufleet (sim/README.md has the runs)
     for backoff, times, guarantee, peak, starts in cases:
         st = cluster(blocks=1, nodes=2)
         st.set_quota("lender", "h100", 16, 0)
@@ -415,4 +419,4 @@ def test_a_borrowed_gang_the_summed_forecast_holds_starts_under_the_pooled_one()
         pol = Policy(borrowed_gang_guard=1.0, reserve_min_gpus=16, pooled_demand_forecast=pooled)
         p = cycle(st, q, NOW, pol)
         assert (p.placement("gang") is not None) is starts, pooled
-    assert Policy().pooled_demand_forecast is False
+    assert Policy().pooled_demand_forecast is True  # on in gpufleet

@@ -165,10 +165,14 @@ def _one_node_preemptible_then_prod_batch():
     )
 
 
+# what a restart loses, without the wait of Policy.borrowed_restart_backoff_s (tested below)
+NO_BACKOFF = replace(PRESETS["gpufleet"], borrowed_restart_backoff_s=None)
+
+
 def test_preempted_job_without_checkpoints_restarts_from_scratch() -> None:
     # a preemptible-class job that cannot checkpoint is preempted by a prod-batch job
     wl = _one_node_preemptible_then_prod_batch()
-    sim, res = simulate(wl)
+    sim, res = simulate(wl, NO_BACKOFF)
     ((_, pr),) = preemptions(sim)
     assert pr.victim == "p" and pr.reason is PreemptReason.PRIORITY
     rec = sim.recs["p"]
@@ -183,13 +187,25 @@ def test_preempted_job_without_checkpoints_restarts_from_scratch() -> None:
 def test_start_latency_holds_gpus_without_work_and_a_restart_pays_it_again() -> None:
     # the scenario above with 2 min from placement to running ranks (image pull, checkpoint load)
     wl = _one_node_preemptible_then_prod_batch()
-    sim, res = simulate(wl, start_latency_s=120.0)
+    sim, res = simulate(wl, NO_BACKOFF, start_latency_s=120.0)
     assert sim.recs["q"].first_start == pytest.approx(HOUR + 30.0)
     t1, _ = placement_of(sim, "p", 1)
     assert t1 == pytest.approx(HOUR + 30.0 + 120.0 + 600.0)  # q: latency, then its 10 min of work
     assert ended_at(sim, "p") == pytest.approx(t1 + 120.0 + 2 * HOUR)
     # the first attempt's GPU time, latency included, is lost
     assert res["lost_gpu_hours"]["preemption"] == pytest.approx(8 * (HOUR + 30.0) / 3600, abs=1e-3)
+
+
+def test_a_reclaimed_job_backs_off_while_its_owners_demand_is_expected_back() -> None:
+    """The scenario above under gpufleet's defaults: B asked for its 8 GPUs within the last
+    30 minutes when q ends, so p (borrowed, preempted once) waits out the 1,800 s backoff
+    from its preemption (SIGTERM at 1 h) instead of restarting when q ends."""
+    wl = _one_node_preemptible_then_prod_batch()
+    sim, _ = simulate(wl)
+    assert sim.recs["q"].first_start == pytest.approx(HOUR + 30.0)
+    t1, _ = placement_of(sim, "p", 1)
+    assert t1 == pytest.approx(HOUR + 1800.0, abs=1.0)
+    assert sim.recs["p"].end_kind == "succeeded"
 
 
 def test_allocation_and_idle_accounting() -> None:

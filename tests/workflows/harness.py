@@ -42,6 +42,7 @@ def scaled_settings(tmp: Path, **overrides: Any) -> Settings:
         leader_scope=f"placement-{uid}",
         gang_start_timeout_s=6.0,
         default_grace_s=3.0,
+        borrowed_restart_backoff_s=2.0,  # scaled like the grace: 1,800 s by default
         start_task_timeout_s=5.0,
         stop_margin_s=3.0,
         allocation_resignal_s=1.0,
