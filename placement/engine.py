@@ -318,17 +318,18 @@ class _Cycle:
         a = self.state._acct.get((job.team, job.gpu_type))
         return q is None or (a.used if a is not None else 0) >= q.guaranteed
 
-    def _backing_off(self, job: JobSpec) -> bool:
-        """``Policy.borrowed_restart_backoff_s``: was the job preempted lately, so that it may
-        not start borrowed yet (while its owners' demand is expected back)? After ``n``
-        preemptions within ``preemption_window_s`` it waits ``n`` x the backoff from the
-        last one: a job reclaimed again and again loses the work of every short run."""
+    def _backing_off(self, job: JobSpec) -> int:
+        """``Policy.borrowed_restart_backoff_s``: the preemptions the job backs off after, so
+        that it may not start borrowed yet (while its owners' demand is expected back); 0:
+        none. After ``n`` preemptions within ``preemption_window_s`` it waits ``n`` x the
+        backoff from the last one: a job reclaimed again and again loses the work of every
+        short run."""
         base = self.policy.borrowed_restart_backoff_s
         times = job.preemption_times
         if base is None or not times:
-            return False
+            return 0
         n = job.preemptions_since(self.now - self.policy.preemption_window_s)
-        return n > 0 and self.now - times[-1] < n * base
+        return n if n > 0 and self.now - times[-1] < n * base else 0
 
     def _spreads_first(self, job: JobSpec, borrowed: bool) -> bool:
         """``Policy.spread_before_preempt``: a job that runs guaranteed (so would preempt or
@@ -448,7 +449,7 @@ class _Cycle:
                 job.waited(now, policy.claim_borrowed_reservations_after_s),
                 job.waited(now, policy.reclaim_small_borrowed_after_s),
                 job.waited(now, policy.spares_yield_after_s),
-                self._backing_off(job),
+                self._backing_off(job) > 0,
             )
             epoch = self._epoch()
             hit = self.decided.get(key)
@@ -499,15 +500,9 @@ class _Cycle:
             self._pend(job, PendingReason.CAPACITY, "kept free for guaranteed demand expected back")
             return
         own_res = state.reservation(job.job_id)
-        if (
-            borrowed
-            and own_res is None
-            and not serving
-            and self._backing_off(job)
-            and self._reclaim_likely(job.gpu_type, ti, shape.charge, 1.0)
-        ):
-            n = job.preemptions_since(self.now - policy.preemption_window_s)
-            self._pend(job, PendingReason.CAPACITY, f"borrowed restart backs off after {n} preemptions")
+        backs_off = self._backing_off(job) if borrowed and own_res is None and not serving else 0
+        if backs_off and self._reclaim_likely(job.gpu_type, ti, shape.charge, 1.0):
+            self._pend(job, PendingReason.CAPACITY, f"borrowed restart backs off after {backs_off} preemptions")
             return
         if (
             borrowed
