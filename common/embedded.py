@@ -117,6 +117,7 @@ class EmbeddedTemporal:
     ui: bool = True
     log_file: Path | None = None
     metrics_port: int | None = None  # the server's Prometheus /metrics (bench e2e counts its work per job)
+    start_attempts: int = 3  # starts that exit before listening (a port race) are retried
     proc: subprocess.Popen | None = None
 
     @property
@@ -154,15 +155,43 @@ class EmbeddedTemporal:
         args += ["--ui-port", str(self.ui_port)] if self.ui else ["--headless"]
         if self.metrics_port is not None:
             args += ["--metrics-port", str(self.metrics_port)]
-        log = open(self.log_file or self.db_file.with_suffix(".log"), "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
         deadline = time.monotonic() + timeout_s
-        wait_for_port(self.host, self.port, timeout_s, self.proc, "temporal dev server")
+        self._spawn_until_listening(args, deadline)
         self._wait_serving(deadline)
         if self.ui:
             wait_for_port(self.host, self.ui_port, timeout_s, self.proc, "temporal web UI")
         return self.address
+
+    @property
+    def _log_path(self) -> Path:
+        return self.log_file or self.db_file.with_suffix(".log")
+
+    def _spawn_until_listening(self, args: list[str], deadline: float) -> None:
+        """The dev server picks its HTTP, metrics and membership ports itself, by taking a free
+        port and releasing it before binding it, so another process on the machine can take one
+        in between and the server exits before it listens. Such a start is tried again (the
+        ports we pass stay ours); any other failure repeats and ends in the error with the log's
+        last line."""
+        for attempt in range(1, self.start_attempts + 1):
+            with open(self._log_path, "ab") as log:
+                self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                wait_for_port(
+                    self.host, self.port, max(deadline - time.monotonic(), 1.0), self.proc, "temporal dev server"
+                )
+                return
+            except PlatformError as e:
+                exited_early = self.proc.poll() is not None
+                if not exited_early or attempt == self.start_attempts or time.monotonic() >= deadline:
+                    self.stop()
+                    raise PlatformError(f"{e}; last log line: {self._last_log_line()}") from e
+
+    def _last_log_line(self) -> str:
+        try:
+            lines = self._log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        return lines[-1][-300:] if lines else "(empty log)"
 
     def _wait_serving(self, deadline: float) -> None:
         """The port opens before the frontend serves: a client connecting then is refused
