@@ -449,7 +449,7 @@ class _Cycle:
                 job.waited(now, policy.claim_borrowed_reservations_after_s),
                 job.waited(now, policy.reclaim_small_borrowed_after_s),
                 job.waited(now, policy.spares_yield_after_s),
-                self._backing_off(job) > 0,
+                self._backing_off(job),  # its count is in the pending detail
             )
             epoch = self._epoch()
             hit = self.decided.get(key)

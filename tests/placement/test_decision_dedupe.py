@@ -235,6 +235,20 @@ def _restart_backoff():
     return st, q, pol, NOW, "backs-off", "fresh"
 
 
+def _restart_backoff_count():
+    """Two jobs that both back off, after 1 and after 3 preemptions, are told their own count."""
+    pol = Policy(borrowed_restart_backoff_s=600.0)
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("lender", "h100", 16, 0)
+    st.set_demand_forecast({("lender", "h100"): 16})
+    st.set_quota("b", "h100", 0, 100)
+    q = queue_of(
+        spec("once", team="b", gpr=8, submit=0, preemption_times=(NOW - 100,), front=True),
+        spec("thrice", team="b", gpr=8, submit=0, preemption_times=(NOW - 300, NOW - 200, NOW - 100)),
+    )
+    return st, q, pol, NOW, "once", "thrice"
+
+
 def _outcome(p, jid: str):
     if p.placement(jid) is not None:
         return "placed"
@@ -253,6 +267,7 @@ def _outcome(p, jid: str):
         _own_reservation,
         _victims_stopping,
         _restart_backoff,
+        _restart_backoff_count,
     ],
 )
 def test_a_job_that_differs_where_the_decision_reads_is_decided_afresh(case) -> None:
