@@ -367,6 +367,23 @@ class _Cycle:
             return True
         return self.policy.reclaim_wait_per_team and self.now - self._team_waiting_since(job.team, job.gpu_type) >= wait
 
+    def _higher_gangs_upto(self, job: JobSpec, shape: Shape) -> int:
+        """``Policy.reclaim_higher_borrowed_gangs``: the largest higher-class borrowed gang this
+        job (within its guarantee, past its small-reclaim wait) may reclaim: its own size if it
+        is a whole-node gang of ``reserve_min_gpus`` or more that was not itself preempted within
+        ``reclaim_small_borrowed_after_s``; 0: none."""
+        policy = self.policy
+        if not (policy.reclaim_higher_borrowed_gangs and shape.whole and shape.charge >= policy.reserve_min_gpus):
+            return 0
+        return shape.charge if self._reclaim_settled(job) else 0
+
+    def _reclaim_settled(self, job: JobSpec) -> bool:
+        """Not preempted within ``reclaim_small_borrowed_after_s``: a gang just stopped for a
+        higher class, requeued within its guarantee, does not at once stop another team's gang
+        (seen on seed 2: the reclaims chained from team to team)."""
+        times = job.preemption_times
+        return not times or self.now - times[-1] >= (self.policy.reclaim_small_borrowed_after_s or 0.0)
+
     def _team_waiting_since(self, team: str, gpu_type: str) -> float:
         """The submit time of the team's oldest queued job of this GPU type (this cycle's queue)."""
         since = self.waiting_since
@@ -450,6 +467,7 @@ class _Cycle:
                 job.waited(now, policy.reclaim_small_borrowed_after_s),
                 job.waited(now, policy.spares_yield_after_s),
                 self._backing_off(job),  # its count is in the pending detail
+                self._reclaim_settled(job),
             )
             epoch = self._epoch()
             hit = self.decided.get(key)
@@ -573,7 +591,8 @@ class _Cycle:
             return
         mode = None
         if not borrowed:
-            mode = Mode(job.rank, False, job.team, self._small_reclaim_due(job))
+            due = self._small_reclaim_due(job)
+            mode = Mode(job.rank, False, job.team, due, self._higher_gangs_upto(job, shape) if due else 0)
         elif serving or (
             policy.borrowed_gangs_reclaim_lower and shape.whole and shape.charge >= policy.reserve_min_gpus
         ):
@@ -875,7 +894,7 @@ class _Cycle:
         limit = max(self.victims_left, shape.nodes if shape.whole else 8) if reclaim else self.victims_left
         # shared by every team: built without the own-team rule (a superset of the victims this
         # job may take; the searches drop its team's own borrowed work)
-        shared = Mode(mode.rank, mode.borrowed_only, "", mode.higher_small)
+        shared = Mode(mode.rank, mode.borrowed_only, "", mode.higher_small, mode.higher_gangs)
         ckey = (job.gpu_type, shared)
         index = self.victim_index.get(ckey)
         if index is None:

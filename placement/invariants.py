@@ -416,7 +416,20 @@ def check_plan(
                 _small_reclaim_due(ben, now, policy, team_since)
                 and not ben_borrowed
                 and rj.rank != SERVING_RANK
-                and rj.charge < policy.reserve_min_gpus
+                and (
+                    rj.charge < policy.reserve_min_gpus
+                    or (
+                        policy.reclaim_higher_borrowed_gangs
+                        and not isinstance(shape, str)
+                        and shape.whole
+                        and shape.charge >= policy.reserve_min_gpus
+                        and rj.charge <= shape.charge
+                        and (
+                            not ben.preemption_times
+                            or now - ben.preemption_times[-1] >= (policy.reclaim_small_borrowed_after_s or 0.0)
+                        )
+                    )
+                )
             )
             if not (rj.rank > ben.rank or (rj.borrowed and (rj.rank == ben.rank or higher_small))):
                 errs.append(

@@ -276,6 +276,17 @@ class Policy:
       this long since submit may also reclaim other teams' borrowed jobs of *higher* classes
       (never prod-serving) smaller than ``reserve_min_gpus``. None: only borrowed work of its
       own class and lower classes (docs/design.md's victims).
+    * ``reclaim_higher_borrowed_gangs``: a whole-node gang of ``reserve_min_gpus`` or more
+      within its team's guarantee, past ``reclaim_small_borrowed_after_s`` since its submit
+      and since its own last preemption, also reclaims other teams' borrowed gangs of higher
+      classes (never prod-serving) no larger than itself. The requirements make borrowed
+      capacity always preemptible and reclaimed within minutes; without it such a gang waits
+      (reserving, draining) for those gangs to end while its team starves (seeds 3 and 4,
+      sim/README.md). No larger: a gang is not stopped for a smaller one. Not just preempted:
+      a gang stopped for a higher class and requeued would otherwise stop another team's gang
+      at once, and that one the next (seen on seed 2). False (the default; tried and left
+      off, docs/design.md: no team starved on seeds 1-5, but the 7-day run starved one more
+      team and lost more to preemption): small jobs only.
     * ``reclaim_wait_per_team``: ``reclaim_small_borrowed_after_s`` is counted from the
       team's oldest queued job of the GPU type (as ``preempt_patience_s`` is), not only from
       the job's own submit: a team whose small jobs keep arriving, each waiting its own 300 s,
@@ -380,6 +391,7 @@ class Policy:
     preempt_patience_s: float | None = None
     patience_max_lost_s: float = 300.0
     spares_yield_after_s: float | None = None
+    reclaim_higher_borrowed_gangs: bool = False
     reclaim_wait_per_team: bool = False
     borrowed_apart: bool = False
 
@@ -418,6 +430,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "spread_before_preempt": False,
     "preempt_patience_s": None,
     "spares_yield_after_s": None,
+    "reclaim_higher_borrowed_gangs": False,
     "reclaim_wait_per_team": False,
     "borrowed_apart": False,
 }

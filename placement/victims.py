@@ -13,6 +13,9 @@ Eligible victims (``eligible``) for a preemptor of class rank ``r``:
   also *small* borrowed jobs (fewer than ``reserve_min_gpus`` GPUs) of *higher* classes
   of other teams, never prod-serving: borrowed capacity is given back to a team within
   its guarantee whatever the classes, without stopping a gang across classes;
+* ... and, for a whole-node gang of ``reserve_min_gpus`` or more not itself preempted within
+  that wait (``Policy.reclaim_higher_borrowed_gangs``, ``Mode.higher_gangs``): borrowed gangs
+  of higher classes of other teams no larger than itself, never prod-serving;
 * borrowed-only mode (prod-serving beyond its guarantee, or a gang beyond it with
   ``Policy.borrowed_gangs_reclaim_lower``): borrowed jobs of lower classes only (of
   other teams);
@@ -66,6 +69,9 @@ class Mode:
     # within its guarantee and past Policy.reclaim_small_borrowed_after_s: small borrowed
     # jobs of higher classes too
     higher_small: bool = False
+    # ... and, for a gang (Policy.reclaim_higher_borrowed_gangs), borrowed gangs of higher classes
+    # of at most this many GPUs (its own size: no gang is stopped for a smaller one); 0: none
+    higher_gangs: int = 0
 
 
 _CATS: dict[tuple[int, bool, bool], list[tuple[int, bool]]] = {}
@@ -117,7 +123,13 @@ def eligible(rj: RunningJob, mode: Mode, now: float, policy: Policy) -> bool:
             return False
     elif not (
         rj.rank > mode.rank
-        or (rj.borrowed and (rj.rank == mode.rank or (mode.higher_small and rj.charge < policy.reserve_min_gpus)))
+        or (
+            rj.borrowed
+            and (
+                rj.rank == mode.rank
+                or (mode.higher_small and (rj.charge < policy.reserve_min_gpus or rj.charge <= mode.higher_gangs))
+            )
+        )
     ):
         return False
     if _own_team(rj, mode):

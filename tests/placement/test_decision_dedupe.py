@@ -18,7 +18,7 @@ from placement import JobQueue, Pack, Policy, Topology, apply, fail_node, plan, 
 
 from .helpers import big_quota, cluster, cycle, fill, nodes_of, occupy, queue_of, spec
 from .strategies import CLASSES, HOUR, build, job_specs, populate, scenarios, unique
-from .test_properties import BORROWED_APART, POLICIES, PROPS, RESTART_BACKOFF, SPARES_YIELD
+from .test_properties import BORROWED_APART, HIGHER_GANGS, POLICIES, PROPS, RESTART_BACKOFF, SPARES_YIELD
 from .test_reservation_rules import setup as reservation_setup
 
 # spares that yield after a minute, reclaim and claims after short waits: thresholds that
@@ -78,7 +78,9 @@ def test_repeated_decisions_equal_fresh_ones(data) -> None:
     stt = build(sc)
     populate(stt, unique(data.draw(st.lists(job_specs(sc, "r"), max_size=16))), [0.0, 1000.0, 3000.0])
     q = JobQueue(data.draw(clone_queues(sc, "q")))
-    policy = data.draw(st.sampled_from([*POLICIES, SPARES_YIELD, BORROWED_APART, RESTART_BACKOFF, SHORT_WAITS]))
+    policy = data.draw(
+        st.sampled_from([*POLICIES, SPARES_YIELD, BORROWED_APART, RESTART_BACKOFF, HIGHER_GANGS, SHORT_WAITS])
+    )
     now = data.draw(st.sampled_from([3000.0, 2 * HOUR, 6 * HOUR]))
     for step in range(3):
         p = _same_plan(stt, q, policy, now)
@@ -132,6 +134,29 @@ def _reclaim_small_wait():
         spec("fresh", team="me", gpr=8, submit=NOW - 10, front=True), spec("waited", team="me", gpr=8, submit=NOW - 300)
     )
     return st, q, pol, NOW, "fresh", "waited"
+
+
+def _gang_reclaim_settled():
+    """A guaranteed gang preempted moments ago does not yet take back a higher class's
+    borrowed gang; an equal gang not preempted lately does (no restart backoff, which would
+    tell them apart too, and no reservation, which the first would make)."""
+    pol = Policy(
+        reserve_min_gpus=16,
+        reclaim_higher_borrowed_gangs=True,
+        reservations=False,
+        claim_borrowed_reservations_after_s=None,
+        borrowed_restart_backoff_s=None,
+    )
+    st = cluster(blocks=1, nodes=3)
+    st.set_quota("me", "h100", 100, 100)
+    st.set_quota("b", "h100", 0, 100)
+    occupy(st, spec("v", team="b", cls="prod-batch", replicas=2, gpr=8), ["b0n0", "b0n1"], borrowed=True)
+    fill(st, ["b0n2"], team="g", cls="prod-batch")
+    q = queue_of(
+        spec("recent", team="me", replicas=2, gpr=8, submit=NOW - 900, preemption_times=(NOW - 100,), front=True),
+        spec("settled", team="me", replicas=2, gpr=8, submit=NOW - 900),
+    )
+    return st, q, pol, NOW, "recent", "settled"
 
 
 def _claim_wait():
@@ -268,6 +293,7 @@ def _outcome(p, jid: str):
         _victims_stopping,
         _restart_backoff,
         _restart_backoff_count,
+        _gang_reclaim_settled,
     ],
 )
 def test_a_job_that_differs_where_the_decision_reads_is_decided_afresh(case) -> None:

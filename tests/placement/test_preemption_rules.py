@@ -97,6 +97,45 @@ def test_small_higher_class_borrowed_jobs_return_to_a_team_that_waited_within_it
     assert st.running("own").borrowed and p.preemptions == ()
 
 
+def test_a_guaranteed_gang_that_waited_takes_back_borrowed_gangs_of_higher_classes_no_larger() -> None:
+    """``reclaim_higher_borrowed_gangs``: a 2-node research gang within its team's guarantee,
+    past ``reclaim_small_borrowed_after_s`` since its submit and since its own last preemption,
+    reclaims another team's borrowed prod-batch gang of at most its own size; never a larger
+    gang, guaranteed work, prod-serving, nor for a gang beyond its guarantee."""
+    on = Policy(reserve_min_gpus=16, reclaim_higher_borrowed_gangs=True)
+    off = Policy(reserve_min_gpus=16)  # the default: off
+    cases = [
+        # victim class, victim borrowed, victim nodes, preemptor's guarantee, waited s,
+        # preempted s ago (None: never), policy, reclaimed
+        ("prod-batch", True, 2, 100, 300, None, on, True),
+        ("prod-batch", True, 2, 100, 300, None, off, False),
+        ("prod-batch", True, 2, 100, 299, None, on, False),  # not waited long enough yet
+        ("prod-batch", True, 3, 100, 300, None, on, False),  # larger than the preemptor
+        ("prod-batch", True, 2, 100, 900, 100, on, False),  # preempted itself 100 s ago
+        ("prod-batch", True, 2, 100, 900, 300, on, True),  # ... 300 s ago: settled
+        ("prod-batch", False, 2, 100, 300, None, on, False),  # guaranteed higher class: never
+        ("prod-serving", True, 2, 100, 300, None, on, False),  # prod-serving: never a victim
+        ("prod-batch", True, 2, 0, 300, None, on, False),  # the preemptor borrows
+    ]
+    for vcls, vborrowed, vnodes, guarantee, waited, preempted_ago, pol, reclaimed in cases:
+        st = cluster(blocks=1, nodes=3)
+        st.set_quota("me", "h100", guarantee, 100)
+        st.set_quota("b", "h100", 0 if vborrowed else 100, 100)
+        where = ["b0n0", "b0n1", "b0n2"][:vnodes]
+        occupy(st, spec("v", team="b", cls=vcls, replicas=vnodes, gpr=8), where, borrowed=vborrowed)
+        if vnodes < 3:
+            fill(st, ["b0n2"], team="g", cls="prod-batch")  # guaranteed: the third node stays busy
+        times = () if preempted_ago is None else (NOW - preempted_ago,)
+        gang = spec("x", team="me", cls="research", replicas=2, gpr=8, submit=NOW - waited, preemption_times=times)
+        p = cycle(st, queue_of(gang), NOW, pol)
+        case = (vcls, vborrowed, vnodes, guarantee, waited, preempted_ago, pol is on)
+        if reclaimed:
+            assert victims(p) == ["v"], case
+            assert p.preemptions[0].reason is PreemptReason.RECLAIM, case
+        else:
+            assert p.preemptions == (), case
+
+
 def test_same_class_guaranteed_is_not_a_victim() -> None:
     st = cluster(blocks=1, nodes=1)
     st.set_quota("me", "h100", 100)

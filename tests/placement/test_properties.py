@@ -104,6 +104,8 @@ SPARES_YIELD = Policy(reserve_min_gpus=16, hot_spare_min_gpus=16, hot_spare_frac
 BORROWED_APART = Policy(reserve_min_gpus=16, borrowed_apart=True)
 # a job preempted lately waits before it starts borrowed (Policy.borrowed_restart_backoff_s)
 RESTART_BACKOFF = Policy(reserve_min_gpus=16, borrowed_restart_backoff_s=600.0)
+# guaranteed gangs that waited reclaim higher classes' borrowed gangs (Policy.reclaim_higher_borrowed_gangs)
+HIGHER_GANGS = Policy(reserve_min_gpus=16, reclaim_higher_borrowed_gangs=True)
 
 
 @PROPS
@@ -122,6 +124,12 @@ def test_plan_invariants_with_borrowed_work_kept_apart(data) -> None:
 @given(data=st.data())
 def test_plan_invariants_with_borrowed_restarts_backing_off(data) -> None:
     two_cycles_on_a_random_world(data, RESTART_BACKOFF)
+
+
+@PROPS
+@given(data=st.data())
+def test_plan_invariants_with_gangs_reclaiming_higher_classes_gangs(data) -> None:
+    two_cycles_on_a_random_world(data, HIGHER_GANGS)
 
 
 @PROPS

@@ -156,6 +156,7 @@ MODES = [
     Mode(1, False),
     Mode(2, False),
     Mode(2, False, "", True),
+    Mode(3, False, "", True, 16),
     Mode(3, False),
     Mode(0, True),
     Mode(1, True),

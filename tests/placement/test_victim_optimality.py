@@ -23,6 +23,7 @@ from .helpers import HOUR, occupy, queue_of, spec
 NOW = 20 * HOUR
 GPUS = 8
 CLASS_RANK = {"prod-serving": 0, "prod-batch": 1, "research": 2, "preemptible": 3}
+RESERVE_MIN = 8  # Policy.reserve_min_gpus here: a whole node is a gang, and 2-node gangs are larger than 1
 
 PROPS = settings(
     max_examples=int(os.environ.get("GPUFLEET_PLACEMENT_EXAMPLES", "200")),
@@ -104,13 +105,20 @@ def worlds(draw, classes: list[str]) -> World:
     return w
 
 
-def eligible(j: dict, rank: int) -> bool:
-    """The victims of a preemptor of class ``rank`` within its team's guarantee (team "me")."""
+def eligible(j: dict, rank: int, upto: int | None = None) -> bool:
+    """The victims of a preemptor of class ``rank`` within its team's guarantee (team "me").
+    ``upto`` (past ``reclaim_small_borrowed_after_s``): borrowed jobs of higher classes too,
+    small ones (< ``RESERVE_MIN`` GPUs) and gangs of at most ``upto`` GPUs."""
     r = CLASS_RANK[j["cls"]]
-    return r != 0 and (r > rank or (j["borrowed"] and r == rank))
+    if r == 0:
+        return False
+    if r > rank or (j["borrowed"] and r == rank):
+        return True
+    gpus = sum(j["held"].values())
+    return upto is not None and j["borrowed"] and (gpus < RESERVE_MIN or gpus <= upto)
 
 
-def best_whole(w: World, k: int, rank: int, excess: bool) -> tuple | None:
+def best_whole(w: World, k: int, rank: int, excess: bool, upto: int | None = None) -> tuple | None:
     """The optimum over every block that could hold ``k`` nodes and every victim subset."""
     best = None
     for b in sorted(set(w.nodes.values())):
@@ -120,7 +128,7 @@ def best_whole(w: World, k: int, rank: int, excess: bool) -> tuple | None:
         need = k - free
         if need <= 0:
             continue
-        cands = sorted({j for n in nodes for j in on[n] if eligible(w.jobs[j], rank)})
+        cands = sorted({j for n in nodes for j in on[n] if eligible(w.jobs[j], rank, upto)})
         for size in range(len(cands) + 1):
             for vs in combinations(cands, size):
                 v = set(vs)
@@ -139,12 +147,12 @@ def cost_whole(w: World, v: set[str], need: int, excess: bool) -> tuple:
     return cost, round(sum(w.jobs[j]["lost"] for j in v), 6)
 
 
-def best_small(w: World, gpus: int, rank: int) -> tuple | None:
+def best_small(w: World, gpus: int, rank: int, upto: int | None = None) -> tuple | None:
     best = None
     for n in w.nodes:
         on = {j: d["held"][n] for j, d in w.jobs.items() if n in d["held"]}
         free = GPUS - sum(on.values())
-        cands = sorted(j for j in on if eligible(w.jobs[j], rank))
+        cands = sorted(j for j in on if eligible(w.jobs[j], rank, upto))
         for size in range(1, len(cands) + 1):
             for vs in combinations(cands, size):
                 if free + sum(on[j] for j in vs) >= gpus:
@@ -154,27 +162,39 @@ def best_small(w: World, gpus: int, rank: int) -> tuple | None:
     return best
 
 
-def _check(w: World, preemptor_cls: str, shape: str, size: int, excess: bool, reclaim: bool) -> None:
+def _check(
+    w: World, preemptor_cls: str, shape: str, size: int, excess: bool, reclaim: bool, waited: bool = False
+) -> None:
     rank = CLASS_RANK[preemptor_cls]
     w.st.set_quota("me", "h100", 10_000, 0)
-    policy = Policy(reservations=False, victim_excess_cost=excess)
+    policy = Policy(
+        reservations=False, victim_excess_cost=excess, reserve_min_gpus=RESERVE_MIN, reclaim_higher_borrowed_gangs=True
+    )
+    submit = NOW - 300 if waited else NOW  # 300 s: reclaim_small_borrowed_after_s
     if shape == "whole":
-        job = spec("x", team="me", cls=preemptor_cls, replicas=size, gpr=GPUS, pack="block", max_blocks=1, submit=NOW)
+        job = spec(
+            "x", team="me", cls=preemptor_cls, replicas=size, gpr=GPUS, pack="block", max_blocks=1, submit=submit
+        )
     else:
-        job = spec("x", team="me", cls=preemptor_cls, gpr=size, submit=NOW)
+        job = spec("x", team="me", cls=preemptor_cls, gpr=size, submit=submit)
+    # past the wait: small higher-class borrowed jobs, and for a gang (whole nodes, at least
+    # RESERVE_MIN GPUs) higher-class borrowed gangs no larger than itself
+    upto = None
+    if waited:
+        upto = size * GPUS if shape == "whole" and size * GPUS >= RESERVE_MIN else 0
     p = plan(w.st, queue_of(job), policy, NOW)
     if p.placement("x") is not None:
         return  # it fits on free capacity: no victims to judge
     if shape == "whole":
-        want = best_whole(w, size, rank, excess)
+        want = best_whole(w, size, rank, excess, upto)
     else:
-        want = best_small(w, size, rank)
+        want = best_small(w, size, rank, upto)
     if want is None:
         assert p.preemptions == (), p.preemptions
         return
     assert p.preemptions, f"no victims, optimum {want}"
     got = {pr.victim for pr in p.preemptions}
-    assert all(eligible(w.jobs[j], rank) for j in got)
+    assert all(eligible(w.jobs[j], rank, upto) for j in got)
     if reclaim:
         assert all(pr.reason is PreemptReason.RECLAIM and pr.victim_borrowed for pr in p.preemptions)
     if shape == "whole":
@@ -206,6 +226,17 @@ def test_reclaim_victims_are_the_optimum(data) -> None:
     shape = data.draw(st.sampled_from(["whole", "small"]))
     size = data.draw(st.integers(1, 3)) if shape == "whole" else data.draw(st.integers(1, GPUS - 1))
     _check(w, "research", shape, size, data.draw(st.booleans()), reclaim=True)
+
+
+@PROPS
+@given(data=st.data())
+def test_reclaim_victims_past_the_wait_are_the_optimum(data) -> None:
+    # past reclaim_small_borrowed_after_s the research preemptor may also take other teams'
+    # borrowed prod-batch work: small jobs, and (a gang itself) gangs no larger than itself
+    w = data.draw(worlds(["prod-serving", "prod-batch", "research", "research"]))
+    shape = data.draw(st.sampled_from(["whole", "small"]))
+    size = data.draw(st.integers(1, 3)) if shape == "whole" else data.draw(st.integers(1, GPUS - 1))
+    _check(w, "research", shape, size, data.draw(st.booleans()), reclaim=True, waited=True)
 
 
 def test_a_better_block_past_the_six_with_most_free_nodes_is_found() -> None:
