@@ -467,7 +467,7 @@ class _Cycle:
                 job.waited(now, policy.reclaim_small_borrowed_after_s),
                 job.waited(now, policy.spares_yield_after_s),
                 self._backing_off(job),  # its count is in the pending detail
-                self._reclaim_settled(job),
+                policy.reclaim_higher_borrowed_gangs and self._reclaim_settled(job),
             )
             epoch = self._epoch()
             hit = self.decided.get(key)
