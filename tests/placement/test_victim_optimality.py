@@ -208,13 +208,19 @@ def _check(
         assert key == want
 
 
+def _draw(data, classes: list[str]) -> tuple[World, str, int, bool]:
+    """A world of these classes, the preemptor's shape and size, and victim_excess_cost."""
+    w = data.draw(worlds(classes))
+    shape = data.draw(st.sampled_from(["whole", "small"]))
+    size = data.draw(st.integers(1, 3)) if shape == "whole" else data.draw(st.integers(1, GPUS - 1))
+    return w, shape, size, data.draw(st.booleans())
+
+
 @PROPS
 @given(data=st.data())
 def test_priority_victims_are_the_optimum(data) -> None:
-    w = data.draw(worlds(["prod-serving", "prod-batch", "research", "preemptible"]))
-    shape = data.draw(st.sampled_from(["whole", "small"]))
-    size = data.draw(st.integers(1, 3)) if shape == "whole" else data.draw(st.integers(1, GPUS - 1))
-    _check(w, "prod-batch", shape, size, data.draw(st.booleans()), reclaim=False)
+    w, shape, size, excess = _draw(data, ["prod-serving", "prod-batch", "research", "preemptible"])
+    _check(w, "prod-batch", shape, size, excess, reclaim=False)
 
 
 @PROPS
@@ -222,10 +228,8 @@ def test_priority_victims_are_the_optimum(data) -> None:
 def test_reclaim_victims_are_the_optimum(data) -> None:
     # the preemptor (research, within its guarantee) may take only borrowed research work of
     # other teams: guaranteed research and every prod class are out of reach
-    w = data.draw(worlds(["prod-serving", "prod-batch", "research", "research"]))
-    shape = data.draw(st.sampled_from(["whole", "small"]))
-    size = data.draw(st.integers(1, 3)) if shape == "whole" else data.draw(st.integers(1, GPUS - 1))
-    _check(w, "research", shape, size, data.draw(st.booleans()), reclaim=True)
+    w, shape, size, excess = _draw(data, ["prod-serving", "prod-batch", "research", "research"])
+    _check(w, "research", shape, size, excess, reclaim=True)
 
 
 @PROPS
@@ -233,10 +237,8 @@ def test_reclaim_victims_are_the_optimum(data) -> None:
 def test_reclaim_victims_past_the_wait_are_the_optimum(data) -> None:
     # past reclaim_small_borrowed_after_s the research preemptor may also take other teams'
     # borrowed prod-batch work: small jobs, and (a gang itself) gangs no larger than itself
-    w = data.draw(worlds(["prod-serving", "prod-batch", "research", "research"]))
-    shape = data.draw(st.sampled_from(["whole", "small"]))
-    size = data.draw(st.integers(1, 3)) if shape == "whole" else data.draw(st.integers(1, GPUS - 1))
-    _check(w, "research", shape, size, data.draw(st.booleans()), reclaim=True, waited=True)
+    w, shape, size, excess = _draw(data, ["prod-serving", "prod-batch", "research", "research"])
+    _check(w, "research", shape, size, excess, reclaim=True, waited=True)
 
 
 def test_a_better_block_past_the_six_with_most_free_nodes_is_found() -> None:
