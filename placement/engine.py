@@ -61,6 +61,7 @@ from placement.state import ClusterState, RunningJob, _TypeIndex, indices_of, ma
 from placement.topology import Search, Shape, choose_spares, find_placement, find_small_node, job_shape
 from placement.victims import (
     Mode,
+    VictimChoice,
     VictimIndex,
     eligible_upper_bound,
     find_small,
@@ -123,6 +124,7 @@ class _Cycle:
         self.evict_res: dict[tuple[str, int], int] = {}  # highest class (lowest rank) evictably backfillable
         self.excl_version = -1
         self.evictable_placement = False  # the last _try_place used evictable backfill
+        self.awaits_checkpoints = False  # the last _preempt waits for its victims' checkpoints
         self.claim_team: str | None = None  # Exclusions.claim_team for the job being decided
         self.returning: dict[tuple[str, int], int] = {}  # (type, placements so far) -> demand expected back
         self.dedupe = dedupe
@@ -468,6 +470,7 @@ class _Cycle:
                 job.waited(now, policy.spares_yield_after_s),
                 self._backing_off(job),  # its count is in the pending detail
                 policy.reclaim_higher_borrowed_gangs and self._reclaim_settled(job),
+                job.waited(now, policy.checkpoint_wait_s),
             )
             epoch = self._epoch()
             hit = self.decided.get(key)
@@ -486,6 +489,7 @@ class _Cycle:
     def _decide_afresh(self, job: JobSpec) -> None:
         state, policy = self.state, self.policy
         self.claim_team = None
+        self.awaits_checkpoints = False
         ti = state._types.get(job.gpu_type)
         if ti is None:
             self._pend(job, PendingReason.GPU_TYPE)
@@ -615,6 +619,9 @@ class _Cycle:
             if not patient and self._reserve(job, ti, shape, borrowed):
                 self._pend(job, PendingReason.RESERVED)
                 return
+        if self.awaits_checkpoints:  # (a gang above reserves meanwhile: the drain starts now)
+            self._pend(job, PendingReason.CAPACITY, "waits for its victims' checkpoints")
+            return
         if own_res is not None and own_res.kind is ReservationKind.PREEMPTION and fail is not PendingReason.QUOTA:
             self._pend(job, PendingReason.PREEMPTING, "waiting for reclaimed nodes")
             return
@@ -844,6 +851,7 @@ class _Cycle:
 
     def _preempt(self, job: JobSpec, ti: _TypeIndex, shape: Shape, mode: Mode, patient: bool) -> bool:
         state = self.state
+        self.awaits_checkpoints = False
         # the first reclaim per cycle of a team below its guarantee is not held back by the
         # per-cycle caps (so it is planned in the first cycle that sees the need)
         tkey = (job.team, job.gpu_type)
@@ -873,7 +881,8 @@ class _Cycle:
         if reclaim:
             self.reclaimed.add(tkey)  # one uncapped attempt per team and cycle, found or not
         if not self._preempt_search(job, ti, shape, mode, reclaim, patient):
-            self.preempt_fail.add(fkey)
+            if not self.awaits_checkpoints:  # (a wait depends on the job's own submit time)
+                self.preempt_fail.add(fkey)
             return False
         return True
 
@@ -908,6 +917,9 @@ class _Cycle:
             return False
         if patient and self._too_costly(choice.victims):
             return False  # it waits for jobs to end (or for cheaper victims) within its patience
+        if self._checkpoints_due(job, shape, ti, choice):
+            self.awaits_checkpoints = True
+            return False
         self.victims_left = max(0, self.victims_left - len(choice.victims))
         for vid in choice.victims:
             rj = state.running(vid)
@@ -915,6 +927,40 @@ class _Cycle:
             state.mark_preempting(vid, job.job_id)
         self._hold_cleared(job, shape, choice.blocks, choice.nodes, choice.grace_s)
         return True
+
+    def _checkpoints_due(self, job: JobSpec, shape: Shape, ti: _TypeIndex, choice: VictimChoice) -> bool:
+        """``Policy.checkpoint_wait_s``: would waiting for the victims' checkpoints due before
+        the job has waited that long save most of their lost work, and more GPU-seconds of it
+        than the free GPUs of the chosen nodes stand idle meanwhile? A job holding nodes
+        cleared for it (a preemption reservation) never waits."""
+        wait = self.policy.checkpoint_wait_s
+        if wait is None or job.rank == SERVING_RANK:
+            return False
+        res = self.state.reservation(job.job_id)
+        if res is not None and res.kind is ReservationKind.PREEMPTION:
+            return False
+        if job.rank <= _PROD_BATCH_RANK and shape.charge <= ti.node_gpus:
+            return False  # small prod jobs: the requirements' p95 wait is 2 minutes
+        now = self.now
+        until = job.submit_time + wait
+        if until <= now:
+            return False
+        state = self.state
+        running = state._running
+        total = saved = 0.0
+        last_due = now
+        for vid in choice.victims:
+            rj = running[vid]
+            lost = lost_work(rj, now)
+            total += lost
+            every, last = rj.ckpt_every, rj.last_checkpoint_at
+            if every is not None and last is not None and rj.spec.preemptible and now < last + every <= until:
+                saved += lost
+                last_due = max(last_due, last + every)
+        if saved <= 0.0 or 2.0 * saved < total:
+            return False
+        idle = sum(state._nodes[nid].nfree for nid in choice.nodes) * (last_due - now)
+        return saved > idle
 
     def _evict_backfill(self, job: JobSpec, ti: _TypeIndex, shape: Shape, res: Reservation) -> bool:
         """The owner of a head-of-line reservation whose nodes are all free or held only by its

@@ -352,6 +352,14 @@ class Policy:
       arriving is not held back one patience after another. prod-serving, and prod-batch
       jobs within one node (the requirements' 2-minute p95 for small prod jobs), are never
       held back. None: off.
+    * ``checkpoint_wait_s``: a job submitted less than this ago whose chosen victims would
+      lose most of their work (by GPU-seconds) to a preemption now, and whose next checkpoints
+      are due before that wait ends (each one's pace: the time between its last two
+      checkpoints in this run), waits for them instead of preempting (``capacity``, "waits for
+      its victims' checkpoints"; a gang reserves meanwhile, ``reserved``, as without victims). The
+      victims keep working meanwhile; it waits only if the work saved exceeds the GPU-seconds
+      the chosen nodes' free GPUs stand idle until then. prod-serving and prod-batch jobs
+      within one node are never held back, nor a job holding nodes cleared for it. None: off.
     """
 
     lookahead: int = 2000
@@ -394,6 +402,7 @@ class Policy:
     reclaim_higher_borrowed_gangs: bool = False
     reclaim_wait_per_team: bool = False
     borrowed_apart: bool = False
+    checkpoint_wait_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -433,6 +442,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "reclaim_higher_borrowed_gangs": False,
     "reclaim_wait_per_team": False,
     "borrowed_apart": False,
+    "checkpoint_wait_s": None,
 }
 
 PRESETS: dict[str, Policy] = {

@@ -158,6 +158,7 @@ class RunningJob:
         "blocks",
         "borrowed",
         "charge",
+        "ckpt_every",
         "gpu_type",
         "held",
         "idle",
@@ -184,6 +185,9 @@ class RunningJob:
         self.rank = spec.rank
         self.started_at = started_at
         self.last_checkpoint_at = spec.last_checkpoint_at
+        # seconds between its last two checkpoints in this run (None until it has made two):
+        # when its next one is due (``Policy.checkpoint_wait_s``)
+        self.ckpt_every: float | None = None
         self.borrowed = borrowed
         self.charge = charge  # GPUs counted against quota (whole nodes for whole-node jobs)
         self.whole = whole
@@ -885,16 +889,20 @@ class ClusterState:
         rj = self.running(job_id)
         listed = rj.vkey is not None
         self._victim_remove(rj)
-        self._log(self._restore_ckpt, rj, rj.last_checkpoint_at)
+        prev = rj.last_checkpoint_at
+        self._log(self._restore_ckpt, rj, prev, rj.ckpt_every)
+        if prev is not None and rj.started_at <= prev < at:
+            rj.ckpt_every = at - prev  # a checkpoint of an earlier run says nothing of this one's pace
         rj.last_checkpoint_at = at
         self._victim_add(rj)
         if (rj.vkey is not None) != listed:
             self._bump_held(rj)
 
-    def _restore_ckpt(self, rj: RunningJob, at: float | None) -> None:
+    def _restore_ckpt(self, rj: RunningJob, at: float | None, every: float | None) -> None:
         listed = rj.vkey is not None
         self._victim_remove(rj)
         rj.last_checkpoint_at = at
+        rj.ckpt_every = every
         self._victim_add(rj)
         if (rj.vkey is not None) != listed:
             self._bump_held(rj)

@@ -14,11 +14,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from placement import JobQueue, Pack, Policy, Topology, apply, fail_node, plan, requeue_spec
+from placement import ClusterState, JobQueue, Pack, Policy, Topology, apply, fail_node, plan, requeue_spec
 
 from .helpers import big_quota, cluster, cycle, fill, nodes_of, occupy, queue_of, spec
 from .strategies import CLASSES, HOUR, build, job_specs, populate, scenarios, unique
-from .test_properties import BORROWED_APART, HIGHER_GANGS, POLICIES, PROPS, RESTART_BACKOFF, SPARES_YIELD
+from .test_properties import (
+    BORROWED_APART,
+    CHECKPOINT_WAIT,
+    HIGHER_GANGS,
+    POLICIES,
+    PROPS,
+    RESTART_BACKOFF,
+    SPARES_YIELD,
+    checkpoint_twice,
+)
 from .test_reservation_rules import setup as reservation_setup
 
 # spares that yield after a minute, reclaim and claims after short waits: thresholds that
@@ -74,14 +83,32 @@ def clone_queues(draw, sc, prefix: str):
 @PROPS
 @given(data=st.data())
 def test_repeated_decisions_equal_fresh_ones(data) -> None:
-    sc = data.draw(scenarios())
-    stt = build(sc)
-    populate(stt, unique(data.draw(st.lists(job_specs(sc, "r"), max_size=16))), [0.0, 1000.0, 3000.0])
-    q = JobQueue(data.draw(clone_queues(sc, "q")))
+    stt, q = _clone_world(data)
     policy = data.draw(
         st.sampled_from([*POLICIES, SPARES_YIELD, BORROWED_APART, RESTART_BACKOFF, HIGHER_GANGS, SHORT_WAITS])
     )
     now = data.draw(st.sampled_from([3000.0, 2 * HOUR, 6 * HOUR]))
+    _three_cycles(stt, q, policy, now)
+
+
+@PROPS
+@given(data=st.data())
+def test_repeated_decisions_equal_fresh_ones_while_jobs_wait_for_checkpoints(data) -> None:
+    stt, q = _clone_world(data)
+    now = data.draw(st.sampled_from([3000.0, 2 * HOUR, 6 * HOUR]))
+    checkpoint_twice(stt, now)
+    _three_cycles(stt, q, CHECKPOINT_WAIT, now)
+
+
+def _clone_world(data) -> tuple[ClusterState, JobQueue]:
+    """A random cluster running random work, and a queue of clones."""
+    sc = data.draw(scenarios())
+    stt = build(sc)
+    populate(stt, unique(data.draw(st.lists(job_specs(sc, "r"), max_size=16))), [0.0, 1000.0, 3000.0])
+    return stt, JobQueue(data.draw(clone_queues(sc, "q")))
+
+
+def _three_cycles(stt, q, policy, now) -> None:
     for step in range(3):
         p = _same_plan(stt, q, policy, now)
         apply(stt, p, q, now)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from placement import (
     PRESETS,
+    ClusterState,
     JobQueue,
     NodeHealth,
     PendingReason,
@@ -106,6 +107,21 @@ BORROWED_APART = Policy(reserve_min_gpus=16, borrowed_apart=True)
 RESTART_BACKOFF = Policy(reserve_min_gpus=16, borrowed_restart_backoff_s=600.0)
 # guaranteed gangs that waited reclaim higher classes' borrowed gangs (Policy.reclaim_higher_borrowed_gangs)
 HIGHER_GANGS = Policy(reserve_min_gpus=16, reclaim_higher_borrowed_gangs=True)
+# new jobs wait for their victims' checkpoints (Policy.checkpoint_wait_s): long enough that
+# most queued jobs of a random world may wait, with ``checkpoint_twice`` giving a pace
+CHECKPOINT_WAIT = Policy(reserve_min_gpus=16, checkpoint_wait_s=4 * HOUR)
+WAITS_FOR_CHECKPOINTS = "waits for its victims' checkpoints"
+
+
+def checkpoint_twice(stt: ClusterState, now: float) -> None:
+    """Running jobs that ran long enough checkpoint twice before ``now`` (their pace known,
+    their next checkpoint due 1-4 minutes on); no draws, so the examples stay."""
+    for i, rj in enumerate(sorted(stt.running_jobs(), key=lambda r: r.job_id)):
+        every = 300.0 * (1 + i % 4)
+        last = now - every + 60.0 * (1 + i % 4)
+        if last - every > rj.started_at:
+            stt.set_checkpoint(rj.job_id, last - every)
+            stt.set_checkpoint(rj.job_id, last)
 
 
 @PROPS
@@ -136,6 +152,32 @@ def test_plan_invariants_with_gangs_reclaiming_higher_classes_gangs(data) -> Non
 @given(data=st.data())
 def test_contended_clusters_preempt_by_the_rules(data) -> None:
     """Full clusters of lower-class work, higher-class and reclaiming jobs queued."""
+    stt, q = contended_world(data)
+    policy = data.draw(st.sampled_from(POLICIES[:3]))
+    now = data.draw(st.sampled_from([3000.0, 4400.0, 6 * HOUR]))
+    _preempt_then_restart(stt, q, policy, now)
+
+
+@PROPS
+@given(data=st.data())
+def test_contended_clusters_with_jobs_waiting_for_checkpoints(data) -> None:
+    stt, q = contended_world(data)
+    now = data.draw(st.sampled_from([3000.0, 4400.0, 6 * HOUR]))
+    checkpoint_twice(stt, now)
+    _preempt_then_restart(stt, q, CHECKPOINT_WAIT, now)
+
+
+def _preempt_then_restart(stt: ClusterState, q: JobQueue, policy: Policy, now: float) -> None:
+    p = checked_cycle(stt, q, policy, now, twice=True)
+    event(f"waits for checkpoints: {any(pe.detail == WAITS_FOR_CHECKPOINTS for pe in p.pending)}")
+    # victims stop; their beneficiaries then get placed or keep waiting, still by the rules
+    for vid in stt.preempting():
+        rj = stt.release(vid, now + 60)
+        q.push(requeue_spec(rj.spec, now + 60, preempted=True))
+    checked_cycle(stt, q, policy, now + 61)
+
+
+def contended_world(data) -> tuple[ClusterState, JobQueue]:
     sc = data.draw(scenarios())
     stt = build(sc)
     low = [
@@ -150,15 +192,7 @@ def test_contended_clusters_preempt_by_the_rules(data) -> None:
         for j in unique(data.draw(st.lists(job_specs(sc, "q"), min_size=1, max_size=12)))
         if j.priority.value != "preemptible"
     ]
-    q = JobQueue(queued)
-    policy = data.draw(st.sampled_from(POLICIES[:3]))
-    now = data.draw(st.sampled_from([3000.0, 4400.0, 6 * HOUR]))
-    checked_cycle(stt, q, policy, now, twice=True)
-    # victims stop; their beneficiaries then get placed or keep waiting, still by the rules
-    for vid in stt.preempting():
-        rj = stt.release(vid, now + 60)
-        q.push(requeue_spec(rj.spec, now + 60, preempted=True))
-    checked_cycle(stt, q, policy, now + 61)
+    return stt, JobQueue(queued)
 
 
 @PROPS
