@@ -301,6 +301,22 @@ def _restart_backoff_count():
     return st, q, pol, NOW, "once", "thrice"
 
 
+def _checkpoint_wait():
+    """A job submitted within ``checkpoint_wait_s`` waits for its victims' checkpoints due in
+    100 s; an equal job submitted before the wait preempts."""
+    pol = Policy(checkpoint_wait_s=300.0, claim_borrowed_reservations_after_s=None, reclaim_small_borrowed_after_s=None)
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("b", "h100", 0, 100)
+    for jid in fill(st, ["b0n0", "b0n1"], team="b", borrowed=True, started_at=NOW - 7200, preemptible=True):
+        st.set_checkpoint(jid, NOW - 3500)
+        st.set_checkpoint(jid, NOW - 1700)  # every 1,800 s: the next is due in 100 s
+    st.set_quota("me", "h100", 16, 0)
+    q = queue_of(
+        spec("new", team="me", gpr=8, submit=NOW - 10, front=True), spec("old", team="me", gpr=8, submit=NOW - 400)
+    )
+    return st, q, pol, NOW, "new", "old"
+
+
 def _outcome(p, jid: str):
     if p.placement(jid) is not None:
         return "placed"
@@ -321,6 +337,7 @@ def _outcome(p, jid: str):
         _restart_backoff,
         _restart_backoff_count,
         _gang_reclaim_settled,
+        _checkpoint_wait,
     ],
 )
 def test_a_job_that_differs_where_the_decision_reads_is_decided_afresh(case) -> None:
