@@ -78,6 +78,12 @@ _NO_EXCL: frozenset[str] = frozenset()
 _PROD_BATCH_RANK = PriorityClass.PROD_BATCH.rank
 
 
+def _never_held_back(job: JobSpec, shape: Shape, ti: _TypeIndex) -> bool:
+    """prod-serving, and prod-batch jobs within one node (the requirements' 2-minute p95 wait
+    for small prod jobs): never kept waiting to spare victims' work."""
+    return job.rank == SERVING_RANK or (job.rank <= _PROD_BATCH_RANK and shape.charge <= ti.node_gpus)
+
+
 def plan(
     state: ClusterState, queue: JobQueue, policy: Policy = DEFAULT_POLICY, now: float = 0.0, *, dedupe: bool = True
 ) -> Plan:
@@ -349,10 +355,8 @@ class _Cycle:
     def _patient(self, job: JobSpec, shape: Shape, ti: _TypeIndex) -> bool:
         """Does it wait for capacity to free (``Policy.preempt_patience_s``) before preempting?"""
         patience = self.policy.preempt_patience_s
-        if patience is None or job.rank == SERVING_RANK:
+        if patience is None or _never_held_back(job, shape, ti):
             return False
-        if job.rank <= _PROD_BATCH_RANK and shape.charge <= ti.node_gpus:
-            return False  # small prod jobs: the requirements' p95 wait is 2 minutes
         # counted from the team's oldest queued job of the type, not the job's own submit: a
         # team whose jobs keep arriving would otherwise wait for ever, one patience at a time
         return self.now - self._team_waiting_since(job.team, job.gpu_type) < patience
@@ -851,7 +855,6 @@ class _Cycle:
 
     def _preempt(self, job: JobSpec, ti: _TypeIndex, shape: Shape, mode: Mode, patient: bool) -> bool:
         state = self.state
-        self.awaits_checkpoints = False
         # the first reclaim per cycle of a team below its guarantee is not held back by the
         # per-cycle caps (so it is planned in the first cycle that sees the need)
         tkey = (job.team, job.gpu_type)
@@ -934,18 +937,15 @@ class _Cycle:
         than the free GPUs of the chosen nodes stand idle meanwhile? A job holding nodes
         cleared for it (a preemption reservation) never waits."""
         wait = self.policy.checkpoint_wait_s
-        if wait is None or job.rank == SERVING_RANK:
+        if wait is None or _never_held_back(job, shape, ti):
             return False
-        res = self.state.reservation(job.job_id)
+        state, now = self.state, self.now
+        res = state.reservation(job.job_id)
         if res is not None and res.kind is ReservationKind.PREEMPTION:
             return False
-        if job.rank <= _PROD_BATCH_RANK and shape.charge <= ti.node_gpus:
-            return False  # small prod jobs: the requirements' p95 wait is 2 minutes
-        now = self.now
         until = job.submit_time + wait
         if until <= now:
             return False
-        state = self.state
         running = state._running
         total = saved = 0.0
         last_due = now
