@@ -24,6 +24,7 @@ committed.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from dataclasses import dataclass, replace
 
 from placement import quota as quota_mod
@@ -117,6 +118,8 @@ class _Cycle:
         self.preempt_fail: set[tuple] = set()
         self.reclaimed: set[tuple[str, str]] = set()
         self.waiting_since: dict[tuple[str, str], float] | None = None  # per (team, type), built on first use
+        # (res_version, reservations' expected starts sorted, max_runtime -> cut) for _backfill_cut
+        self.backfill_cuts: tuple[int, list[float], dict[float, int]] = (-1, [], {})
         self.victim_index: dict[tuple[str, Mode], VictimIndex] = {}  # per (type, mode without team)
         self.victims_left = policy.max_preemptions_per_cycle
         self.searches_left = policy.max_victim_searches_per_cycle
@@ -466,9 +469,8 @@ class _Cycle:
                 job.replicas,
                 job.gpus_per_replica,
                 job.topology,
-                job.max_runtime_s,
-                job.preemptible,
-                job.grace_s,
+                self._backfill_cut(job),
+                policy.unsaved_borrow_guard is not None and job.preemptible,
                 job.waited(now, policy.claim_borrowed_reservations_after_s),
                 job.waited(now, policy.reclaim_small_borrowed_after_s),
                 job.waited(now, policy.spares_yield_after_s),
@@ -482,13 +484,34 @@ class _Cycle:
                 self.quota_only = hit[3]
                 self.pending.append(Pending(jid, hit[1], hit[2]))
                 return
-        else:
-            self.side_effects += 1  # its own reservation or spares may change (and be restored)
+        elif jid in state._spares:
+            # its spares are released for the try and held again, out of and back into the
+            # blocks' indexes: the epoch's counts do not see that, so equal jobs decide afresh
+            # after it (a caution; an owner's changed reservation moves res_version, and the
+            # victims it stops, the preemptions)
+            self.side_effects += 1
         n = len(self.pending)
         self._decide_afresh(job)
         if key is not None and len(self.pending) == n + 1 and self._epoch() == epoch:
             p = self.pending[-1]
             self.decided[key] = (epoch, p.reason, p.detail, self.quota_only)
+
+    def _backfill_cut(self, job: JobSpec) -> int:
+        """What the job's max_runtime decides (``reservations.may_use``): it may backfill the
+        reservations that start at or after it would end, a suffix of them by start; the count
+        of those before the suffix names the set (equal jobs with other run times that see the
+        same set decide alike)."""
+        if not self.policy.backfill:
+            return 0
+        state = self.state
+        version, starts, cuts = self.backfill_cuts
+        if version != state.res_version:
+            starts, cuts = sorted(r.expected_start for r in state._reservations.values()), {}
+            self.backfill_cuts = (state.res_version, starts, cuts)
+        cut = cuts.get(job.max_runtime_s)
+        if cut is None:
+            cut = cuts[job.max_runtime_s] = bisect_left(starts, self.now + job.max_runtime_s)
+        return cut
 
     def _decide_afresh(self, job: JobSpec) -> None:
         state, policy = self.state, self.policy

@@ -212,6 +212,33 @@ def _run_time():
     return st, q, pol, 200.0, "long", "short"
 
 
+def _run_time_near_the_start():
+    """What counts is when a job would end, not how long it runs: both run times here are
+    shorter than the reservation's start (3,000) is from zero, yet only one ends by it."""
+    pol = Policy(reserve_min_gpus=32)
+    st = reservation_setup()
+    q = queue_of(spec("gang", team="t", replicas=4, gpr=8, pack="block", max_blocks=1, front=True))
+    cycle(st, q, 100, pol)
+    q.push(spec("long", team="t", gpr=8, runtime=2900, submit=1, front=True))  # ends 3,100
+    q.push(spec("short", team="t", gpr=8, runtime=2000, submit=2))  # ends 2,200
+    return st, q, pol, 200.0, "long", "short"
+
+
+def _unsaved_borrow():
+    """With ``unsaved_borrow_guard``, a borrowed job that cannot checkpoint keeps off the GPUs
+    guaranteed demand is expected back to; an equal job that checkpoints starts."""
+    pol = Policy(unsaved_borrow_guard=1.0)
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("lender", "h100", 16, 0)
+    st.set_demand_forecast({("lender", "h100"): 16})
+    st.set_quota("b", "h100", 0, 100)
+    q = queue_of(
+        spec("unsaved", team="b", gpr=8, submit=0, preemptible=False, front=True),
+        spec("saved", team="b", gpr=8, submit=0),
+    )
+    return st, q, pol, NOW, "unsaved", "saved"
+
+
 def _after_a_placement():
     """A gang finds two free nodes in different blocks (``topology``); a job placed next takes
     one, and an equal gang after it finds too few nodes (``capacity``)."""
@@ -330,6 +357,8 @@ def _outcome(p, jid: str):
         _reclaim_small_wait,
         _claim_wait,
         _run_time,
+        _run_time_near_the_start,
+        _unsaved_borrow,
         _after_a_placement,
         _own_spares,
         _own_reservation,
