@@ -35,6 +35,7 @@ from typing import Any
 from temporalio.client import Client
 
 import placement as engine
+from common.gc_hold import cyclic_gc_held
 from control.leader.metrics import ControlMetrics
 from control.leader.signals import JobSignals
 from control.leader.state import LeaderState, policy_from_settings
@@ -183,7 +184,8 @@ class PlacementCycles:
         if self.demand is not None:
             self.demand.observe(now, cluster, demand_of(cluster, state.queue))
             self.demand.apply(cluster, now)
-        plan = engine.plan(cluster, state.queue, self.policy, now)
+        with cyclic_gc_held():
+            plan = engine.plan(cluster, state.queue, self.policy, now)
 
         for rl in plan.relabels:
             await allocations.relabel_job(
@@ -232,7 +234,8 @@ class PlacementCycles:
                     self.metrics.preempted(pr.reason.value, job.spec, lost_gpu_s, pr.beneficiary, now)
                 preempts.append(m.PreemptRequest(pr.victim, job.attempt, epoch, f"{pr.reason.value}", pr.beneficiary))
         try:
-            engine.apply(cluster, plan, state.queue, now, committed=committed)
+            with cyclic_gc_held():
+                engine.apply(cluster, plan, state.queue, now, committed=committed)
         except Exception as e:  # memory disagrees with what committed: rebuild before the next plan
             log.error("applying the cycle's plan failed (%s): the leader state will be rebuilt", e)
             state.needs_rebuild = True
