@@ -224,14 +224,21 @@ def _run_time_near_the_start():
     return st, q, pol, 200.0, "long", "short"
 
 
-def _unsaved_borrow():
-    """With ``unsaved_borrow_guard``, a borrowed job that cannot checkpoint keeps off the GPUs
-    guaranteed demand is expected back to; an equal job that checkpoints starts."""
-    pol = Policy(unsaved_borrow_guard=1.0)
+def _lent_to_b():
+    """Two free nodes lent by ``lender``, whose 16 GPUs of demand are expected back (more
+    than is free after one 8-GPU job), to team ``b``, which borrows only."""
     st = cluster(blocks=1, nodes=2)
     st.set_quota("lender", "h100", 16, 0)
     st.set_demand_forecast({("lender", "h100"): 16})
     st.set_quota("b", "h100", 0, 100)
+    return st
+
+
+def _unsaved_borrow():
+    """With ``unsaved_borrow_guard``, a borrowed job that cannot checkpoint keeps off the GPUs
+    guaranteed demand is expected back to; an equal job that checkpoints starts."""
+    pol = Policy(unsaved_borrow_guard=1.0)
+    st = _lent_to_b()
     q = queue_of(
         spec("unsaved", team="b", gpr=8, submit=0, preemptible=False, front=True),
         spec("saved", team="b", gpr=8, submit=0),
@@ -303,10 +310,7 @@ def _restart_backoff():
     """A job preempted lately backs off before it starts borrowed; an equal job never
     preempted, decided after it, starts."""
     pol = Policy(borrowed_restart_backoff_s=600.0)
-    st = cluster(blocks=1, nodes=2)
-    st.set_quota("lender", "h100", 16, 0)
-    st.set_demand_forecast({("lender", "h100"): 16})  # 16 GPUs expected back: more than is free after it
-    st.set_quota("b", "h100", 0, 100)
+    st = _lent_to_b()
     q = queue_of(
         spec("backs-off", team="b", gpr=8, submit=0, preemption_times=(NOW - 100,), front=True),
         spec("fresh", team="b", gpr=8, submit=0),
@@ -317,10 +321,7 @@ def _restart_backoff():
 def _restart_backoff_count():
     """Two jobs that both back off, after 1 and after 3 preemptions, are told their own count."""
     pol = Policy(borrowed_restart_backoff_s=600.0)
-    st = cluster(blocks=1, nodes=2)
-    st.set_quota("lender", "h100", 16, 0)
-    st.set_demand_forecast({("lender", "h100"): 16})
-    st.set_quota("b", "h100", 0, 100)
+    st = _lent_to_b()
     q = queue_of(
         spec("once", team="b", gpr=8, submit=0, preemption_times=(NOW - 100,), front=True),
         spec("thrice", team="b", gpr=8, submit=0, preemption_times=(NOW - 300, NOW - 200, NOW - 100)),
