@@ -383,7 +383,7 @@ class _GcClock:
 
 
 def _run_cycles(w: World, cycles: int, policy: Policy, planner: Any) -> dict[str, Any]:
-    times, cpu, plan_t, apply_t, placed, considered, gc_t = [], [], [], [], [], [], []
+    times, cpu, plan_t, apply_t, placed, considered, afresh, gc_t = [], [], [], [], [], [], [], []
     st = w.state
     clock = _GcClock()
     gc.callbacks.append(clock)
@@ -410,11 +410,12 @@ def _run_cycles(w: World, cycles: int, policy: Policy, planner: Any) -> dict[str
             apply_t.append((t2 - t1) * 1000)
             placed.append(sum(1 for x in p.placements if not x.replacement))
             considered.append(p.considered)
+            afresh.append(p.decided_afresh)
         if cycles:
             gc_t.append(clock.ms)
     finally:
         gc.callbacks.remove(clock)
-    return _cycle_stats(cycles, times, cpu, plan_t, apply_t, placed, considered, gc_t)
+    return _cycle_stats(cycles, times, cpu, plan_t, apply_t, placed, considered, afresh, gc_t)
 
 
 def _cycle_stats(
@@ -425,6 +426,7 @@ def _cycle_stats(
     apply_t: list[float],
     placed: list[int],
     considered: list[int],
+    afresh: list[int],
     gc_t: list[float],
 ) -> dict[str, Any]:
     return {
@@ -439,6 +441,8 @@ def _cycle_stats(
         "apply_ms_p99": round(_pct(apply_t, 99), 3),
         "placed_per_cycle": round(statistics.fmean(placed), 3) if placed else 0.0,
         "considered_per_cycle": round(statistics.fmean(considered), 1) if considered else 0.0,
+        # the rest repeated an equal job's answer (Plan.decided_afresh); 0 for the baseline
+        "decided_afresh_per_cycle": round(statistics.fmean(afresh), 1) if afresh else 0.0,
         # not in cycle_ms: the cyclic GC is held off within a cycle (common.gc_hold)
         "gc_ms_per_cycle_mean": round(statistics.fmean(gc_t), 3) if gc_t else 0.0,
         "gc_ms_per_cycle_max": round(max(gc_t), 3) if gc_t else 0.0,

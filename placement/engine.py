@@ -140,6 +140,7 @@ class _Cycle:
         # equal job -> (epoch, reason, detail, quota only) of a decision that only pended
         self.decided: dict[tuple, tuple[tuple[int, ...], PendingReason, str, bool]] = {}
         self.side_effects = 0  # decisions that may have touched state outside the epoch's counts
+        self.decided_afresh = 0  # Plan.decided_afresh
 
     # ------------------------------------------------------------------ cycle
 
@@ -194,6 +195,7 @@ class _Cycle:
             quota_checked=checked,
             quota_blocked=tuple(sorted(self.blocked)),
             considered=self.considered,
+            decided_afresh=self.decided_afresh,
         )
 
     def _housekeeping(self) -> None:
@@ -491,6 +493,7 @@ class _Cycle:
             # victims it stops, the preemptions)
             self.side_effects += 1
         n = len(self.pending)
+        self.decided_afresh += 1
         self._decide_afresh(job)
         if key is not None and len(self.pending) == n + 1 and self._epoch() == epoch:
             p = self.pending[-1]

@@ -581,6 +581,9 @@ class Plan:
     quota_checked: tuple[tuple[str, str], ...] = ()
     quota_blocked: tuple[tuple[str, str, int], ...] = ()
     considered: int = 0
+    # of ``considered``, the decisions taken afresh; the rest repeated an equal job's answer
+    # within the cycle (speed only: not compared, ``plan(dedupe=False)`` decides all afresh)
+    decided_afresh: int = field(default=0, compare=False)
     _index: dict[str, Pending] = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -17,4 +17,5 @@ def test_a_small_run_reports_cycle_and_collector_times() -> None:
         assert out[key] >= 0.0, key
     assert out["gc_ms_per_cycle_max"] >= out["gc_ms_per_cycle_mean"]
     assert out["considered_per_cycle"] > 0
+    assert 0 < out["decided_afresh_per_cycle"] <= out["considered_per_cycle"]
     assert out["baseline"]["cycles"] == 2

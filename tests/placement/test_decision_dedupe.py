@@ -377,3 +377,17 @@ def test_a_job_that_differs_where_the_decision_reads_is_decided_afresh(case) -> 
     assert first in order, f"{first} should pend: {fresh}"
     assert _outcome(fresh, second) != _outcome(fresh, first)
     assert plan(stt, q, pol, now) == fresh
+
+
+def test_the_plan_counts_the_decisions_taken_afresh() -> None:
+    """Clones that pend for the same reason share one decision; without reuse each is decided."""
+    st = cluster(blocks=1, nodes=1)
+    big_quota(st, "t")
+    fill(st, ["b0n0"], team="run")
+    q = queue_of(*(spec(f"c{i}", team="t", gpr=8, submit=float(i)) for i in range(5)))
+    fresh = plan(st, q, Policy(preemption=False), NOW, dedupe=False)
+    repeated = plan(st, q, Policy(preemption=False), NOW)
+    assert fresh.considered == repeated.considered == 5
+    assert fresh.decided_afresh == 5
+    assert repeated.decided_afresh == 1
+    assert repeated == fresh  # the count is not part of a plan's value
