@@ -448,10 +448,11 @@ class _Cycle:
         cycle when that one only pended and nothing has changed since.
 
         Most of a busy cycle's jobs wait for the same reason as the equal job before them
-        (same team, class, shape, topology, run time and waiting thresholds crossed), and a
-        decision that changed nothing reads only those and the state, so the answer is the
-        same; jobs with state of their own (a reservation, spares, victims stopping for
-        them) are always decided afresh. ``dedupe=False`` turns this off (the tests compare).
+        (same team, class, shape, topology, reservations it may backfill by the time it would
+        end, and waiting thresholds crossed), and a decision that changed nothing reads only
+        those and the state, so the answer is the same; jobs with state of their own (a
+        reservation, spares, victims stopping for them) are always decided afresh.
+        ``dedupe=False`` turns this off (the tests compare; ``Plan.decided_afresh`` counts).
         """
         state, policy, now = self.state, self.policy, self.now
         job = job.as_placed_at(now)  # past its max_blocks_wait_s: no block limit
