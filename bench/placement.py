@@ -415,20 +415,6 @@ def _run_cycles(w: World, cycles: int, policy: Policy, planner: Any) -> dict[str
             gc_t.append(clock.ms)
     finally:
         gc.callbacks.remove(clock)
-    return _cycle_stats(cycles, times, cpu, plan_t, apply_t, placed, considered, afresh, gc_t)
-
-
-def _cycle_stats(
-    cycles: int,
-    times: list[float],
-    cpu: list[float],
-    plan_t: list[float],
-    apply_t: list[float],
-    placed: list[int],
-    considered: list[int],
-    afresh: list[int],
-    gc_t: list[float],
-) -> dict[str, Any]:
     return {
         "cycles": cycles,
         "cycle_ms_p50": round(statistics.median(times), 3) if times else 0.0,
