@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,12 +47,7 @@ from common.contracts import (
     TaskState,
     TaskStatus,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common.embedded import any_free_port
 
 
 async def _open_loop(n: int, rate: float, one: Any) -> None:
@@ -302,8 +296,8 @@ async def _bench(
     pg = EmbeddedPostgres(root / "pgdata")
     dsn = pg.start()
     temporal = EmbeddedTemporal(
-        root / "temporal" / "temporal.db", port=_free_port(), ui=False, log_file=log_dir / "temporal.log",
-        metrics_port=_free_port(),
+        root / "temporal" / "temporal.db", port=any_free_port(), ui=False, log_file=log_dir / "temporal.log",
+        metrics_port=any_free_port(),
     )  # fmt: skip
     control: subprocess.Popen | None = None
     worker = None
@@ -320,7 +314,7 @@ async def _bench(
             state_dir=root / "state",
             database_url=dsn,
             temporal_address=address,
-            control_grpc_port=_free_port(),
+            control_grpc_port=any_free_port(),
             control_metrics_listen="127.0.0.1:0",
             agent_task_queue_mode="shared",
             api_tokens={token: Principal(name="bench", team="bench")},

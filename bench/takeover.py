@@ -38,7 +38,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,8 @@ import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from common.embedded import any_free_port
 
 # what the report quotes from the settings the stack ran with
 REPORTED_SETTINGS = (
@@ -65,12 +66,6 @@ REPORTED_SETTINGS = (
     "agent_poll_s",
 )
 PROBE_JOBS = 4  # submitted during the freeze: what the new leader places first
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _median(values: list[float]) -> float | None:
@@ -203,7 +198,7 @@ async def _bench(
     pg = EmbeddedPostgres(root / "pgdata")
     dsn = pg.start()
     temporal = EmbeddedTemporal(
-        root / "temporal" / "temporal.db", port=_free_port(), ui=False, log_file=log_dir / "temporal.log"
+        root / "temporal" / "temporal.db", port=any_free_port(), ui=False, log_file=log_dir / "temporal.log"
     )
     controls: list[_Control] = []
     agents = _Agents()
@@ -212,7 +207,7 @@ async def _bench(
     try:
         address = temporal.start()
         token = "bench-" + uuid.uuid4().hex
-        ports = [_free_port(), _free_port()]
+        ports = [any_free_port(), any_free_port()]
         values: dict[str, Any] = dict(
             env="dev",
             state_dir=root / "state",

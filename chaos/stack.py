@@ -35,7 +35,7 @@ from typing import Any
 import asyncpg
 
 from common.db import create_pool, migrate
-from common.embedded import EmbeddedPostgres, EmbeddedTemporal, PlatformError, wait_for_port
+from common.embedded import EmbeddedPostgres, EmbeddedTemporal, PlatformError, any_free_port, wait_for_port
 from common.postgres_failover import FailoverSupervisor
 from common.postgres_pair import PostgresPair
 from common.secrets import role_env
@@ -112,14 +112,6 @@ class Team:
     name: str
     principal: str
     token: str
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -218,11 +210,11 @@ class ChaosStack:
         await self._prepare_database()
         self.log("starting the Temporal dev server")
         self.temporal = EmbeddedTemporal(
-            self.state / "temporal" / "temporal.db", port=free_port(), ui=False, log_file=self.logs / "temporal.log"
+            self.state / "temporal" / "temporal.db", port=any_free_port(), ui=False, log_file=self.logs / "temporal.log"
         )
         temporal_address = await asyncio.to_thread(self.temporal.start)
-        api_port = free_port()
-        grpc_ports = [free_port() for _ in self.layout.controls]
+        api_port = any_free_port()
+        grpc_ports = [any_free_port() for _ in self.layout.controls]
         s = self.settings = self._settings(temporal_address, api_port, grpc_ports)
         self.api_url = f"http://127.0.0.1:{api_port}"
         py = [sys.executable, "-m", "cli.main"]

@@ -147,17 +147,20 @@ def listening(pid: int, port: int) -> bool:
     return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns)
 
 
-def wait_listening(procs: dict[str, subprocess.Popen], port: int, timeout_s: float = 60.0) -> None:
+def wait_listening(
+    procs: dict[str, subprocess.Popen], port: int, timeout_s: float = 60.0, log_dir: Path | None = None
+) -> None:
     """Wait until every process in ``procs`` listens on ``port``; PlatformError when one exits
-    first or the time runs out."""
-    from common.embedded import PlatformError
+    first (with the last line of ``log_dir/<name>.log``, where given) or the time runs out."""
+    from common.embedded import PlatformError, last_log_line
 
     deadline = time.monotonic() + timeout_s
     waiting = dict(procs)
     while waiting:
         for name, proc in list(waiting.items()):
             if proc.poll() is not None:
-                raise PlatformError(f"{name} exited with code {proc.returncode} before listening on {port}")
+                said = f"; last log line: {last_log_line(log_dir / f'{name}.log')}" if log_dir else ""
+                raise PlatformError(f"{name} exited with code {proc.returncode} before listening on {port}{said}")
             if listening(proc.pid, port):
                 del waiting[name]
         if not waiting:

@@ -239,7 +239,7 @@ class Platform:
         self.logs = logs
         for name in self.commands:
             self.spawn(name)
-        wait_listening({n: p for n, p in self.children.items() if n.startswith("api")}, s.api_port, 60)
+        wait_listening({n: p for n, p in self.children.items() if n.startswith("api")}, s.api_port, 60, logs)
         urls = {
             "api": f"http://{s.api_host}:{s.api_port}",
             "api_docs": f"http://{s.api_host}:{s.api_port}/docs",

@@ -43,11 +43,39 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+# ports this process has handed out: two calls in a row never name the same port
+_handed_out: set[int] = set()
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux; 32768-60999 elsewhere)."""
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
 def any_free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port free on ``host`` now (the caller binds it soon after), below the kernel's
+    ephemeral range where it can: a port from that range may be taken, between this call and
+    the caller's bind, as the local port of any process's outgoing connection, and the bind
+    then fails (docs/design.md, Known pitfalls)."""
+    import random
+
+    low, _ = ephemeral_port_range()
+    rng = random.Random()
+    for _ in range(200 if low > 11024 else 0):
+        port = rng.randrange(10000, low)
+        if port in _handed_out or port_in_use(host, port):
+            continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below: any port
         s.bind((host, 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _handed_out.add(port)
+    return port
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -56,6 +84,15 @@ def parse_listen(listen: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"a listen address is host:port, not {listen!r}")
     return host.strip("[]"), int(port)
+
+
+def last_log_line(path: Path) -> str:
+    """The last line of a child's log (cut to 300 characters), for a one-line error."""
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return lines[-1][-300:] if lines else "(empty log)"
 
 
 def require_free_port(host: str, port: int, setting: str) -> None:
@@ -184,14 +221,7 @@ class EmbeddedTemporal:
                 exited_early = self.proc.poll() is not None
                 if not exited_early or attempt == self.start_attempts or time.monotonic() >= deadline:
                     self.stop()
-                    raise PlatformError(f"{e}; last log line: {self._last_log_line()}") from e
-
-    def _last_log_line(self) -> str:
-        try:
-            lines = self._log_path.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return "(no log)"
-        return lines[-1][-300:] if lines else "(empty log)"
+                    raise PlatformError(f"{e}; last log line: {last_log_line(self._log_path)}") from e
 
     def _wait_serving(self, deadline: float) -> None:
         """The port opens before the frontend serves: a client connecting then is refused

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import textwrap
 from pathlib import Path
@@ -39,12 +38,6 @@ FAST = {
 def make_settings(tmp_path: Path, **overrides) -> Settings:
     values = {"state_dir": tmp_path / "state", "control_addresses": ["127.0.0.1:1"], **FAST, **overrides}
     return Settings(**values)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_task(node_id: str, lease_id: str, command: list[str], *, epoch: int = 1, gpus=(0,), rank: int = 0,

@@ -23,11 +23,11 @@ import pytest
 from temporalio.client import Client
 
 from common.contracts import TaskState
+from common.embedded import any_free_port
 from common.temporal import DATA_CONVERTER, make_worker
 from tests.agent.conftest import (
     PY,
     Control,
-    free_port,
     kill_group_quietly,
     make_settings,
     pid_alive,
@@ -185,7 +185,7 @@ async def _query_running(h):
 async def test_rank_survives_a_temporal_outage_and_is_still_running_after(tmp_path, names):
     from common.embedded import EmbeddedTemporal
 
-    port = free_port()
+    port = any_free_port()
     server = EmbeddedTemporal(tmp_path / "temporal" / "t.db", port=port, ui=False, log_file=tmp_path / "temporal.log")
     server.start()
     address = f"127.0.0.1:{port}"

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from common.contracts import StopTask
+from common.embedded import any_free_port
 from proto import agent_pb2 as pb
 from proto import agent_pb2_grpc as pbg
 from proto.auth import lease_log_token, node_credential, node_log_key, node_metadata
@@ -90,7 +91,7 @@ async def test_task_status_is_retried_until_the_leader_takes_it(settings, tmp_pa
 
 
 async def test_reports_made_while_the_control_plane_is_down_arrive_after_it_is_back(settings, tmp_path):
-    port = __import__("tests.agent.conftest", fromlist=["free_port"]).free_port()
+    port = any_free_port()
     addr = f"127.0.0.1:{port}"
     a = AgentProcess(settings, ["node-d"], backend="simulated", temporal=False, control_addresses=[addr])
     await a.start()

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from common.embedded import any_free_port
 from control.leader.leadership import Leadership
 from store import leadership
-from tests.agent.conftest import PY, Control, free_port, make_settings, wait_for
+from tests.agent.conftest import PY, Control, make_settings, wait_for
 from tests.support import OutputReader, eventually
 from worker_agent.agent import AgentProcess
 
@@ -34,7 +35,7 @@ def settings(tmp_path):
 @pytest.fixture
 def frozen_leader(settings):
     """A leading heartbeat server in its own process (the test freezes it with SIGSTOP)."""
-    port = free_port()
+    port = any_free_port()
     proc = subprocess.Popen(
         [PY, "-m", "tests.agent.frozen_control", str(port), settings.agent_shared_secret],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,

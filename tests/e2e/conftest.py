@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import uuid
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import httpx
 import pytest
 from temporalio.client import Client
 
+from common.embedded import any_free_port
 from common.settings import Principal, Settings
 from common.temporal import connect
 from store.seed import ensure_cluster
@@ -36,15 +36,9 @@ TOKENS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def e2e_settings(tmp: Path, db_dsn: str, temporal_target: str, **over: Any) -> Settings:
     uid = uuid.uuid4().hex[:8]
-    port = free_port()
+    port = any_free_port()
     values: dict[str, Any] = dict(
         state_dir=tmp / "state",
         database_url=db_dsn,

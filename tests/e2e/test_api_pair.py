@@ -24,8 +24,9 @@ import pytest
 
 from cli.api_cmd import start_apis, wait_listening
 from cli.user_cmd import ApiClient, CliError
+from common.embedded import any_free_port
 from common.temporal import connect
-from tests.e2e.conftest import PY, e2e_settings, free_port, kill_ranks, seed_cluster
+from tests.e2e.conftest import PY, e2e_settings, kill_ranks, seed_cluster
 from tests.e2e.test_failover import leader_row, spawn_control
 from tests.support import eventually
 
@@ -218,12 +219,12 @@ def stop_all(procs: dict[str, subprocess.Popen]) -> None:
 
 
 def pair_settings(tmp_path, db_dsn, temporal_env, controls: int):
-    ports = [free_port() for _ in range(controls)]
+    ports = [any_free_port() for _ in range(controls)]
     return e2e_settings(
         tmp_path,
         db_dsn,
         temporal_env.client.service_client.config.target_host,
-        api_port=free_port(),
+        api_port=any_free_port(),
         api_reuse_port=True,
         control_grpc_port=ports[0],
         control_addresses=[f"127.0.0.1:{p}" for p in ports],
@@ -247,7 +248,7 @@ async def test_an_api_process_killed_under_a_stream_of_submissions_costs_a_retry
         await control.start()
         await agent.start()
         apis = start_api(settings, "api-1", tmp_path) | start_api(settings, "api-2", tmp_path)
-        await asyncio.to_thread(wait_listening, apis, settings.api_port, 90)
+        await asyncio.to_thread(wait_listening, apis, settings.api_port, 90, tmp_path)
         stream = SubmitStream(f"http://127.0.0.1:{settings.api_port}").start()
         await stream.more(10, "before any kill")
         for name in ("api-1", "api-2"):
@@ -256,7 +257,7 @@ async def test_an_api_process_killed_under_a_stream_of_submissions_costs_a_retry
             await stream.more(10, f"with {name} dead")
             # ...until it is back; then the next kill leaves the restarted one serving alone
             apis |= start_api(settings, name, tmp_path)
-            await asyncio.to_thread(wait_listening, {name: apis[name]}, settings.api_port, 90)
+            await asyncio.to_thread(wait_listening, {name: apis[name]}, settings.api_port, 90, tmp_path)
             await stream.more(10, f"with {name} back")
         done = await asyncio.to_thread(stream.stop)
         stream = None
@@ -297,7 +298,9 @@ async def test_the_leader_control_killed_under_a_stream_of_submissions_the_other
         procs["c2"] = spawn_control(settings, "c2", ports[1], tmp_path / "c2.log")
         await agent.start()
         procs |= start_apis(settings, 2, tmp_path, cwd=REPO)
-        await asyncio.to_thread(wait_listening, {n: procs[n] for n in ("api-1", "api-2")}, settings.api_port, 90)
+        await asyncio.to_thread(
+            wait_listening, {n: procs[n] for n in ("api-1", "api-2")}, settings.api_port, 90, tmp_path
+        )
         stream = SubmitStream(f"http://127.0.0.1:{settings.api_port}").start()
         await stream.more(20, "before the kill")
         placed_by_c1 = await pool.fetchval(

@@ -17,9 +17,10 @@ import time
 import httpx
 import pytest
 
+from common.embedded import any_free_port
 from common.temporal import connect
 from store import allocations, errors
-from tests.e2e.conftest import PY, Stack, e2e_settings, free_port, kill_ranks, seed_cluster
+from tests.e2e.conftest import PY, Stack, e2e_settings, kill_ranks, seed_cluster
 from tests.support import eventually
 
 pytestmark = pytest.mark.e2e
@@ -61,7 +62,7 @@ async def test_leader_killed_mid_run_the_other_takes_over_and_fences_the_old_epo
     from tests.workflows.test_placement_control import assert_no_gpu_had_two_live_leases
     from worker_agent.agent import AgentProcess
 
-    ports = [free_port(), free_port()]
+    ports = [any_free_port(), any_free_port()]
     settings = e2e_settings(
         tmp_path,
         db_dsn,

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from temporalio.client import Client
 
-from common.embedded import EmbeddedTemporal
+from common.embedded import EmbeddedTemporal, any_free_port
 from common.temporal import connect
-from tests.e2e.conftest import Stack, e2e_settings, free_port, kill_ranks, seed_cluster
+from tests.e2e.conftest import Stack, e2e_settings, kill_ranks, seed_cluster
 from tests.support import eventually
 
 pytestmark = pytest.mark.e2e
@@ -80,7 +80,9 @@ def outage_overrides() -> dict:
 
 @pytest.fixture
 async def outage_stack(pool, db_dsn, tmp_path: Path, outage_overrides) -> AsyncIterator[OutageStack]:
-    server = EmbeddedTemporal(tmp_path / "temporal" / "t.db", port=free_port(), ui=False, log_file=tmp_path / "t.log")
+    server = EmbeddedTemporal(
+        tmp_path / "temporal" / "t.db", port=any_free_port(), ui=False, log_file=tmp_path / "t.log"
+    )
     server.start()
     try:
         async for stack in _stack_on(server, pool, db_dsn, tmp_path, outage_overrides):

@@ -12,8 +12,8 @@ import signal
 
 import pytest
 
-from common.embedded import EmbeddedTemporal
-from tests.e2e.conftest import e2e_settings, free_port
+from common.embedded import EmbeddedTemporal, any_free_port
+from tests.e2e.conftest import e2e_settings
 from tests.e2e.test_failover import leader_row, spawn_control
 from tests.support import eventually
 
@@ -21,11 +21,11 @@ pytestmark = pytest.mark.e2e
 
 
 async def test_control_started_while_temporal_is_down_waits_and_then_leads(pool, db_dsn, tmp_path):
-    port = free_port()
+    port = any_free_port()
     server = EmbeddedTemporal(tmp_path / "temporal" / "t.db", port=port, ui=False, log_file=tmp_path / "t.log")
     settings = e2e_settings(tmp_path, db_dsn, server.address, connect_retry_max_s=1.0)
     log_path = tmp_path / "control.log"
-    control = spawn_control(settings, "c1", free_port(), log_path)
+    control = spawn_control(settings, "c1", any_free_port(), log_path)
     try:
         # it waits (does not exit), saying for what
         await eventually(
@@ -48,9 +48,9 @@ async def test_control_started_while_temporal_is_down_waits_and_then_leads(pool,
 
 
 async def test_control_stopped_while_it_waits_for_temporal_exits_cleanly(pool, db_dsn, tmp_path):
-    settings = e2e_settings(tmp_path, db_dsn, f"127.0.0.1:{free_port()}", connect_retry_max_s=1.0)
+    settings = e2e_settings(tmp_path, db_dsn, f"127.0.0.1:{any_free_port()}", connect_retry_max_s=1.0)
     log_path = tmp_path / "control.log"
-    control = spawn_control(settings, "c1", free_port(), log_path)
+    control = spawn_control(settings, "c1", any_free_port(), log_path)
     try:
         await eventually(lambda: "waiting for it" in log_path.read_text(), timeout=30, what="control waits")
         control.send_signal(signal.SIGTERM)

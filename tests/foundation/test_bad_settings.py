@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common.embedded import any_free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -45,8 +47,8 @@ def test_unreachable_database_for_up(tmp_path):
         env={
             "GPUFLEET_DATABASE_URL": "postgresql://u@127.0.0.1:9/x",
             "GPUFLEET_STATE_DIR": str(tmp_path),
-            "GPUFLEET_API_PORT": str(_free_port()),
-            "GPUFLEET_CONTROL_GRPC_PORT": str(_free_port()),
+            "GPUFLEET_API_PORT": str(any_free_port()),
+            "GPUFLEET_CONTROL_GRPC_PORT": str(any_free_port()),
         },
     )
     assert "cannot reach the database" in one_line_error(r)
@@ -81,9 +83,3 @@ def test_help_lists_the_commands():
     assert r.returncode == 0
     for cmd in ("up", "db", "bench"):
         assert cmd in r.stdout
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.foundation.test_up import ROOT, free_port, read_until, start, stop
+from common.embedded import any_free_port
+from tests.foundation.test_up import ROOT, read_until, start, stop
 from tests.support import OutputReader, eventually_sync
 
 pytestmark = pytest.mark.e2e
@@ -114,7 +115,7 @@ class Cli:
 
 
 def test_cli_on_the_running_stack(state_root, tmp_path):
-    ports = {"api": free_port(), "temporal": free_port(), "ui": free_port(), "grpc": free_port()}
+    ports = {"api": any_free_port(), "temporal": any_free_port(), "ui": any_free_port(), "grpc": any_free_port()}
     proc = start(state_root / "state", ports)
     try:
         _run_cli_checks(proc, ports, tmp_path)

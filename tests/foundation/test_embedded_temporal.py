@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 import common.embedded as embedded
-from common.embedded import EmbeddedTemporal, PlatformError
+from common.embedded import EmbeddedTemporal, PlatformError, any_free_port
 from common.temporal import temporal_cli_path
-from tests.foundation.test_up import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -42,7 +41,7 @@ def racing_cli(tmp_path: Path, fails: int) -> tuple[Path, Path]:
 def test_a_start_that_loses_a_port_race_is_tried_again(tmp_path, monkeypatch):
     script, count = racing_cli(tmp_path, fails=1)
     monkeypatch.setattr(embedded, "temporal_cli_path", lambda: str(script))
-    server = EmbeddedTemporal(tmp_path / "t" / "t.db", port=free_port(), ui=False, log_file=tmp_path / "t.log")
+    server = EmbeddedTemporal(tmp_path / "t" / "t.db", port=any_free_port(), ui=False, log_file=tmp_path / "t.log")
     try:
         assert server.start(timeout_s=60) == server.address
         assert count.read_text().strip() == "2"
@@ -55,7 +54,7 @@ def test_a_server_that_keeps_exiting_fails_with_its_last_log_line(tmp_path, monk
     script, count = racing_cli(tmp_path, fails=99)
     monkeypatch.setattr(embedded, "temporal_cli_path", lambda: str(script))
     server = EmbeddedTemporal(
-        tmp_path / "t" / "t.db", port=free_port(), ui=False, log_file=tmp_path / "t.log", start_attempts=2
+        tmp_path / "t" / "t.db", port=any_free_port(), ui=False, log_file=tmp_path / "t.log", start_attempts=2
     )
     with pytest.raises(PlatformError) as raised:
         server.start(timeout_s=30)

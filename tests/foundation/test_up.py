@@ -16,29 +16,12 @@ import httpx
 import psutil
 import pytest
 
+from common.embedded import any_free_port
 from tests.support import OutputReader
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.e2e
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range (32768+): the Temporal dev server
-    grabs ephemeral ports for its internal services, and one of those must not be the
-    port we then tell it to serve the UI on."""
-    import random
-
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 def start(state: Path, ports: dict[str, int], *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -94,7 +77,7 @@ def read_rest(proc: subprocess.Popen) -> str:
 
 
 def test_make_up_brings_the_platform_up_and_down(state_root):
-    ports = {"api": free_port(), "temporal": free_port(), "ui": free_port(), "grpc": free_port()}
+    ports = {"api": any_free_port(), "temporal": any_free_port(), "ui": any_free_port(), "grpc": any_free_port()}
     proc = start(state_root / "state", ports)
     try:
         out = read_until(proc, "Ctrl-C stops everything", 180)

@@ -18,8 +18,9 @@ import pytest
 import yaml
 
 from cli.user_cmd import ApiClient
+from common.embedded import any_free_port
 from common.postgres_pair import PostgresNode
-from tests.foundation.test_up import ROOT, assert_stopped, free_port, read_until, start, stop
+from tests.foundation.test_up import ROOT, assert_stopped, read_until, start, stop
 from tests.support import eventually_sync
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -51,7 +52,7 @@ def _postmaster(pgdata: Path) -> int | None:
 
 def test_up_ha_survives_a_dead_primary_and_a_dead_api(state_root: Path) -> None:
     state = state_root / "state"
-    ports = {"api": free_port(), "temporal": free_port(), "ui": free_port(), "grpc": free_port()}
+    ports = {"api": any_free_port(), "temporal": any_free_port(), "ui": any_free_port(), "grpc": any_free_port()}
     proc = start_ha(state, ports)
     tail = ""
     try:
