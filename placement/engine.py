@@ -74,6 +74,7 @@ from placement.victims import (
 _INF = float("inf")
 _NO_RANK = 4  # below every class rank (0-3): no such reservation
 _NO_EXCL: frozenset[str] = frozenset()
+_NO_SPAN = (-math.inf, math.inf)  # without backfill a run time decides nothing
 
 
 _PROD_BATCH_RANK = PriorityClass.PROD_BATCH.rank
@@ -118,8 +119,8 @@ class _Cycle:
         self.preempt_fail: set[tuple] = set()
         self.reclaimed: set[tuple[str, str]] = set()
         self.waiting_since: dict[tuple[str, str], float] | None = None  # per (team, type), built on first use
-        # (res_version, reservations' expected starts sorted, max_runtime -> cut) for _backfill_cut
-        self.backfill_cuts: tuple[int, list[float], dict[float, int]] = (-1, [], {})
+        # (res_version, reservations' expected starts sorted, max_runtime -> span) for _backfill_span
+        self.backfill_spans: tuple[int, list[float], dict[float, tuple[float, float]]] = (-1, [], {})
         self.victim_index: dict[tuple[str, Mode], VictimIndex] = {}  # per (type, mode without team)
         self.victims_left = policy.max_preemptions_per_cycle
         self.searches_left = policy.max_victim_searches_per_cycle
@@ -258,11 +259,12 @@ class _Cycle:
             self.excl_cache.clear()
             self.excl_version = state.res_free_version
         own = job.job_id if job.job_id in state._reservations else None
-        key = (job.gpu_type, job.rank, job.max_runtime_s, class_rule, own, evictably, self.claim_team)
+        span = self._backfill_span(job)
+        key = (job.gpu_type, job.rank, span, class_rule, own, evictably, self.claim_team)
         ex = self.excl_cache.get(key)
         if ex is None:
             ex = self.excl_cache[key] = Exclusions(
-                state, job, self.now, self.policy, class_rule, evictably, self.claim_team
+                state, job, self.now, self.policy, class_rule, evictably, self.claim_team, span
             )
         return ex
 
@@ -472,7 +474,7 @@ class _Cycle:
                 job.replicas,
                 job.gpus_per_replica,
                 job.topology,
-                self._backfill_cut(job),
+                self._backfill_span(job),
                 policy.unsaved_borrow_guard is not None and job.preemptible,
                 job.waited(now, policy.claim_borrowed_reservations_after_s),
                 job.waited(now, policy.reclaim_small_borrowed_after_s),
@@ -500,22 +502,31 @@ class _Cycle:
             p = self.pending[-1]
             self.decided[key] = (epoch, p.reason, p.detail, self.quota_only)
 
-    def _backfill_cut(self, job: JobSpec) -> int:
+    def _backfill_span(self, job: JobSpec) -> tuple[float, float]:
         """What the job's max_runtime decides (``reservations.may_use``): it may backfill the
-        reservations that start at or after it would end, a suffix of them by start; the count
-        of those before the suffix names the set (equal jobs with other run times that see the
-        same set decide alike)."""
+        reservations that start at or after it would end. The reservations' expected starts
+        either side of that end, (last before, first at or after), name the set, so jobs with
+        other run times in the same span decide alike, in every memo a decision reads (a
+        decision repeated for an equal job must cost what deciding it afresh would: a memo
+        keyed by the run time let each equal job search for victims again, spending the
+        cycle's search budget, where the repeat spent none). As values, not a count: a
+        reservation made later in the cycle splits a span rather than renumbering the others,
+        so a span still names one set of the reservations that stood when it was first used."""
         if not self.policy.backfill:
-            return 0
+            return _NO_SPAN
         state = self.state
-        version, starts, cuts = self.backfill_cuts
+        version, starts, spans = self.backfill_spans
         if version != state.res_version:
-            starts, cuts = sorted(r.expected_start for r in state._reservations.values()), {}
-            self.backfill_cuts = (state.res_version, starts, cuts)
-        cut = cuts.get(job.max_runtime_s)
-        if cut is None:
-            cut = cuts[job.max_runtime_s] = bisect_left(starts, self.now + job.max_runtime_s)
-        return cut
+            starts, spans = sorted(r.expected_start for r in state._reservations.values()), {}
+            self.backfill_spans = (state.res_version, starts, spans)
+        span = spans.get(job.max_runtime_s)
+        if span is None:
+            cut = bisect_left(starts, self.now + job.max_runtime_s)
+            span = spans[job.max_runtime_s] = (
+                starts[cut - 1] if cut else -math.inf,
+                starts[cut] if cut < len(starts) else math.inf,
+            )
+        return span
 
     def _decide_afresh(self, job: JobSpec) -> None:
         state, policy = self.state, self.policy
@@ -687,7 +698,7 @@ class _Cycle:
             t.pack,
             t.max_blocks,
             job.rank,
-            job.max_runtime_s,
+            self._backfill_span(job),
             restrict,
             state.res_free_version,
             borrowed if policy.evictable_backfill else None,
@@ -900,7 +911,7 @@ class _Cycle:
             job.replicas,
             t.pack,
             t.max_blocks,
-            job.max_runtime_s,
+            self._backfill_span(job),
             job.job_id in state._reservations,
             state.res_free_version,
             self.claim_team,

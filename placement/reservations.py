@@ -63,7 +63,9 @@ class Exclusions:
 
     Behaves as a read-only set for ``in``; ``key`` identifies the answer for caching
     (it depends only on the job's type, class, max_runtime, own reservation, the rule
-    set and the reservation set's version).
+    set and the reservation set's version). ``span``, where given, stands for the max_runtime
+    in the key: the reservations' expected starts either side of the job's end
+    (``engine._Cycle._backfill_span``), which decide the same answers.
     """
 
     __slots__ = (
@@ -90,6 +92,7 @@ class Exclusions:
         class_rule: bool = True,
         evictably: bool = False,
         claim_team: str | None = None,
+        span: object = None,
     ) -> None:
         self.state = state
         self.job = job
@@ -116,7 +119,7 @@ class Exclusions:
         self.key = (
             job.gpu_type,
             job.rank,
-            job.max_runtime_s,
+            job.max_runtime_s if span is None else span,
             own,
             class_rule,
             state.res_free_version,

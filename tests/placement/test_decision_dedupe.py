@@ -391,3 +391,29 @@ def test_the_plan_counts_the_decisions_taken_afresh() -> None:
     assert fresh.decided_afresh == 5
     assert repeated.decided_afresh == 1
     assert repeated == fresh  # the count is not part of a plan's value
+
+
+def test_a_repeated_decision_spends_the_search_budget_a_fresh_one_would() -> None:
+    """Two equal 2-node gangs with different run times (no reservation tells them apart) find
+    no victims; a 1-node job of their team after them does, with the cycle's second search.
+    Deciding the second gang afresh must not search again (its failed search is remembered
+    for every job its run time does not set apart), or the last job finds the budget spent
+    where the repeated decision left it one: the plans would differ."""
+    st = cluster(blocks=1, nodes=3)
+    big_quota(st, "t", "low", "serve")
+    for n in ("b0n0", "b0n1"):  # half preemptible, half prod-serving: eligible GPUs, no clear node
+        occupy(st, spec(f"low-{n}", team="low", cls="preemptible", gpr=4), {n: (0, 1, 2, 3)})
+        occupy(st, spec(f"serve-{n}", team="serve", cls="prod-serving", gpr=4), {n: (4, 5, 6, 7)})
+    occupy(st, spec("low-b0n2", team="low", cls="preemptible", gpr=8), ["b0n2"])
+    q = queue_of(
+        spec("gang-a", team="t", replicas=2, gpr=8, runtime=10 * HOUR, submit=1),
+        spec("gang-b", team="t", replicas=2, gpr=8, runtime=5 * HOUR, submit=2),
+        spec("one", team="t", gpr=8, submit=3),
+    )
+    pol = Policy(max_victim_searches_per_cycle=2, hot_spare_min_gpus=0, hot_spare_fraction=0.0)
+    fresh = plan(st, q, pol, NOW, dedupe=False)
+    assert [(x.victim, x.beneficiary) for x in fresh.preemptions] == [("low-b0n2", "one")]
+    assert fresh.reason("gang-a") is fresh.reason("gang-b") is not None
+    repeated = plan(st, q, pol, NOW)
+    assert repeated.decided_afresh == 2
+    assert repeated == fresh
