@@ -1069,20 +1069,23 @@ class _Cycle:
             # the slot goes to a lower class's gang, or (a guaranteed gang) to a borrowing one
             # of its class: seen, a team's guaranteed 4,096-GPU gang never started in 2.4 h
             # while another team's borrowing gang held the only slot
+            outrank = policy.guaranteed_gangs_outrank_borrowed
             weaker = [
                 r
                 for r in mine
-                if r.priority_rank > job.rank
+                if (r.priority_rank > job.rank and not (outrank and borrowed and not owner_borrows(state, r)))
                 or (
-                    policy.guaranteed_gangs_reserve_first
-                    and not borrowed
-                    and r.priority_rank == job.rank
+                    not borrowed
+                    and (outrank or (policy.guaranteed_gangs_reserve_first and r.priority_rank == job.rank))
                     and owner_borrows(state, r)
                 )
             ]
             if not weaker:
                 return False
-            weakest = max(weaker, key=lambda r: (r.priority_rank, owner_borrows(state, r), r.created_at, r.job_id))
+            if outrank:
+                weakest = max(weaker, key=lambda r: (owner_borrows(state, r), r.priority_rank, r.created_at, r.job_id))
+            else:
+                weakest = max(weaker, key=lambda r: (r.priority_rank, owner_borrows(state, r), r.created_at, r.job_id))
             state.remove_reservation(weakest.job_id)
         t = job.topology
         mkey = (job.gpu_type, shape.nodes, t.pack, t.max_blocks)

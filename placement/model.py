@@ -268,6 +268,13 @@ class Policy:
     * ``guaranteed_gangs_reserve_first``: when every head-of-line slot of a GPU type is
       taken, a gang that runs guaranteed takes the slot of a same-class gang that would
       run borrowed (the queue already puts a team below its guarantee first).
+    * ``guaranteed_gangs_outrank_borrowed``: the head-of-line slot goes to guarantees whatever
+      the classes: a gang that runs guaranteed takes it from a borrowing gang of any class (not
+      only its own, as above), and a borrowing gang no longer takes a guaranteed gang's slot for
+      its higher class (it would take it back every cycle). Without it a team's research gang
+      within its guarantee waited 11 h (``topology``) behind another team's borrowing
+      4,096-GPU prod-batch gang holding the only slot with an expected start 9.4 h away (seed
+      4's starved team, sim/README.md). Guaranteed gangs keep the class order among themselves.
     * ``claim_borrowed_reservations_after_s``: a job that runs guaranteed and has waited
       this long since submit may use the nodes a borrowing gang of another team holds
       (head-of-line): borrowed capacity yields to guarantees, the gang's start slips.
@@ -403,6 +410,7 @@ class Policy:
     reclaim_wait_per_team: bool = False
     borrowed_apart: bool = False
     checkpoint_wait_s: float | None = None
+    guaranteed_gangs_outrank_borrowed: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -443,6 +451,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "reclaim_wait_per_team": False,
     "borrowed_apart": False,
     "checkpoint_wait_s": None,
+    "guaranteed_gangs_outrank_borrowed": False,
 }
 
 PRESETS: dict[str, Policy] = {

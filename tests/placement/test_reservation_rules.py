@@ -306,7 +306,12 @@ def test_a_guaranteed_gang_takes_the_slot_of_a_borrowing_gang_of_its_class() -> 
     """One head-of-line slot per type: a gang beyond its team's guarantee holds it until a
     same-class gang that runs guaranteed needs it; the borrowing gang never takes it back."""
     for on in (True, False):
-        pol = Policy(reserve_min_gpus=32, guaranteed_gangs_reserve_first=on, borrowed_gang_guard=None)
+        pol = Policy(
+            reserve_min_gpus=32,
+            guaranteed_gangs_reserve_first=on,
+            guaranteed_gangs_outrank_borrowed=False,
+            borrowed_gang_guard=None,
+        )
         st = setup()
         st.set_quota("over", "h100", 0, 1000)  # everything it runs is borrowed
         q = queue_of(spec("bgang", team="over", replicas=4, gpr=8, pack="block", max_blocks=1))
@@ -317,6 +322,48 @@ def test_a_guaranteed_gang_takes_the_slot_of_a_borrowing_gang_of_its_class() -> 
         p = cycle(st, q, 300, pol)
         assert [r.job_id for r in p.reservations] == (["gang"] if on else ["bgang"])
         assert p.reason("bgang" if on else "gang") is not PendingReason.RESERVED
+
+
+def test_a_guaranteed_gang_takes_the_slot_of_a_borrowing_gang_of_a_higher_class() -> None:
+    """``guaranteed_gangs_outrank_borrowed``: a prod-batch gang beyond its team's guarantee
+    holds the one slot; a research gang that runs guaranteed takes it, and the prod-batch gang
+    does not take it back (without the field the class rule would, every cycle). Without the
+    field the research gang never gets it."""
+    for on in (True, False):
+        pol = Policy(reserve_min_gpus=32, guaranteed_gangs_outrank_borrowed=on, borrowed_gang_guard=None)
+        st = setup()
+        st.set_quota("over", "h100", 0, 1000)  # everything it runs is borrowed
+        q = queue_of(spec("bgang", team="over", cls="prod-batch", replicas=4, gpr=8, pack="block", max_blocks=1))
+        assert [r.job_id for r in cycle(st, q, 100, pol).reservations] == ["bgang"]
+        q.push(gang(submit=150))
+        for now in (200, 300, 400):
+            p = cycle(st, q, now, pol)
+            assert [r.job_id for r in p.reservations] == (["gang"] if on else ["bgang"]), now
+        # the research gang has held it since 200; the prod-batch gang no longer reserves
+        assert [r.created_at for r in p.reservations] == ([200] if on else [100])
+        assert p.reason("gang") is (PendingReason.RESERVED if on else PendingReason.CAPACITY)
+        assert p.reason("bgang") is (PendingReason.CAPACITY if on else PendingReason.RESERVED)
+
+
+def test_a_borrowing_gang_keeps_its_slot_against_a_guaranteed_gang_of_a_lower_class_that_borrows_too() -> None:
+    """The field moves the slot only towards guarantees: a research gang that would also run
+    borrowed does not take a borrowing prod-batch gang's slot, and a guaranteed prod-batch gang
+    still takes a guaranteed research gang's slot (the class order among guaranteed gangs)."""
+    pol = Policy(reserve_min_gpus=32, guaranteed_gangs_outrank_borrowed=True, borrowed_gang_guard=None)
+    st = setup()
+    st.set_quota("over", "h100", 0, 1000)
+    st.set_quota("t", "h100", 0, 1000)  # the research gang would borrow as well
+    q = queue_of(spec("bgang", team="over", cls="prod-batch", replicas=4, gpr=8, pack="block", max_blocks=1))
+    assert [r.job_id for r in cycle(st, q, 100, pol).reservations] == ["bgang"]
+    q.push(gang(submit=150))
+    assert [r.job_id for r in cycle(st, q, 200, pol).reservations] == ["bgang"]
+
+    st = setup()
+    st.set_quota("pb", "h100", 1000)
+    q = queue_of(gang())
+    assert [r.job_id for r in cycle(st, q, 100, pol).reservations] == ["gang"]
+    q.push(spec("pgang", team="pb", cls="prod-batch", replicas=4, gpr=8, pack="block", max_blocks=1, submit=150))
+    assert [r.job_id for r in cycle(st, q, 200, pol).reservations] == ["pgang"]
 
 
 def test_guaranteed_work_that_waited_may_use_a_borrowing_gangs_reserved_nodes() -> None:
