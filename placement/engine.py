@@ -1068,7 +1068,9 @@ class _Cycle:
         if len(mine) >= policy.max_reservations_per_type:
             # the slot goes to a lower class's gang, or (a guaranteed gang) to a borrowing one
             # of its class: seen, a team's guaranteed 4,096-GPU gang never started in 2.4 h
-            # while another team's borrowing gang held the only slot
+            # while another team's borrowing gang held the only slot. With
+            # guaranteed_gangs_outrank_borrowed, to a borrowing one of any class, and a
+            # borrowing gang never takes a guaranteed one's (it would take it back each cycle)
             outrank = policy.guaranteed_gangs_outrank_borrowed
             weaker = [
                 r
