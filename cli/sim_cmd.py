@@ -84,7 +84,10 @@ def sim(
         " namesake in this pod list, or from a GPU pod of it drawn by the seed",
     ),
     check_invariants: int = typer.Option(
-        0, "--check-invariants", help="check plan and state invariants every N cycles (0: off; slow)"
+        0,
+        "--check-invariants",
+        help="check plan and state invariants every N cycles, and that the plan equals deciding"
+        " every job afresh (0: off; slow)",
     ),
     cycle_interval: float = typer.Option(1.0, "--cycle-interval", help="at most one cycle per this many simulated s"),
     start_latency: float = typer.Option(

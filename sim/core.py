@@ -299,6 +299,21 @@ class Simulation:
         self._note(f"arrive {rec.job.job_id} {rec.job.priority} {rec.job.gpus}g team={rec.job.team}")
         self._mark()
 
+    def _differs_from_fresh(self, p: Plan, now: float) -> str:
+        """Where ``p`` differs from this cycle's plan with no decision repeated for an equal job
+        (``plan(dedupe=False)``), or "" where it does not: repeating a decision is only a
+        speed-up, so any difference is an engine fault (one was found this way on seed 3)."""
+        fresh = plan(self.state, self.queue, self.policy, now, dedupe=False)
+        if fresh == p:
+            return ""
+        for a, b in zip(fresh.pending, p.pending, strict=False):
+            if a != b:
+                return f"afresh {a}, repeated {b}"
+        for name in ("placements", "preemptions", "reservations", "relabels", "pending"):
+            if getattr(fresh, name) != getattr(p, name):
+                return f"{name}: afresh {len(getattr(fresh, name))}, repeated {len(getattr(p, name))}"
+        return "other fields"
+
     def _cycle(self) -> None:
         now = self.now
         self.dirty = False
@@ -314,6 +329,9 @@ class Simulation:
             errs = check_plan(self.state, p, self.queue, self.policy, respect_topology=self.policy.topology)
             if errs:
                 raise InvariantViolation(f"{self.name} t={now}: plan: {errs[:5]}")
+            differs = self._differs_from_fresh(p, now)
+            if differs:
+                raise InvariantViolation(f"{self.name} t={now}: plan differs from deciding every job afresh: {differs}")
         started = [pl for pl in p.placements if not pl.replacement]
         apply(self.state, p, self.queue, now)
         self.cycle_s.append(t1 - t0 + time.perf_counter() - t1)

@@ -4,6 +4,7 @@ seed run of every policy."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,35 @@ def test_invariants_hold_every_cycle_of_a_small_seed_run(policy: str) -> None:
     p = rep["policies"][policy]
     assert p["jobs"]["started"] > 0
     assert "| metric |" in markdown_table(rep)
+
+
+def test_the_invariant_check_catches_a_repeated_decision_that_differs_from_a_fresh_one(monkeypatch) -> None:
+    """With checks on, every cycle's plan is compared with the plan that decides every job
+    afresh (``plan(dedupe=False)``). A fault that changes only the repeated decisions (here,
+    the first pending job's reason) stops the run, naming the job; without it the same busy
+    run (4x the run times: jobs wait, reserve and preempt) passes every cycle."""
+    import sim.core as core
+    from placement import PendingReason
+
+    real = core.plan
+    forged = []
+
+    def faulty(state, queue, policy, now, *, dedupe=True):
+        p = real(state, queue, policy, now, dedupe=dedupe)
+        if dedupe and p.pending:
+            forged.append(p.pending[0].job_id)
+            first = p.pending[0]._replace(reason=PendingReason.LOOKAHEAD, detail="forged")
+            p = replace(p, pending=(first, *p.pending[1:]))
+        return p
+
+    wl = seed_workload(SeedConfig(days=0.1, nodes=64, warmup_h=1.0, seed=11, load_scale=4.0))
+    monkeypatch.setattr(core, "plan", faulty)
+    with pytest.raises(core.InvariantViolation, match=r"differs from deciding every job afresh.*forged"):
+        run_policies(wl, ["ours"], options=SimOptions(check_every=1))
+    assert len(forged) == 1
+    monkeypatch.setattr(core, "plan", real)
+    rep = run_policies(wl, ["ours"], options=SimOptions(check_every=1))
+    assert rep["policies"]["ours"]["preemptions"]["total"] > 0
 
 
 def test_policy_overrides_try_a_change_side_by_side() -> None:
