@@ -340,9 +340,9 @@ def test_gpufleet_api_serve_runs_uvicorn_and_stops_cleanly(db_dsn, tmp_path):
 
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from common.embedded import any_free_port
+
+    port = any_free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")}
     env |= {
         "GPUFLEET_DATABASE_URL": db_dsn,
