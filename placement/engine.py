@@ -423,6 +423,25 @@ class _Cycle:
             gpus += rj.charge
         return lost > gpus * self.policy.patience_max_lost_s
 
+    def _class_preemption_too_costly(
+        self, job: JobSpec, shape: Shape, ti: _TypeIndex, victims: tuple[str, ...]
+    ) -> bool:
+        """``Policy.class_preemption_max_lost_s``: would the guaranteed victims (lower-class work run
+        within a guarantee; borrowed work is always preemptible) lose more work than that many
+        seconds of the job's GPUs, while the job is younger than ``class_preemption_hold_s``?
+        (Only a job within its own team's guarantee takes guaranteed victims.)"""
+        policy = self.policy
+        cap = policy.class_preemption_max_lost_s
+        if cap is None or _never_held_back(job, shape, ti) or job.waited(self.now, policy.class_preemption_hold_s):
+            return False
+        running, now = self.state._running, self.now
+        lost = 0.0
+        for vid in victims:
+            rj = running[vid]
+            if not rj.borrowed:
+                lost += lost_work(rj, now)
+        return lost > cap * shape.charge
+
     def _pend(self, job: JobSpec, reason: PendingReason, detail: str = "") -> None:
         self.pending.append(Pending(job.job_id, reason, detail))
 
@@ -482,6 +501,7 @@ class _Cycle:
                 self._backing_off(job),  # its count is in the pending detail
                 policy.reclaim_higher_borrowed_gangs and self._reclaim_settled(job),
                 job.waited(now, policy.checkpoint_wait_s),
+                job.waited(now, policy.class_preemption_hold_s),
             )
             epoch = self._epoch()
             hit = self.decided.get(key)
@@ -916,6 +936,7 @@ class _Cycle:
             state.res_free_version,
             self.claim_team,
             patient,
+            job.waited(self.now, self.policy.class_preemption_hold_s),  # (the cost cap holds it back till then)
         )
         if fkey in self.preempt_fail:
             return False
@@ -958,6 +979,8 @@ class _Cycle:
             return False
         if patient and self._too_costly(choice.victims):
             return False  # it waits for jobs to end (or for cheaper victims) within its patience
+        if self._class_preemption_too_costly(job, shape, ti, choice.victims):
+            return False  # it waits (a gang reserves) for jobs to end rather than throw that work away
         if self._checkpoints_due(job, shape, ti, choice):
             self.awaits_checkpoints = True
             return False

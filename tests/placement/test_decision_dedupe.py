@@ -410,7 +410,9 @@ def test_a_repeated_decision_spends_the_search_budget_a_fresh_one_would() -> Non
         spec("gang-b", team="t", replicas=2, gpr=8, runtime=5 * HOUR, submit=2),
         spec("one", team="t", gpr=8, submit=3),
     )
-    pol = Policy(max_victim_searches_per_cycle=2, hot_spare_min_gpus=0, hot_spare_fraction=0.0)
+    pol = Policy(
+        max_victim_searches_per_cycle=2, hot_spare_min_gpus=0, hot_spare_fraction=0.0, class_preemption_max_lost_s=None
+    )
     fresh = plan(st, q, pol, NOW, dedupe=False)
     assert [(x.victim, x.beneficiary) for x in fresh.preemptions] == [("low-b0n2", "one")]
     assert fresh.reason("gang-a") is fresh.reason("gang-b") is not None

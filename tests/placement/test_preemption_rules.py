@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
-from placement import PendingReason, Policy, PreemptReason, plan
+from dataclasses import replace
 
-from .helpers import HOUR, cluster, cycle, fill, nodes_of, occupy, queue_of, spec
+from placement import ClusterState, JobQueue, PendingReason, Plan, Policy, PreemptReason, plan
+
+from .helpers import HOUR, cluster, fill, nodes_of, occupy, queue_of, spec
+from .helpers import cycle as checked_cycle
 
 NOW = 10 * HOUR
+# the requirements' victim rules alone: victims here ran for hours without a checkpoint, which
+# ``class_preemption_max_lost_s`` would spare (its own test is the last one)
+RULES = Policy(class_preemption_max_lost_s=None)
+
+
+def cycle(st: ClusterState, q: JobQueue, now: float, policy: Policy | None = None, do_apply: bool = True) -> Plan:
+    return checked_cycle(st, q, now, RULES if policy is None else policy, do_apply)
 
 
 def victims(p) -> list[str]:
@@ -440,7 +450,7 @@ def test_a_gang_is_not_preempted_to_free_one_node_when_single_node_victims_exist
     p = cycle(st, queue_of(x), NOW, do_apply=False)
     assert victims(p) == ["small-b1n0"]  # one node victim + the free b1n3
     # without the excess cost, the gang (one victim, but 4 nodes for 2) would do
-    p = cycle(st, queue_of(x), NOW, Policy(victim_excess_cost=False), do_apply=False)
+    p = cycle(st, queue_of(x), NOW, replace(RULES, victim_excess_cost=False), do_apply=False)
     assert victims(p) == ["gang"]
 
 
@@ -565,3 +575,39 @@ def test_an_idle_job_within_its_guarantee_keeps_its_place_among_victims() -> Non
     st.set_idle("idle-b0n1", True)
     p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW)
     assert victims(p) == ["recent-b0n0"]
+
+
+def test_a_class_preemption_that_would_throw_away_much_guaranteed_work_waits() -> None:
+    """``class_preemption_max_lost_s``: the guaranteed victims stopped for the job's class lose
+    at most that many seconds of the job's GPUs in work; otherwise the job waits (a gang
+    reserves), for ``class_preemption_hold_s`` (300 s) at most. Borrowed victims (reclaimed,
+    or of a lower class), and a prod job within one node, are not held back.
+
+    (victim's class, victim borrowed, work since its checkpoint or start, job's class and
+    GPUs, cap, job's wait) -> the victim is stopped?"""
+    cap = 1800.0
+    cases = [
+        ("research", False, 2 * HOUR, "prod-batch", 32, cap, 10.0, False),  # 64 GPU-h lost > 16 GPU-h
+        ("research", False, 2 * HOUR, "prod-batch", 32, None, 10.0, True),  # the field off: as before
+        ("research", False, 2 * HOUR, "prod-batch", 32, cap, 300.0, True),  # held back 300 s at most
+        ("research", False, 600.0, "prod-batch", 32, cap, 10.0, True),  # checkpointed 10 min ago
+        ("research", False, 1700.0, "prod-batch", 32, cap, 10.0, True),  # just under 32 x 1,800 GPU-s
+        ("research", False, 1900.0, "prod-batch", 32, cap, 10.0, False),  # just over it
+        ("research", False, 2 * HOUR, "prod-batch", 8, cap, 10.0, True),  # a prod job within one node
+        ("research", True, 2 * HOUR, "research", 32, cap, 10.0, True),  # a reclaim of borrowed work
+        ("preemptible", True, 2 * HOUR, "prod-batch", 32, cap, 10.0, True),  # borrowed: always preemptible
+    ]
+    for vcls, vborrowed, lost_s, cls, gpus, limit, waited, stopped in cases:
+        st = cluster(blocks=1, nodes=4)
+        st.set_quota("me", "h100", 100)
+        st.set_quota("low", "h100", 0 if vborrowed else 100, 100)
+        v = spec("v", team="low", cls=vcls, replicas=4, gpr=8, preemptible=lost_s < HOUR)
+        v = replace(v, last_checkpoint_at=NOW - lost_s if lost_s < HOUR else None)
+        occupy(st, v, [f"b0n{i}" for i in range(4)], started_at=NOW - max(lost_s, HOUR), borrowed=vborrowed)
+        job = spec("x", team="me", cls=cls, replicas=gpus // 8, gpr=8, pack="block", submit=NOW - waited)
+        pol = Policy(reserve_min_gpus=32, class_preemption_max_lost_s=limit)
+        p = cycle(st, queue_of(job), NOW, pol)
+        case = (vcls, vborrowed, lost_s, cls, gpus, limit, waited)
+        assert (victims(p) == ["v"]) is stopped, case
+        if not stopped:
+            assert p.reason("x") is PendingReason.RESERVED, case

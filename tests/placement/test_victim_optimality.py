@@ -167,8 +167,13 @@ def _check(
 ) -> None:
     rank = CLASS_RANK[preemptor_cls]
     w.st.set_quota("me", "h100", 10_000, 0)
+    # the rules' choice alone (class_preemption_max_lost_s only decides whether to take it)
     policy = Policy(
-        reservations=False, victim_excess_cost=excess, reserve_min_gpus=RESERVE_MIN, reclaim_higher_borrowed_gangs=True
+        reservations=False,
+        victim_excess_cost=excess,
+        reserve_min_gpus=RESERVE_MIN,
+        reclaim_higher_borrowed_gangs=True,
+        class_preemption_max_lost_s=None,
     )
     submit = NOW - 300 if waited else NOW  # 300 s: reclaim_small_borrowed_after_s
     if shape == "whole":
@@ -258,5 +263,5 @@ def test_a_better_block_past_the_six_with_most_free_nodes_is_found() -> None:
         started_at=0.0,
     )
     x = spec("x", team="me", cls="prod-batch", replicas=4, gpr=8, pack="block", max_blocks=1)
-    p = plan(st_, queue_of(x), Policy(reservations=False), NOW)
+    p = plan(st_, queue_of(x), Policy(reservations=False, class_preemption_max_lost_s=None), NOW)
     assert sorted(pr.victim for pr in p.preemptions) == ["gang"]
