@@ -275,8 +275,8 @@ class Policy:
       within its guarantee waited 11 h (``topology``) behind another team's borrowing
       4,096-GPU prod-batch gang holding the only slot with an expected start 9.4 h away (seed
       4's starved team, sim/README.md). Guaranteed gangs keep the class order among themselves.
-    * ``class_preemption_max_lost_s``: the guaranteed victims of a job (lower-class work
-      within its team's guarantee; borrowed work stays always preemptible) lose at most this
+    * ``class_preemption_max_lost_s``: the guaranteed victims of a job (lower-class work run
+      within a guarantee; borrowed work stays always preemptible) lose at most this
       many seconds of the job's GPUs in work since their last checkpoint (or start); a dearer
       set is not taken and the job waits (a gang reserves and drains). 1,800 s: a 256-GPU job
       throws away at most 128 GPU-hours, the requirements' 30-minute protection of a fresh
