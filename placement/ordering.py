@@ -194,6 +194,9 @@ def iter_order(
             blocked,
         )
         return
+    if policy.guarantees_before_classes and policy.ordering is Ordering.FAIR_SHARE:
+        yield from _merge_across(queue, state, policy, now, get, lane_ok, blocked)
+        return
     by_rank: dict[int, list[tuple[tuple[int, str, str, int], list[tuple[float, str]]]]] = {}
     for key, lane in lanes.items():
         by_rank.setdefault(key[0], []).append((key, lane))
@@ -213,6 +216,67 @@ def iter_order(
             else:
                 entries.append((lane, 0.0, 0, team, gpu_type, floor))
         yield from _merge(entries, jobs, placed, step, now, lane_ok, blocked, _below(state) if fair else None)
+
+
+def _merge_across(
+    queue: JobQueue,
+    state: ClusterState,
+    policy: Policy,
+    now: float,
+    get: Callable[[str], JobSpec],
+    lane_ok: Callable[[str, str, int], bool] | None,
+    blocked: set[tuple[str, str, int]] | None,
+) -> Iterator[JobSpec]:
+    """``Policy.guarantees_before_classes``: every job of a team below its guarantee before any
+    job of a team at or above it, whatever the classes; within each half the usual order (class,
+    front-of-class first, fair-share position less aging, submit). A team that reaches its
+    guarantee with this cycle's placements goes behind the teams still below, as in ``_merge``."""
+    jobs = queue._jobs
+    pos = fair_share_positions(state, queue.teams(), now)
+    step = policy.aging_step_per_hour / 3600.0
+
+    def at_or_above(team: str, gpu_type: str) -> int:
+        return 0 if state.used(team, gpu_type) < state.quota(team, gpu_type).guaranteed else 1
+
+    # (lane, rank, front 0 / lane 1, fair-share base, team, gpu type, size floor); a class's front
+    # lane is split by team and type (its jobs' teams differ), keeping its order
+    entries: list[tuple[list[tuple[float, str]], int, int, float, str, str, int]] = []
+    for rank, lane in sorted(queue.front().items()):
+        parts: dict[tuple[str, str], list[tuple[float, str]]] = {}
+        for item in lane:
+            fj = jobs[item[1]]
+            parts.setdefault((fj.team, fj.gpu_type), []).append(item)
+        for (team, gpu_type), part in sorted(parts.items()):
+            entries.append((part, rank, 0, 0.0, team, gpu_type, 0))
+    for (rank, team, gpu_type, floor), lane in sorted(queue.lanes().items()):
+        entries.append((lane, rank, 1, float(pos[team]), team, gpu_type, floor))
+    heap: list[tuple[int, int, int, float, float, str, int, int]] = []
+    for li, (lane, rank, kind, base, team, gpu_type, _) in enumerate(entries):
+        if lane:
+            submit, jid = lane[0]
+            key = base - step * (now - submit) if kind else 0.0
+            heap.append((at_or_above(team, gpu_type), rank, kind, key, submit, jid, li, 0))
+    heapq.heapify(heap)
+    pop, replace = heapq.heappop, heapq.heapreplace
+    while heap:
+        b, rank, kind, key, submit, jid, li, i = heap[0]
+        lane, _, _, base, team, gpu_type, floor = entries[li]
+        if b == 0 and at_or_above(team, gpu_type):
+            replace(heap, (1, rank, kind, key, submit, jid, li, i))  # it reached its guarantee this cycle
+            continue
+        if kind and lane_ok is not None and not lane_ok(team, gpu_type, floor):
+            if blocked is not None:
+                blocked.add((team, gpu_type, floor))
+            pop(heap)
+            continue  # the rest of this lane cannot run this cycle
+        yield get(jid)
+        i += 1
+        if i < len(lane):
+            submit, jid2 = lane[i]
+            key = base - step * (now - submit) if kind else 0.0
+            replace(heap, (b, rank, kind, key, submit, jid2, li, i))
+        else:
+            pop(heap)
 
 
 def _below(state: ClusterState) -> Callable[[str, str], bool]:

@@ -132,3 +132,61 @@ def test_a_team_that_reaches_its_guarantee_stops_going_first_within_the_cycle() 
     p = cycle(st, q, 10 * HOUR, Policy(preemption=False, reservations=False))
     assert {pl.job_id for pl in p.placements} == {"a1", "a2", "b1"}
     assert p.reason("a3") is PendingReason.CAPACITY
+
+
+ACROSS = Policy(guarantees_before_classes=True)
+
+
+def test_guarantees_before_classes_puts_every_team_below_its_guarantee_first() -> None:
+    """``guarantees_before_classes``: a research job of a team below its guarantee comes before
+    a prod-batch job of a team at its guarantee; among teams below (and among those above) the
+    class order stands, and front-of-class jobs still lead their class."""
+    st = cluster()
+    st.set_quota("over", "h100", 8)
+    st.set_quota("under", "h100", 16)
+    st.set_quota("under2", "h100", 16)
+    fill(st, ["b0n0"], team="over")  # 'over' uses its whole guarantee
+    q = queue_of(
+        spec("o-batch", team="over", cls="prod-batch", submit=0),
+        spec("o-serve", team="over", cls="prod-serving", submit=1),
+        spec("u-res", team="under", cls="research", submit=2),  # aged ten hours by ``now``
+        spec("u-pre", team="under", cls="preemptible", submit=3),
+        spec("u2-batch", team="under2", cls="prod-batch", submit=4),
+        spec("u-again", team="under", cls="research", submit=5, front=True),
+        spec("o-again", team="over", cls="research", submit=6, front=True),
+    )
+    now = 10 * HOUR
+    assert order(st, q, now, ACROSS) == ["u2-batch", "u-again", "u-res", "u-pre", "o-serve", "o-batch", "o-again"]
+    # the default keeps classes first
+    assert order(st, q, now) == ["o-serve", "u2-batch", "o-batch", "u-again", "o-again", "u-res", "u-pre"]
+
+
+def test_guarantees_before_classes_a_team_that_reaches_its_guarantee_goes_behind() -> None:
+    """Team "low" (research) is below its 16-GPU guarantee, "high" (prod-batch) at its own: low's
+    first two 8-GPU jobs come first; once placed, low is at its guarantee and high's job comes
+    before low's third in the same cycle."""
+    st = cluster(blocks=1, nodes=5)
+    st.set_quota("low", "h100", 16, 100)
+    st.set_quota("high", "h100", 16, 100)
+    fill(st, ["b0n0", "b0n1"], team="high", prefix="high-run")
+    q = queue_of(
+        spec("l1", team="low", cls="research", gpr=8, submit=10),
+        spec("l2", team="low", cls="research", gpr=8, submit=11),
+        spec("l3", team="low", cls="research", gpr=8, submit=12),
+        spec("h1", team="high", cls="prod-batch", gpr=8, submit=20),
+    )
+    pol = Policy(preemption=False, reservations=False, guarantees_before_classes=True)
+    p = cycle(st, q, 10 * HOUR, pol)
+    assert {pl.job_id for pl in p.placements} == {"l1", "l2", "h1"}
+    assert p.reason("l3") is PendingReason.CAPACITY
+    # one free node: it goes to low's research job, not to high's prod-batch job (the default's)
+    for policy, winner in ((Policy(preemption=False, reservations=False), "h1"), (pol, "l1")):
+        st2 = cluster(blocks=1, nodes=3)
+        st2.set_quota("low", "h100", 16, 100)
+        st2.set_quota("high", "h100", 16, 100)
+        fill(st2, ["b0n0", "b0n1"], team="high", prefix="high-run")
+        q2 = queue_of(
+            spec("l1", team="low", cls="research", gpr=8, submit=10),
+            spec("h1", team="high", cls="prod-batch", gpr=8, submit=20),
+        )
+        assert {pl.job_id for pl in cycle(st2, q2, 10 * HOUR, policy).placements} == {winner}
