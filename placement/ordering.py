@@ -235,8 +235,10 @@ def _merge_across(
     pos = fair_share_positions(state, queue.teams(), now)
     step = policy.aging_step_per_hour / 3600.0
 
+    below = _below(state)
+
     def at_or_above(team: str, gpu_type: str) -> int:
-        return 0 if state.used(team, gpu_type) < state.quota(team, gpu_type).guaranteed else 1
+        return 0 if below(team, gpu_type) else 1
 
     # (lane, rank, front 0 / lane 1, fair-share base, team, gpu type, size floor); a class's front
     # lane is split by team and type (its jobs' teams differ), keeping its order

@@ -161,14 +161,20 @@ def test_guarantees_before_classes_puts_every_team_below_its_guarantee_first() -
     assert order(st, q, now) == ["o-serve", "u2-batch", "o-batch", "u-again", "o-again", "u-res", "u-pre"]
 
 
+def low_and_high(nodes: int) -> ClusterState:
+    """Teams "low" and "high", 16-GPU guarantees each; high uses its guarantee on two nodes."""
+    st = cluster(blocks=1, nodes=nodes)
+    st.set_quota("low", "h100", 16, 100)
+    st.set_quota("high", "h100", 16, 100)
+    fill(st, ["b0n0", "b0n1"], team="high", prefix="high-run")
+    return st
+
+
 def test_guarantees_before_classes_a_team_that_reaches_its_guarantee_goes_behind() -> None:
     """Team "low" (research) is below its 16-GPU guarantee, "high" (prod-batch) at its own: low's
     first two 8-GPU jobs come first; once placed, low is at its guarantee and high's job comes
     before low's third in the same cycle."""
-    st = cluster(blocks=1, nodes=5)
-    st.set_quota("low", "h100", 16, 100)
-    st.set_quota("high", "h100", 16, 100)
-    fill(st, ["b0n0", "b0n1"], team="high", prefix="high-run")
+    st = low_and_high(nodes=5)
     q = queue_of(
         spec("l1", team="low", cls="research", gpr=8, submit=10),
         spec("l2", team="low", cls="research", gpr=8, submit=11),
@@ -181,10 +187,7 @@ def test_guarantees_before_classes_a_team_that_reaches_its_guarantee_goes_behind
     assert p.reason("l3") is PendingReason.CAPACITY
     # one free node: it goes to low's research job, not to high's prod-batch job (the default's)
     for policy, winner in ((Policy(preemption=False, reservations=False), "h1"), (pol, "l1")):
-        st2 = cluster(blocks=1, nodes=3)
-        st2.set_quota("low", "h100", 16, 100)
-        st2.set_quota("high", "h100", 16, 100)
-        fill(st2, ["b0n0", "b0n1"], team="high", prefix="high-run")
+        st2 = low_and_high(nodes=3)
         q2 = queue_of(
             spec("l1", team="low", cls="research", gpr=8, submit=10),
             spec("h1", team="high", cls="prod-batch", gpr=8, submit=20),
