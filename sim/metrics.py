@@ -15,7 +15,12 @@
   work that fits in what is left of it, and another team borrows capacity that work may
   take back (docs/design.md victims: borrowed work of the same or a lower class); more than
   ``STARVED_AFTER_S`` of that in a row is starvation. The looser figure (any team
-  borrows anything, whatever its class) is reported too;
+  borrows anything, whatever its class) is reported too, and a stricter one beside it
+  (not instead: starvation above is the yardstick): starvation while the free GPUs of the
+  type (hot spares not counted) plus that reclaimable borrowed capacity add up to the
+  team's smallest such job, so that by GPU count alone the rules let it start. Where they
+  do not, the wait is bound by the victim rules (capacity held by another team's borrowed
+  work of a higher class), not by a choice the scheduler could have made;
 * GPU-hours lost to preemption (GPUs x time since the last checkpoint, or since start
   for a job that cannot checkpoint, up to the end of the grace period), to failures, and
   to spread placement (the extra time a gang spread beyond its max_blocks runs, when the
@@ -165,6 +170,10 @@ class Metrics:
         self.below_max: dict[str, float] = {}
         self.starved_max: dict[str, float] = {}
         self.starved_episodes: Counter = Counter()
+        # the same episodes, counted only while free + reclaimable GPUs could hold the job
+        self.starving_capacity_since: dict[tuple[str, str], float] = {}
+        self.starved_capacity_max: dict[str, float] = {}
+        self.starved_capacity_episodes: Counter = Counter()
         self.cycle_interval = 1.0
         self.closed = False  # the window has ended: only first starts (waits) are still measured
         self.stopped_at = self.end  # when the run stopped (the end of the drain, if any)
@@ -248,6 +257,8 @@ class Metrics:
             self._close_starving(key, since, self.end)
         for key, since in list(self.below_since.items()):
             self._close_below(key, since, self.end)
+        for key, since in list(self.starving_capacity_since.items()):
+            self._close_starving_capacity(key, since, self.end)
         for rec in recs:
             if rec.job.submit < 0:
                 continue
@@ -398,8 +409,10 @@ class Metrics:
             any_borrow[gt] = any_borrow.get(gt, 0) + b
         # (called every simulated cycle: locals, no per-team tuples)
         q_by_team, starving_since, below_since = self.q_by_team, self.starving_since, self.below_since
+        capacity_since = self.starving_capacity_since
+        free: dict[str, int] = {}
         for (team, gt, g), own_b in zip(teams, borrowed, strict=True):
-            strict = loose = False
+            strict = loose = capacity = False
             if g > 0:
                 used = st.used(team, gt)
                 if used < g:
@@ -413,10 +426,15 @@ class Metrics:
                         others = sum(reclaimable[gt][max(rank, 1) :]) - own_b
                         if others > 0:
                             strict = True
-                            break
+                            if gt not in free:
+                                free[gt] = st.free_gpus(gt)
+                            if free[gt] + others >= min(c):
+                                capacity = True
+                                break
             key = (team, gt)
             _track(starving_since, key, strict, now, self._close_starving)
             _track(below_since, key, loose, now, self._close_below)
+            _track(capacity_since, key, capacity, now, self._close_starving_capacity)
 
     def _sample_starving_reasons(self, now: float, plan, recs: dict[str, JobRecord]) -> None:
         """Once a minute while a team starves: why its work that fits its guarantee waits."""
@@ -449,6 +467,15 @@ class Metrics:
             self.starved_max[team] = d
         if d > STARVED_AFTER_S:
             self.starved_episodes[team] += 1
+
+    def _close_starving_capacity(self, key: tuple[str, str], since: float, now: float) -> None:
+        del self.starving_capacity_since[key]
+        d = now - since
+        team = key[0]
+        if d > self.starved_capacity_max.get(team, 0.0):
+            self.starved_capacity_max[team] = d
+        if d > STARVED_AFTER_S:
+            self.starved_capacity_episodes[team] += 1
 
     # ------------------------------------------------------------------ summary
 
@@ -552,6 +579,8 @@ class Metrics:
                 "longest_starving_s": r(self.starved_max.get(name, 0.0), 1),
                 "longest_below_guarantee_while_any_team_borrows_s": r(self.below_max.get(name, 0.0), 1),
                 "starved": self.starved_episodes.get(name, 0) > 0,
+                "longest_starving_while_capacity_suffices_s": r(self.starved_capacity_max.get(name, 0.0), 1),
+                "starved_while_capacity_suffices": self.starved_capacity_episodes.get(name, 0) > 0,
             }
         rec_s = sorted(d for d, _ in self.reclaims)
         over_bound = sum(1 for d, b in self.reclaims if d > b + 1e-9)
@@ -607,6 +636,11 @@ class Metrics:
             },
             "teams": teams,
             "starved_teams": sorted(n for n, v in teams.items() if v["starved"]),
+            # beside the yardstick above: the starved teams whose job free + reclaimable GPUs
+            # could hold by count (the rest waited on capacity the victim rules keep from them)
+            "starved_teams_while_capacity_suffices": sorted(
+                n for n, v in teams.items() if v["starved_while_capacity_suffices"]
+            ),
             # once a minute while a team starves: class/pending reason of its work that fits its guarantee
             "starving_work_reasons": dict(sorted(self.starving_reasons.items(), key=lambda kv: (-kv[1], kv[0]))),
             "lost_gpu_hours": {

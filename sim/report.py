@@ -123,6 +123,10 @@ def rows(report: dict) -> list[tuple[str, list[str]]]:
         lambda p: f"{len(p['starved_teams'])} ({fmt_s(max((t['max_wait_s'] or 0) for t in p['teams'].values()))})",
     )
     row(
+        "… of them while free + reclaimable GPUs could hold the job",
+        lambda p: str(len(p["starved_teams_while_capacity_suffices"])),
+    )
+    row(
         "GPU-hours lost: preemption / failures / spread placement",
         lambda p: (
             f"{_num(p['lost_gpu_hours']['preemption'])} / {_num(p['lost_gpu_hours']['failures'])}"
@@ -182,6 +186,7 @@ SEED_ROWS: tuple[tuple[str, str, str], ...] = (
     ("… net of lost work, SIGTERM cost model", "allocation.healthy_gpu_pct_net_of_lost_work_sigterm_model", "pct"),
     ("allocated GPU-hours", "allocation.allocated_gpu_hours", "num"),
     ("teams starved", "starved_teams_count", "num"),
+    ("… while free + reclaimable GPUs could hold the job", "starved_teams_while_capacity_suffices_count", "num"),
     ("GPU-hours lost to preemption", "lost_gpu_hours.preemption", "num"),
     ("… SIGTERM cost model", "lost_gpu_hours_sigterm_model.preemption", "num"),
     ("GPU-hours lost to failures", "lost_gpu_hours.failures", "num"),

@@ -44,7 +44,8 @@ def parse_seeds(text: str) -> list[int]:
 
 def flatten(d: dict, prefix: str = "") -> dict[str, float]:
     """Numeric leaves of a policy's report by dotted path (booleans and lists left out; the
-    starved teams counted as ``starved_teams_count``)."""
+    lists of starved teams counted: ``starved_teams_count``,
+    ``starved_teams_while_capacity_suffices_count``)."""
     out: dict[str, float] = {}
     for k, v in d.items():
         if not isinstance(k, str) or k.startswith("_") or k in _SKIP:
@@ -58,7 +59,7 @@ def flatten(d: dict, prefix: str = "") -> dict[str, float]:
             out[path] = v
         elif v is None:
             out.setdefault(path, None)  # type: ignore[arg-type]
-        elif k == "starved_teams" and isinstance(v, list):
+        elif k.startswith("starved_teams") and isinstance(v, list):
             out[f"{path}_count"] = len(v)
     return out
 

@@ -265,9 +265,34 @@ def test_starvation_is_detected_when_borrowed_capacity_is_not_reclaimed() -> Non
     assert b["longest_starving_s"] == pytest.approx(2 * HOUR, abs=2.0)
     assert b["max_wait_s"] == pytest.approx(2 * HOUR, abs=2.0)
     assert set(res["starving_work_reasons"]) == {"research/capacity"}
+    # A's 16 borrowed research GPUs could hold B's 8: the stricter figure counts it too
+    assert res["starved_teams_while_capacity_suffices"] == ["B"]
+    assert res["teams"]["B"]["longest_starving_while_capacity_suffices_s"] == pytest.approx(2 * HOUR, abs=2.0)
     # our policy reclaims within the grace period: no starvation
     _, ours = simulate(_borrow_then_ask("research"))
     assert ours["starved_teams"] == []
+    assert ours["starved_teams_while_capacity_suffices"] == []
+
+
+def test_starvation_bound_by_the_victim_rules_is_told_apart() -> None:
+    # one 32-GPU block: A (research) borrows 8 GPUs, C (prod-batch) borrows 8; an hour in,
+    # B (research, guarantee 16) asks for 16. B may take back only A's 8 (same class), and
+    # nothing is free: starvation by the yardstick, but not while free + reclaimable capacity
+    # (8 GPUs) could hold the job
+    a_jobs = [job(f"a{i}", "A", float(i), 3 * HOUR) for i in range(2)]
+    c_jobs = [job(f"c{i}", "C", float(i), 3 * HOUR, cls="prod-batch") for i in range(2)]
+    wl = workload(
+        a_jobs + c_jobs + [job("b", "B", HOUR, HOUR, gpus=16)],
+        {"A": (8, 32), "C": (8, 32), "B": (16, 32)},
+        blocks=1,
+        end=5 * HOUR,
+    )
+    sim, res = simulate(wl, "fifo_first_fit")
+    assert sim.recs["b"].first_start == pytest.approx(3 * HOUR + 1.0, abs=2.0)
+    assert res["starved_teams"] == ["B"]
+    assert res["teams"]["B"]["longest_starving_s"] == pytest.approx(2 * HOUR, abs=2.0)
+    assert res["starved_teams_while_capacity_suffices"] == []
+    assert res["teams"]["B"]["longest_starving_while_capacity_suffices_s"] == 0.0
 
 
 def test_borrowed_work_of_a_higher_class_is_not_counted_as_starving_a_lower_class() -> None:
