@@ -197,6 +197,13 @@ def checks(report: dict) -> dict:
             not o["starved_teams"] if guaranteed else None,
             "no team has a guarantee: starvation is defined against one",
         ),
+        # beside the check above, not instead: starvation only while free + reclaimable GPUs
+        # could hold the job by count (sim.metrics), the part a placement choice could end
+        "no_team_starved_while_capacity_suffices": judged(
+            "no_team_starved_while_capacity_suffices",
+            not o["starved_teams_while_capacity_suffices"] if guaranteed else None,
+            "no team has a guarantee: starvation is defined against one",
+        ),
         "large_gangs_in_min_blocks_or_max_blocks": judged(
             "large_gangs_in_min_blocks_or_max_blocks",
             lg["in_min_blocks_or_within_max_blocks"] == lg["placements"] if lg["placements"] else None,

@@ -157,6 +157,7 @@ def _policy_report(alloc: float, net: float, large_mean: float | None, large_n: 
         "reclaim": {"count": 2, "over_grace_plus_2_cycles": 0},
         "teams": {"t": {"guaranteed": {"h100": 8}}},
         "starved_teams": [],
+        "starved_teams_while_capacity_suffices": [],
     }
 
 
