@@ -89,6 +89,14 @@ def dist(xs: list[float], censored: int = 0) -> dict:
     }
 
 
+def _episode(longest: dict[str, float], episodes: Counter, team: str, d: float) -> None:
+    """A closed span of starvation of ``d`` seconds: the team's longest, and an episode past the line."""
+    if d > longest.get(team, 0.0):
+        longest[team] = d
+    if d > STARVED_AFTER_S:
+        episodes[team] += 1
+
+
 def _track(
     since_by: dict[tuple[str, str], float],
     key: tuple[str, str],
@@ -461,21 +469,11 @@ class Metrics:
 
     def _close_starving(self, key: tuple[str, str], since: float, now: float) -> None:
         del self.starving_since[key]
-        d = now - since
-        team = key[0]
-        if d > self.starved_max.get(team, 0.0):
-            self.starved_max[team] = d
-        if d > STARVED_AFTER_S:
-            self.starved_episodes[team] += 1
+        _episode(self.starved_max, self.starved_episodes, key[0], now - since)
 
     def _close_starving_capacity(self, key: tuple[str, str], since: float, now: float) -> None:
         del self.starving_capacity_since[key]
-        d = now - since
-        team = key[0]
-        if d > self.starved_capacity_max.get(team, 0.0):
-            self.starved_capacity_max[team] = d
-        if d > STARVED_AFTER_S:
-            self.starved_capacity_episodes[team] += 1
+        _episode(self.starved_capacity_max, self.starved_capacity_episodes, key[0], now - since)
 
     # ------------------------------------------------------------------ summary
 
