@@ -591,12 +591,14 @@ class _Cycle:
         if (
             borrowed
             and policy.borrowed_gang_guard is not None
-            and own_res is None
+            and (own_res is None or (policy.gang_guard_reserved and own_res.kind is ReservationKind.HEAD_OF_LINE))
             and not serving
             and shape.whole
             and shape.charge >= policy.reserve_min_gpus
             and self._gang_reclaim_likely(job, ti, shape.charge, policy.borrowed_gang_guard)
         ):
+            if own_res is not None:
+                state.remove_reservation(job.job_id)  # it would run borrowed into a likely reclaim
             self._pend(job, PendingReason.CAPACITY, "kept free for guaranteed demand expected back")
             return
         spare_nodes = state.release_spares(job.job_id) if job.job_id in state._spares else ()

@@ -350,6 +350,12 @@ class Policy:
       work is stopped, and no node held idle, for a gang its owners would reclaim. 0.5 in
       ``gpufleet`` (on seeds 1-3 it cut GPU-hours lost to preemption by 42-48% and raised
       allocation net of lost work on each, sim/README.md); None: off (the baselines).
+    * ``gang_guard_reserved`` (off): ``borrowed_gang_guard`` holds back a borrowed gang that
+      holds its own head-of-line reservation too, and drops that reservation. A gang reserved
+      while its team was below its guarantee, or while little demand was expected back, ran
+      borrowed once its nodes drained, past the guard, and was reclaimed within minutes. Off:
+      fewer teams starved over the week, but seeds 6 and 9 lost net and the 90% floor
+      (sim/README.md).
     * ``borrowed_restart_backoff_s``: a job preempted ``n`` times within
       ``preemption_window_s`` (not prod-serving, holding no reservation of its own) starts
       borrowed again only ``n`` x this long after its last preemption, unless the free GPUs
@@ -435,6 +441,7 @@ class Policy:
     class_preemption_max_lost_s: float | None = 1800.0
     class_preemption_hold_s: float = 300.0
     guarantees_before_classes: bool = False
+    gang_guard_reserved: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):

@@ -420,3 +420,32 @@ def test_a_borrowed_gang_the_summed_forecast_holds_starts_under_the_pooled_one()
         p = cycle(st, q, NOW, pol)
         assert (p.placement("gang") is not None) is starts, pooled
     assert Policy().pooled_demand_forecast is True  # on in gpufleet
+
+
+def test_the_gang_guard_reaches_a_gang_holding_its_own_reservation_only_under_its_field() -> None:
+    """``gang_guard_reserved``: a borrowed gang whose head-of-line reservation is ready passes
+    the guard by default; with the field it waits like any borrowed gang and gives the
+    reservation up, so its nodes do not sit reserved for a start the guard forbids."""
+    from placement import Reservation, ReservationKind
+
+    for guard_reserved, starts in ((False, True), (True, False)):
+        pol = Policy(borrowed_gang_guard=1.0, reserve_min_gpus=16, gang_guard_reserved=guard_reserved)
+        st = cluster(blocks=1, nodes=6)
+        fill(st, ["b0n0"], team="lender")
+        st.set_quota("lender", "h100", 16, 0)  # fill() raised it
+        st.set_quota("b", "h100", 8, 100)
+        st.set_demand_forecast({("lender", "h100"): 16, ("b", "h100"): 400})  # 8 GPUs expected back
+        st.add_reservation(
+            Reservation("gang", "h100", ReservationKind.HEAD_OF_LINE, ("b0",), (), 4, 32, 2, NOW, NOW - 600, "b")
+        )
+        q = queue_of(
+            spec("own", team="b", gpr=8, cls="prod-batch"),
+            spec("gang", team="b", replicas=4, gpr=8, pack="block", submit=1),
+        )
+        p = cycle(st, q, NOW, pol)
+        placed = {pl.job_id for pl in p.placements}
+        assert "own" in placed, guard_reserved
+        assert ("gang" in placed) is starts, (guard_reserved, placed)
+        if not starts:
+            assert p.reason_for(q.get("gang")) is PendingReason.CAPACITY
+            assert all(r.job_id != "gang" for r in p.reservations)
