@@ -22,7 +22,8 @@
   do not, the wait is bound by the victim rules (capacity held by another team's borrowed
   work of a higher class), not by a choice the scheduler could have made;
 * GPU-hours lost to preemption (GPUs x time since the last checkpoint, or since start
-  for a job that cannot checkpoint, up to the end of the grace period), to failures, and
+  for a job that cannot checkpoint, up to the end of the grace period; split by cause,
+  victim size and the victim's age at its SIGTERM), to failures, and
   to spread placement (the extra time a gang spread beyond its max_blocks runs, when the
   run models it: ``SimOptions.spread_slowdown``); beside them, the same causes priced by
   the SIGTERM cost model (``sim.costs``: a job that saves on SIGTERM loses its grace and
@@ -89,6 +90,16 @@ def dist(xs: list[float], censored: int = 0) -> dict:
     }
 
 
+# a preempted job's age at its SIGTERM (since the attempt started), for lost_gpu_hours.preemption_by
+AGE_BUCKETS = ("<30m", "30m-2h", ">=2h")
+# what stopped it: the preemption's reason and whether the victim ran borrowed
+CAUSES = ("reclaim_of_borrowed", "reclaim_of_guaranteed", "priority_of_borrowed", "priority_of_guaranteed")
+
+
+def age_bucket(age_s: float) -> str:
+    return "<30m" if age_s < 1800.0 else ("30m-2h" if age_s < 7200.0 else ">=2h")
+
+
 def _episode(longest: dict[str, float], episodes: Counter, team: str, d: float) -> None:
     """A closed span of starvation of ``d`` seconds: the team's longest, and an episode past the line."""
     if d > longest.get(team, 0.0):
@@ -143,6 +154,9 @@ class Metrics:
         self.preempt_by_reason: Counter = Counter()
         self.preempt_borrowed = 0
         self.preempt_per_job: Counter = Counter()
+        # victim -> (cause, size bucket, age bucket) from its SIGTERM until its loss is counted
+        self.pre_cause: dict[str, tuple[str, str, str]] = {}
+        self.lost_pre_by: tuple[dict[str, float], ...] = ({}, {}, {})  # by cause, victim size, victim age
         self.reclaims: list[tuple[float, float]] = []  # (time to start, bound)
         self.lost_pre_h = 0.0
         # the SIGTERM cost model (sim.costs): preemption losses re-priced, savers and the rest apart
@@ -346,6 +360,8 @@ class Metrics:
             self.res_dropped_held_s += now - since
 
     def preempted(self, rec: JobRecord, pr, now: float) -> None:
+        cause = f"{pr.reason.value}_of_{'borrowed' if pr.victim_borrowed else 'guaranteed'}"
+        self.pre_cause[rec.job.job_id] = (cause, size_bucket(rec.job.gpus), age_bucket(now - rec.attempt_start))
         if now < 0 or self.closed:
             return
         self.preempt_by_reason[pr.reason.value] += 1
@@ -366,9 +382,13 @@ class Metrics:
     def lost_preemption(self, rec: JobRecord, h: float, h_sigterm: float, saved_on_sigterm: bool) -> None:
         """A preemption's loss: ``h`` by today's accounting, ``h_sigterm`` by the SIGTERM model."""
         self.stale = True
+        cause = self.pre_cause.pop(rec.job.job_id, None)
         if self.t >= 0 and not self.closed:
             self.lost_pre_h += h
             self.lost_pre_sig_h += h_sigterm
+            if cause is not None:
+                for split, key in zip(self.lost_pre_by, cause, strict=True):
+                    split[key] = split.get(key, 0.0) + h
             if saved_on_sigterm:
                 self.pre_saved += 1
                 self.lost_pre_sig_saved_h += h_sigterm
@@ -646,6 +666,14 @@ class Metrics:
                 "failures": r(self.lost_fail_h, 3),
                 "spread_placement": r(self.lost_spread_h, 3),
                 "preemption_pct_of_allocated": r(100.0 * self.lost_pre_h / alloc_h, 3) if alloc_h else None,
+                # the same preemption GPU-hours split three ways: by what stopped the job, by its
+                # size, and by how long it had run when stopped (young borrowed work reclaimed
+                # is a borrowed start that did not pay)
+                "preemption_by": {
+                    "cause": {c: r(self.lost_pre_by[0].get(c, 0.0), 3) for c in CAUSES},
+                    "victim_size": {b: r(self.lost_pre_by[1].get(b, 0.0), 3) for b in SIZE_BUCKETS},
+                    "victim_age_at_sigterm": {a: r(self.lost_pre_by[2].get(a, 0.0), 3) for a in AGE_BUCKETS},
+                },
             },
             # the second cost model, beside the default one above (sim.costs): a job that saves on
             # SIGTERM loses its grace and its restart, one that cannot its work since its checkpoint

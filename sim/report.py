@@ -134,6 +134,10 @@ def rows(report: dict) -> list[tuple[str, list[str]]]:
         ),
     )
     row(
+        "… preemption by the victim's age at SIGTERM: <30 min / 30 min-2 h / ≥2 h",
+        lambda p: " / ".join(_num(v) for v in p["lost_gpu_hours"]["preemption_by"]["victim_age_at_sigterm"].values()),
+    )
+    row(
         "… the same, SIGTERM cost model (preemption: saved on SIGTERM + not saved)",
         lambda p: (
             f"{_num(p['lost_gpu_hours_sigterm_model']['preemption'])}"

@@ -274,6 +274,20 @@ def test_starvation_is_detected_when_borrowed_capacity_is_not_reclaimed() -> Non
     assert ours["starved_teams_while_capacity_suffices"] == []
 
 
+def test_preemption_losses_are_split_by_cause_victim_size_and_age() -> None:
+    # B takes back one of A's borrowed 8-GPU jobs an hour (+300 s) in: all the loss is a
+    # reclaim of borrowed work, of a <= 8-GPU job, 30 min-2 h into its run
+    _, res = simulate(_borrow_then_ask("research"))
+    lost = res["lost_gpu_hours"]
+    by = lost["preemption_by"]
+    assert lost["preemption"] > 0
+    for split in ("cause", "victim_size", "victim_age_at_sigterm"):
+        assert sum(by[split].values()) == pytest.approx(lost["preemption"], abs=1e-3), split
+    assert by["cause"]["reclaim_of_borrowed"] == pytest.approx(lost["preemption"], abs=1e-3)
+    assert by["victim_size"]["<=8"] == pytest.approx(lost["preemption"], abs=1e-3)
+    assert by["victim_age_at_sigterm"]["30m-2h"] == pytest.approx(lost["preemption"], abs=1e-3)
+
+
 def test_starvation_bound_by_the_victim_rules_is_told_apart() -> None:
     # one 32-GPU block: A (research) borrows 8 GPUs, C (prod-batch) borrows 8; an hour in,
     # B (research, guarantee 16) asks for 16. B may take back only A's 8 (same class), and
