@@ -609,7 +609,9 @@ class _Cycle:
             # beyond its guarantee prod-serving only takes capacity reclaimed from borrowed allocations
             if own_res is not None and own_res.kind is ReservationKind.PREEMPTION:
                 restrict = frozenset(own_res.nodes)
-            else:
+            elif policy.serving_idle_guard is None or self._reclaim_likely(
+                job.gpu_type, ti, shape.charge, policy.serving_idle_guard
+            ):
                 try_free = False
         fail: PendingReason | None = PendingReason.QUOTA
         if try_free:

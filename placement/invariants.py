@@ -357,7 +357,9 @@ def check_plan(
             key = (spec.team, spec.gpu_type)
             if p.borrowed:
                 badd[key] = badd.get(key, 0) + p.gpus
-                if spec.rank == SERVING_RANK and not policy.serving_borrows_idle:
+                # (Policy.serving_idle_guard lets it take idle GPUs the forecast leaves spare:
+                # a judgement of the cycle's forecast, not checked here)
+                if spec.rank == SERVING_RANK and not policy.serving_borrows_idle and policy.serving_idle_guard is None:
                     res = state._reservations.get(p.job_id)
                     if res is None or res.kind is not ReservationKind.PREEMPTION or not set(held) <= set(res.nodes):
                         errs.append(f"{p.job_id}: prod-serving beyond its guarantee placed on idle capacity")

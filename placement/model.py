@@ -251,6 +251,11 @@ class Policy:
       by more than this is re-planned on other blocks if they are earlier.
     * ``serving_borrows_idle``: False (docs/design.md) means prod-serving beyond its
       guarantee gets capacity only by reclaiming borrowed allocations.
+    * ``serving_idle_guard`` (off): with ``serving_borrows_idle`` False, prod-serving beyond
+      its guarantee may also take idle GPUs when the free GPUs left after it still cover
+      this share of the guaranteed demand expected back (the borrowed-gang guard's
+      forecast): serving is never preempted, so it takes only idle capacity whose owners
+      are not expected back.
     * ``guarantee_gangs_first``: a whole-node job of >= ``reserve_min_gpus`` placed
       beyond its team's guarantee, that would fit the guarantee but for the team's
       smaller guaranteed jobs, runs guaranteed and those jobs are marked borrowed
@@ -442,6 +447,7 @@ class Policy:
     class_preemption_hold_s: float = 300.0
     guarantees_before_classes: bool = False
     gang_guard_reserved: bool = False
+    serving_idle_guard: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -457,6 +463,7 @@ class Policy:
             self.unsaved_borrow_guard is not None
             or self.borrowed_gang_guard is not None
             or self.borrowed_restart_backoff_s is not None
+            or self.serving_idle_guard is not None
         )
 
 

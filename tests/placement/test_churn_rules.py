@@ -200,6 +200,9 @@ def test_reads_demand_forecast_and_baselines_keep_the_gang_guard_off() -> None:
         borrowed_gang_guard=None, borrowed_restart_backoff_s=None, unsaved_borrow_guard=1.0
     ).reads_demand_forecast
     assert Policy(borrowed_gang_guard=None, borrowed_restart_backoff_s=600.0).reads_demand_forecast
+    assert Policy(
+        borrowed_gang_guard=None, borrowed_restart_backoff_s=None, serving_idle_guard=1.0
+    ).reads_demand_forecast
     for name in ("fifo_first_fit", "no_topology_no_reservation", "easy_backfill"):
         assert PRESETS[name].borrowed_gang_guard is None, name
         assert PRESETS[name].borrowed_restart_backoff_s is None, name
@@ -449,3 +452,33 @@ def test_the_gang_guard_reaches_a_gang_holding_its_own_reservation_only_under_it
         if not starts:
             assert p.reason_for(q.get("gang")) is PendingReason.CAPACITY
             assert all(r.job_id != "gang" for r in p.reservations)
+
+
+def test_serving_takes_idle_gpus_only_under_its_guard_and_only_those_not_expected_back() -> None:
+    """``serving_idle_guard``: prod-serving beyond its guarantee (never a victim) takes idle
+    GPUs only if the free GPUs left after it cover guard x the demand expected back; by
+    default it never takes idle capacity (docs/design.md).
+
+    Three 8-GPU nodes, "lender" uses one of them; two (16 GPUs) are free."""
+    cases = [
+        # lender's guarantee (and recent peak), policy, starts
+        (16, Policy(serving_idle_guard=1.0), True),  # 8 expected back, 8 left after it
+        (24, Policy(serving_idle_guard=1.0), False),  # 16 expected back, 8 left: waits
+        (24, Policy(serving_idle_guard=0.5), True),  # half of 16 expected back
+        (16, Policy(), False),  # the default: never idle capacity
+    ]
+    for lender_g, pol, starts in cases:
+        st = cluster(blocks=1, nodes=3)
+        fill(st, ["b0n0"], team="lender")
+        st.set_quota("lender", "h100", lender_g, 0)  # fill() raised it
+        st.set_quota("svc", "h100", 0, 100)
+        st.set_demand_forecast({("lender", "h100"): lender_g})
+        q = queue_of(spec("s", team="svc", cls="prod-serving", gpr=8))
+        p = cycle(st, q, NOW, pol)
+        case = (lender_g, pol.serving_idle_guard)
+        pl = p.placement("s")
+        assert (pl is not None) is starts, case
+        if pl is not None:
+            assert pl.borrowed, case
+        else:
+            assert p.preemptions == (), case
