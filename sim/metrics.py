@@ -60,6 +60,7 @@ from sim.workload import CLASSES, SIZE_BUCKETS, Workload, size_bucket
 GPU_HOUR_USD = 2.0
 STARVED_AFTER_S = 600.0
 LARGE_GANG_GPUS = 1024
+_INF = float("inf")
 
 
 def pct(sorted_xs: Sequence[float], p: float) -> float | None:
@@ -138,6 +139,8 @@ class Metrics:
         self.healthy = 0
         self.queued_charge = 0
         self.q_by_team: dict[tuple[str, str, int], Counter] = {}
+        # the same queues job by job, oldest first: job id -> (queued at, charge)
+        self.q_jobs: dict[tuple[str, str, int], dict[str, tuple[float, int]]] = {}
         # integrals over the window
         self.i_time = 0.0
         self.i_alloc = 0.0
@@ -196,6 +199,12 @@ class Metrics:
         self.starving_capacity_since: dict[tuple[str, str], float] = {}
         self.starved_capacity_max: dict[str, float] = {}
         self.starved_capacity_episodes: Counter = Counter()
+        # the same episodes, job by job: while a team starves, since when its oldest waiting job
+        # that fits its guarantee has waited in the episode (the later of its queueing and the
+        # episode's start)
+        self.job_starving_since: dict[tuple[str, str], float] = {}
+        self.starved_job_max: dict[str, float] = {}
+        self.starved_job_episodes: Counter = Counter()
         self.cycle_interval = 1.0
         self.closed = False  # the window has ended: only first starts (waits) are still measured
         self.stopped_at = self.end  # when the run stopped (the end of the drain, if any)
@@ -281,6 +290,8 @@ class Metrics:
             self._close_below(key, since, self.end)
         for key, since in list(self.starving_capacity_since.items()):
             self._close_starving_capacity(key, since, self.end)
+        for key, since in list(self.job_starving_since.items()):
+            self._close_job_starving(key, since, self.end)
         for rec in recs:
             if rec.job.submit < 0:
                 continue
@@ -309,6 +320,11 @@ class Metrics:
         c[rec.charge] += sign
         if c[rec.charge] <= 0:
             del c[rec.charge]
+        jobs = self.q_jobs.setdefault(key, {})
+        if sign > 0:
+            jobs[rec.job.job_id] = (self.t, rec.charge)
+        else:
+            jobs.pop(rec.job.job_id, None)
 
     def first_start(self, rec: JobRecord, now: float) -> None:
         self.stale = True
@@ -438,9 +454,11 @@ class Metrics:
         # (called every simulated cycle: locals, no per-team tuples)
         q_by_team, starving_since, below_since = self.q_by_team, self.starving_since, self.below_since
         capacity_since = self.starving_capacity_since
+        q_jobs, job_since = self.q_jobs, self.job_starving_since
         free: dict[str, int] = {}
         for (team, gt, g), own_b in zip(teams, borrowed, strict=True):
             strict = loose = capacity = False
+            oldest = _INF  # when the oldest queued job that fits the guarantee, of a starving class, was queued
             if g > 0:
                 used = st.used(team, gt)
                 if used < g:
@@ -454,15 +472,26 @@ class Metrics:
                         others = sum(reclaimable[gt][max(rank, 1) :]) - own_b
                         if others > 0:
                             strict = True
+                            for at, charge in q_jobs[(team, gt, rank)].values():
+                                if used + charge <= g:
+                                    oldest = min(oldest, at)
+                                    break
                             if gt not in free:
                                 free[gt] = st.free_gpus(gt)
                             if free[gt] + others >= min(c):
                                 capacity = True
-                                break
             key = (team, gt)
             _track(starving_since, key, strict, now, self._close_starving)
             _track(below_since, key, loose, now, self._close_below)
             _track(capacity_since, key, capacity, now, self._close_starving_capacity)
+            js = job_since.get(key)
+            if strict:
+                start = max(starving_since[key], oldest)
+                if js is not None and js != start:
+                    self._close_job_starving(key, js, now)  # its oldest such job started (or left)
+                job_since[key] = start
+            elif js is not None:
+                self._close_job_starving(key, js, now)
 
     def _sample_starving_reasons(self, now: float, plan, recs: dict[str, JobRecord]) -> None:
         """Once a minute while a team starves: why its work that fits its guarantee waits."""
@@ -494,6 +523,10 @@ class Metrics:
     def _close_starving_capacity(self, key: tuple[str, str], since: float, now: float) -> None:
         del self.starving_capacity_since[key]
         _episode(self.starved_capacity_max, self.starved_capacity_episodes, key[0], now - since)
+
+    def _close_job_starving(self, key: tuple[str, str], since: float, now: float) -> None:
+        del self.job_starving_since[key]
+        _episode(self.starved_job_max, self.starved_job_episodes, key[0], now - since)
 
     # ------------------------------------------------------------------ summary
 
@@ -599,6 +632,8 @@ class Metrics:
                 "starved": self.starved_episodes.get(name, 0) > 0,
                 "longest_starving_while_capacity_suffices_s": r(self.starved_capacity_max.get(name, 0.0), 1),
                 "starved_while_capacity_suffices": self.starved_capacity_episodes.get(name, 0) > 0,
+                "longest_job_starving_s": r(self.starved_job_max.get(name, 0.0), 1),
+                "starved_by_one_job": self.starved_job_episodes.get(name, 0) > 0,
             }
         rec_s = sorted(d for d, _ in self.reclaims)
         over_bound = sum(1 for d, b in self.reclaims if d > b + 1e-9)
@@ -659,6 +694,9 @@ class Metrics:
             "starved_teams_while_capacity_suffices": sorted(
                 n for n, v in teams.items() if v["starved_while_capacity_suffices"]
             ),
+            # and the starved teams one of whose jobs itself waited past the line (not a stream of
+            # jobs each waiting less, one after another, that keeps the team's span open)
+            "starved_teams_by_one_job": sorted(n for n, v in teams.items() if v["starved_by_one_job"]),
             # once a minute while a team starves: class/pending reason of its work that fits its guarantee
             "starving_work_reasons": dict(sorted(self.starving_reasons.items(), key=lambda kv: (-kv[1], kv[0]))),
             "lost_gpu_hours": {

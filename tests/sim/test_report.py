@@ -129,6 +129,7 @@ def _quiet_policy(alloc_over: float | None = None, *, prod: bool = False, large:
         "teams": {"t": {"guaranteed": {"h100": 0}}},
         "starved_teams": [],
         "starved_teams_while_capacity_suffices": [],
+        "starved_teams_by_one_job": [],
     }
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from placement import PRESETS, NodeHealth, PreemptReason
 from sim.failures import Fault
+from sim.metrics import STARVED_AFTER_S
 
 from .helpers import HOUR, ended_at, job, placement_of, preemptions, simulate, workload
 
@@ -268,10 +269,34 @@ def test_starvation_is_detected_when_borrowed_capacity_is_not_reclaimed() -> Non
     # A's 16 borrowed research GPUs could hold B's 8: the stricter figure counts it too
     assert res["starved_teams_while_capacity_suffices"] == ["B"]
     assert res["teams"]["B"]["longest_starving_while_capacity_suffices_s"] == pytest.approx(2 * HOUR, abs=2.0)
+    # and it was one job's wait
+    assert res["starved_teams_by_one_job"] == ["B"]
+    assert res["teams"]["B"]["longest_job_starving_s"] == pytest.approx(2 * HOUR, abs=2.0)
     # our policy reclaims within the grace period: no starvation
     _, ours = simulate(_borrow_then_ask("research"))
     assert ours["starved_teams"] == []
     assert ours["starved_teams_while_capacity_suffices"] == []
+
+
+def test_a_stream_of_short_waits_starves_the_team_but_no_one_job() -> None:
+    # A (guarantee 8) borrows 56 of 64 GPUs; B (guarantee 40) asks for 8 GPUs five times,
+    # 4 minutes apart. Each reclaim takes its victim's 5-minute grace, so each job waits about
+    # that long, but B always has one waiting while A still borrows: its span passes the
+    # 10-minute line, no job's wait does. a1 saves often (the cheapest victim, B's first) and
+    # takes 8 minutes to stop: the first job's wait is the longest
+    a_jobs = [job(f"a{i}", "A", float(i), 3 * HOUR, checkpoint_s=600.0, grace_s=300.0) for i in range(8)]
+    a_jobs[1] = job("a1", "A", 1.0, 3 * HOUR, checkpoint_s=60.0, grace_s=480.0)
+    b_jobs = [job(f"b{i}", "B", HOUR + 240.0 * i, HOUR) for i in range(5)]
+    wl = workload(a_jobs + b_jobs, {"A": (8, 64), "B": (40, 64)}, end=5 * HOUR)
+    sim, res = simulate(wl)
+    waits = [sim.recs[j.job_id].first_start - j.submit for j in b_jobs]
+    assert all(240.0 < w < STARVED_AFTER_S for w in waits), waits
+    assert waits[0] == pytest.approx(480.0, abs=2.0)
+    b = res["teams"]["B"]
+    assert res["starved_teams"] == ["B"]
+    assert b["longest_starving_s"] > 3 * STARVED_AFTER_S / 2
+    assert res["starved_teams_by_one_job"] == []
+    assert b["longest_job_starving_s"] == pytest.approx(max(waits), abs=2.0)
 
 
 def test_preemption_losses_are_split_by_cause_victim_size_and_age() -> None:
