@@ -59,7 +59,15 @@ from placement.reservations import (
     select_nodes,
 )
 from placement.state import ClusterState, RunningJob, _TypeIndex, indices_of, make_placement, mask_of
-from placement.topology import Search, Shape, choose_spares, find_placement, find_small_node, job_shape
+from placement.topology import (
+    Search,
+    Shape,
+    choose_spares,
+    find_placement,
+    find_small_node,
+    job_shape,
+    too_few_free_nodes,
+)
 from placement.victims import (
     Mode,
     VictimChoice,
@@ -74,6 +82,7 @@ from placement.victims import (
 _INF = float("inf")
 _NO_RANK = 4  # below every class rank (0-3): no such reservation
 _NO_EXCL: frozenset[str] = frozenset()
+_SHORT_OF_NODES = frozenset((PendingReason.CAPACITY, PendingReason.TOPOLOGY))  # a whole-node job short of free nodes
 _NO_SPAN = (-math.inf, math.inf)  # without backfill a run time decides nothing
 
 
@@ -646,7 +655,9 @@ class _Cycle:
                         self._commit(job, placed, own_res)
                         return
                     self._give_back_spares(taken)
-        if fail is PendingReason.CAPACITY and self._would_fit_healthy(ti, shape):
+        if (fail is PendingReason.CAPACITY or (shape.whole and fail in _SHORT_OF_NODES)) and self._would_fit_healthy(
+            ti, shape
+        ):
             fail = PendingReason.NODE_HEALTH
         if state._awaiting.get(job.job_id):
             self._pend(job, PendingReason.PREEMPTING)
@@ -693,6 +704,9 @@ class _Cycle:
             return
         if own_res is not None and own_res.kind is ReservationKind.HEAD_OF_LINE:
             state.remove_reservation(job.job_id)  # it may no longer wait on it (e.g. now beyond its quota)
+        if fail is PendingReason.TOPOLOGY and shape.whole and ti.free_nodes < shape.nodes:
+            self._pend(job, fail, f"needs {shape.nodes} whole free node(s), {ti.free_nodes} free")
+            return
         self._pend(job, fail or PendingReason.CAPACITY)
 
     def _try_place(
@@ -708,7 +722,7 @@ class _Cycle:
         self.evictable_placement = False
         if shape.whole:
             if ti.free_nodes < shape.nodes:
-                return PendingReason.CAPACITY, None
+                return too_few_free_nodes(ti, shape), None
         elif ti.free_gpus < shape.total:
             return PendingReason.CAPACITY, None
         if not state._reservations:
@@ -857,8 +871,8 @@ class _Cycle:
         node of its shape (``topology``) fits on any spare node, which is a whole free node."""
         if not ti.spare_nodes:
             return False
-        if shape.whole:
-            return fail is PendingReason.CAPACITY and ti.free_nodes < shape.nodes <= ti.free_nodes + ti.spare_nodes
+        if shape.whole:  # short of whole free nodes, fragments or not (``too_few_free_nodes``)
+            return fail in _SHORT_OF_NODES and ti.free_nodes < shape.nodes <= ti.free_nodes + ti.spare_nodes
         if fail is PendingReason.CAPACITY:
             return ti.free_gpus < shape.total <= ti.free_gpus + ti.spare_gpus
         return fail is PendingReason.TOPOLOGY and shape.total <= ti.node_gpus

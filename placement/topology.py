@@ -164,11 +164,17 @@ def _greedy_blocks(cands: list[tuple[int, str]], k: int, max_blocks: int) -> lis
     return chosen
 
 
+def too_few_free_nodes(ti: _TypeIndex, shape: Shape) -> PendingReason:
+    """Why a whole-node job finds fewer whole free nodes than it needs: ``topology`` when the
+    free GPUs would hold it but lie in parts of used nodes (fragments), else ``capacity``."""
+    return PendingReason.TOPOLOGY if ti.free_gpus >= shape.total else PendingReason.CAPACITY
+
+
 def find_whole_nodes(search: Search, shape: Shape, job: JobSpec, policy: Policy) -> list[str] | PendingReason:
     ti = search.ti
     k = shape.nodes
     if ti.free_nodes < k:
-        return PendingReason.CAPACITY
+        return too_few_free_nodes(ti, shape)
     if search.restrict is not None:
         bids = sorted({search.state._nodes[n].block for n in search.restrict if n in search.state._nodes})
     else:

@@ -144,6 +144,21 @@ def test_gang_all_or_nothing() -> None:
     assert st.free_nodes("h100") == 2
 
 
+def test_a_whole_node_job_short_of_free_nodes_but_not_of_gpus_is_told_topology() -> None:
+    # one GPU used on each of two nodes: 14 GPUs free, no whole free node. An 8-GPU job (a
+    # whole node) waits on the shape of the free GPUs, not their number: `topology`, with
+    # the nodes it lacks; a 16-GPU job, more than the free GPUs, is told `capacity`
+    st = cluster(blocks=1, nodes=2)
+    big_quota(st, "t")
+    occupy(st, spec("x"), {"b0n0": (0,)})
+    occupy(st, spec("y"), {"b0n1": (0,)})
+    p = cycle(st, queue_of(spec("g8", gpr=8), spec("g16", replicas=2, gpr=8, submit=1)), 100)
+    assert p.placements == ()
+    assert p.reason("g8") is PendingReason.TOPOLOGY
+    assert p._index["g8"].detail == "needs 1 whole free node(s), 0 free"
+    assert p.reason("g16") is PendingReason.CAPACITY
+
+
 def test_jobs_run_only_on_their_gpu_type() -> None:
     st = cluster(blocks=1, nodes=2, gpu_type="a100", prefix="a")
     add_blocks(st, 1, 2, gpu_type="h100", prefix="h")
