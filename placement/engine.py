@@ -655,9 +655,8 @@ class _Cycle:
                         self._commit(job, placed, own_res)
                         return
                     self._give_back_spares(taken)
-        if (fail is PendingReason.CAPACITY or (shape.whole and fail in _SHORT_OF_NODES)) and self._would_fit_healthy(
-            ti, shape
-        ):
+        short = fail in _SHORT_OF_NODES if shape.whole else fail is PendingReason.CAPACITY
+        if short and self._would_fit_healthy(ti, shape):
             fail = PendingReason.NODE_HEALTH
         if state._awaiting.get(job.job_id):
             self._pend(job, PendingReason.PREEMPTING)
