@@ -295,7 +295,7 @@ async def job_events(
 _PENDING_TEXT = {
     "quota": "team {team} holds as many {gpu_type} GPUs as its guarantee and borrow limit allow",
     "capacity": "not enough free {gpu_type} GPUs ({free} free on ready nodes, {need} needed)",
-    "topology": "enough {gpu_type} GPUs are free, but not in the shape the job accepts (pack={pack}, max_blocks={max_blocks})",
+    "topology": "enough {gpu_type} GPUs are free, but not in the shape the job accepts ({shape})",
     "reservation": "the free GPUs are held for another job's reservation",
     "hot_spare": "the free {gpu_type} GPUs are held idle as hot spares (for a large gang's restarts)",
     "reserved": "the job holds a reservation for the blocks it will use",
@@ -305,6 +305,14 @@ _PENDING_TEXT = {
     "preempting": "lower-priority jobs are being preempted to make room (grace period)",
     "invalid": "the job's shape can never be placed on this cluster",
 }
+
+
+def _shape_text(topo: dict) -> str:
+    """The job's placement constraints as a user wrote them (a block limit only if set)."""
+    text = f"pack={topo.get('pack', 'any')}"
+    if topo.get("max_blocks") is not None:
+        text += f", max_blocks={topo['max_blocks']}"
+    return text
 
 
 @router.get("/jobs/{job_id}/explain", response_model=Explain, summary="Why the job is pending and what it waits for")
@@ -360,8 +368,7 @@ async def explain_job(request: Request, job_id: JobId, principal: Principal = De
             gpu_type=row["gpu_type"],
             free=free,
             need=need,
-            pack=topo.get("pack", "any"),
-            max_blocks=topo.get("max_blocks"),
+            shape=_shape_text(topo),
         )
     if row["pending_detail"]:
         message += f" ({row['pending_detail']})"

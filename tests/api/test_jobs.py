@@ -138,6 +138,18 @@ async def test_explain_reads_what_placement_published(client, pool):
     assert e["pending_reason"] == "reserved" and e["queue_position"] == 2 and e["waiting_for"]["jobs_ahead"] == 1
     assert e["expected_start"].startswith("2030-01-01") and "reservation" in e["message"]
     assert "2030-01-01" in e["message"] and "blocks b0,b1" in e["message"]
+    # waiting on fragments: the shape it asked for (no block limit named when it set none) and
+    # the whole nodes it lacks
+    await pool.execute(
+        "UPDATE jobs SET pending_reason = 'topology', pending_detail = 'needs 2 whole free node(s), 0 free',"
+        " expected_start = NULL WHERE job_id = $1",
+        job_id,
+    )
+    e = (await client.get(f"/v1/jobs/{job_id}/explain", headers=auth(ALPHA))).json()
+    assert e["message"] == (
+        "enough h100 GPUs are free, but not in the shape the job accepts (pack=any)"
+        " (needs 2 whole free node(s), 0 free); position 2 in the queue"
+    )
     await force_job_state(pool, "UPDATE jobs SET state = 'FAILED', exit_code = 3 WHERE job_id = $1", job_id)
     e = (await client.get(f"/v1/jobs/{job_id}/explain", headers=auth(ALPHA))).json()
     assert e["pending"] is False and e["message"] == "the job finished: FAILED (exit code 3)"
