@@ -109,6 +109,17 @@ def plan(
         state.rollback()
 
 
+def _fragments_detail(ti: _TypeIndex, shape: Shape, job: JobSpec) -> str:
+    """What a job told ``topology`` lacks, where the free GPUs lie in parts of nodes: whole
+    free nodes, or (one replica) enough free GPUs on one node. Empty otherwise (a block limit)."""
+    if shape.whole:
+        return f"needs {shape.nodes} whole free node(s), {ti.free_nodes} free" if ti.free_nodes < shape.nodes else ""
+    if job.replicas == 1:
+        most = max((f for f in range(ti.node_gpus + 1) if ti.buckets[f]), default=0)
+        return f"needs {shape.total} free GPUs on one node, {most} at most"
+    return ""
+
+
 class _Cycle:
     def __init__(self, state: ClusterState, queue: JobQueue, policy: Policy, now: float, dedupe: bool = True) -> None:
         self.state = state
@@ -703,8 +714,8 @@ class _Cycle:
             return
         if own_res is not None and own_res.kind is ReservationKind.HEAD_OF_LINE:
             state.remove_reservation(job.job_id)  # it may no longer wait on it (e.g. now beyond its quota)
-        if fail is PendingReason.TOPOLOGY and shape.whole and ti.free_nodes < shape.nodes:
-            self._pend(job, fail, f"needs {shape.nodes} whole free node(s), {ti.free_nodes} free")
+        if fail is PendingReason.TOPOLOGY:
+            self._pend(job, fail, _fragments_detail(ti, shape, job))
             return
         self._pend(job, fail or PendingReason.CAPACITY)
 

@@ -159,6 +159,17 @@ def test_a_whole_node_job_short_of_free_nodes_but_not_of_gpus_is_told_topology()
     assert p.reason("g16") is PendingReason.CAPACITY
 
 
+def test_a_one_replica_job_waiting_on_fragments_is_told_the_most_any_node_has() -> None:
+    # 3 and 2 GPUs free on two nodes: 5 free, but a 4-GPU replica fits neither
+    st = cluster(blocks=1, nodes=2)
+    big_quota(st, "t")
+    occupy(st, spec("x", gpr=5), {"b0n0": (0, 1, 2, 3, 4)})
+    occupy(st, spec("y", gpr=6), {"b0n1": (0, 1, 2, 3, 4, 5)})
+    p = cycle(st, queue_of(spec("s4", gpr=4)), 100)
+    assert p.reason("s4") is PendingReason.TOPOLOGY
+    assert p._index["s4"].detail == "needs 4 free GPUs on one node, 3 at most"
+
+
 def test_jobs_run_only_on_their_gpu_type() -> None:
     st = cluster(blocks=1, nodes=2, gpu_type="a100", prefix="a")
     add_blocks(st, 1, 2, gpu_type="h100", prefix="h")
