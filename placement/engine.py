@@ -353,6 +353,15 @@ class _Cycle:
         a = self.state._acct.get((job.team, job.gpu_type))
         return q is None or (a.used if a is not None else 0) >= q.guaranteed
 
+    def _guard_covers(self, shape: Shape) -> bool:
+        """Is a job of this shape one ``borrowed_gang_guard`` may hold back? Whole-node gangs of
+        ``reserve_min_gpus`` or more; under ``borrowed_guard_min_gpus`` also any job of at least
+        that many GPUs."""
+        small_min = self.policy.borrowed_guard_min_gpus
+        return (shape.whole and shape.charge >= self.policy.reserve_min_gpus) or (
+            small_min is not None and shape.charge >= small_min
+        )
+
     def _backing_off(self, job: JobSpec) -> int:
         """``Policy.borrowed_restart_backoff_s``: the preemptions the job backs off after, so
         that it may not start borrowed yet (while its owners' demand is expected back); 0:
@@ -613,8 +622,7 @@ class _Cycle:
             and policy.borrowed_gang_guard is not None
             and (own_res is None or (policy.gang_guard_reserved and own_res.kind is ReservationKind.HEAD_OF_LINE))
             and not serving
-            and shape.whole
-            and shape.charge >= policy.reserve_min_gpus
+            and self._guard_covers(shape)
             and self._gang_reclaim_likely(job, ti, shape.charge, policy.borrowed_gang_guard)
         ):
             if own_res is not None:
