@@ -363,14 +363,10 @@ class Policy:
       (sim/README.md).
     * ``borrowed_guard_min_gpus`` (off): ``borrowed_gang_guard`` holds back any borrowed job
       of at least this many GPUs, whatever its shape, not only whole-node gangs of
-      ``reserve_min_gpus``: borrowed jobs of under 64 GPUs reclaimed within 30 minutes of
-      starting lost 22-26% of the GPU-hours lost to preemption on seeds 4 and 5. At 1, over
-      the week 1 team starved (4) and 3.53% was lost to preemption (3.73%); seeds 1-9 netted
-      0.24 points more on average, and prod-batch's <= 8-GPU p95 wait rose to 6-96 s (1-2 s).
-      But the public trace's seed 1 netted 3.2 points less and its <= 8-GPU prod-batch p95
-      wait rose from 0.3 s to 10.8 h: on a 48-GPU cluster whose guarantees add up to all of
-      it, while demand exceeded capacity the guard held small jobs back with 17 of the 48
-      GPUs idle on average (11 without it), sim/README.md. None: gangs only.
+      ``reserve_min_gpus``. At 1 the week starved fewer teams and lost less to preemption,
+      but on the public trace (guarantees adding up to the whole small cluster) the guard
+      kept GPUs idle beside queued work for hours (docs/design.md, sim/README.md). None:
+      gangs only.
     * ``borrowed_restart_backoff_s``: a job preempted ``n`` times within
       ``preemption_window_s`` (not prod-serving, holding no reservation of its own) starts
       borrowed again only ``n`` x this long after its last preemption, unless the free GPUs
