@@ -29,7 +29,7 @@ Baseline policies for the simulator: ``PRESETS`` (``gpufleet``, ``fifo_first_fit
 ``no_topology_no_reservation``, ``easy_backfill``).
 """
 
-from placement.engine import (
+from placement.commit import (
     Checkpointed,
     Event,
     JobEnded,
@@ -39,9 +39,9 @@ from placement.engine import (
     apply,
     apply_event,
     fail_node,
-    plan,
     requeue_spec,
 )
+from placement.engine import plan
 from placement.invariants import check_plan, check_state
 from placement.lifecycle import (
     ACTIVE,

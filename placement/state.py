@@ -18,7 +18,7 @@ Indexes per GPU type:
 
 ``plan`` works on the state tentatively (a journal of inverse operations, rolled
 back before it returns), so ``plan`` leaves the state exactly as it found it; a
-driver calls ``engine.apply`` for what it committed. Not thread-safe.
+driver calls ``commit.apply`` for what it committed. Not thread-safe.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ class ClusterState:
     """Cluster capacity, running jobs, quotas, usage, reservations and hot spares.
 
     Drivers: build it (``add_node``, ``set_quota``, ``set_usage``, ``allocate`` for
-    what already runs), then per cycle call ``engine.plan`` and ``engine.apply``, and
+    what already runs), then per cycle call ``engine.plan`` and ``commit.apply``, and
     feed events (``release``, ``set_node_health``, ``release_replicas``,
     ``set_checkpoint``) as they happen.
     """
