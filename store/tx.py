@@ -32,7 +32,15 @@ class transaction:
         else:
             self._conn = self._db
         self._tx = self._conn.transaction()
-        await self._tx.start()
+        try:
+            await self._tx.start()
+        except BaseException:
+            # ``async with`` never calls __aexit__ when __aenter__ raises: a BEGIN cut short (the
+            # task cancelled as it ran, the connection lost) would keep the connection out of
+            # the pool for good, idle in transaction, and ``Pool.close`` would wait on it for ever
+            if self._acquired and isinstance(self._db, asyncpg.Pool):
+                await self._db.release(self._conn)
+            raise
         return self._conn
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

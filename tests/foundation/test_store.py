@@ -195,3 +195,31 @@ async def test_leadership_is_exclusive_and_epochs_increase(pool):
     e2 = await leader(pool, "c2")
     assert e2 == e1 + 1
     assert not await leadership.renew_leadership(pool, scope=SCOPE, holder="c1", epoch=e1, ttl_s=30)
+
+
+async def test_a_begin_cut_short_gives_the_connection_back_to_the_pool(pool, monkeypatch):
+    """A task cancelled while its BEGIN runs (seen in CI: a leader killed mid-cycle) must not keep
+    the connection: it goes back to the pool, rolled back, and the pool still closes."""
+    import asyncpg.transaction
+
+    from store.tx import transaction
+
+    real_start = asyncpg.transaction.Transaction.start
+
+    async def begin_then_cancelled(self):
+        await real_start(self)  # the server ran BEGIN; the task is cancelled as the reply comes
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(asyncpg.transaction.Transaction, "start", begin_then_cancelled)
+    with pytest.raises(asyncio.CancelledError):
+        async with transaction(pool):
+            pytest.fail("the body must not run")
+    monkeypatch.undo()
+    assert pool.get_size() == pool.get_idle_size()  # nothing left checked out
+    stuck = await pool.fetchval(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state = 'idle in transaction'"
+    )
+    assert stuck == 0
+    async with transaction(pool) as conn:  # and the pool still serves transactions
+        assert await conn.fetchval("SELECT 1") == 1
+    await asyncio.wait_for(pool.close(), 10)
