@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 import uuid
@@ -90,7 +91,11 @@ async def db_dsn(pg_admin_dsn: str, pg_template: str) -> AsyncIterator[str]:
 async def pool(db_dsn: str) -> AsyncIterator[asyncpg.Pool]:
     p = await create_pool(db_dsn, min_size=1, max_size=20)
     yield p
-    await p.close()
+    try:
+        await asyncio.wait_for(p.close(), 30)
+    except TimeoutError:  # Pool.close waits for every connection back: a leak would hang the run
+        p.terminate()
+        pytest.fail("a pooled connection was never given back (Pool.close waited 30 s)")
 
 
 @pytest.fixture(scope="session")
