@@ -198,8 +198,9 @@ async def test_leadership_is_exclusive_and_epochs_increase(pool):
 
 
 async def test_a_begin_cut_short_gives_the_connection_back_to_the_pool(pool, monkeypatch):
-    """A task cancelled while its BEGIN runs (seen in CI: a leader killed mid-cycle) must not keep
-    the connection: it goes back to the pool, rolled back, and the pool still closes."""
+    """A task cancelled while its BEGIN runs (seen in CI after a test killed the leader; which of
+    its tasks was not found) must not keep the connection: it goes back to the pool, rolled
+    back, and the pool still closes."""
     import asyncpg.transaction
 
     from store.tx import transaction
