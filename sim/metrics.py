@@ -38,6 +38,11 @@
   it starts when the last is gone) + 2 cycles;
 * large gangs (>= 1,024 GPUs): blocks spanned vs the fewest blocks that could hold
   them, and max_blocks;
+* what waits beside the idle GPUs while demand exceeds capacity: at each such snapshot, the
+  queued GPUs of the last cycle's pending jobs by class, whether they would run borrowed or
+  guaranteed, size, and pending reason (its detail with the numbers taken out), as a mean per
+  snapshot (``idle.queued_while_demand_exceeds_capacity``): which rule or shape keeps the
+  free GPUs from the work;
 * preemptions per job; cycles.
 
 Everything but the waits (and the placements of the jobs they wait for) is measured over
@@ -49,6 +54,7 @@ Percentiles are nearest-rank; every float is rounded so equal runs give equal JS
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -61,6 +67,10 @@ GPU_HOUR_USD = 2.0
 STARVED_AFTER_S = 600.0
 LARGE_GANG_GPUS = 1024
 _INF = float("inf")
+
+
+_NUMBERS = re.compile(r"\d[\d,.]*")  # a pending detail's numbers, taken out to group by kind
+_QUEUED_KINDS = 12  # kinds of queued work listed beside idle GPUs (the rest summed)
 
 
 def pct(sorted_xs: Sequence[float], p: float) -> float | None:
@@ -135,6 +145,9 @@ class Metrics:
         self.stale = True
         self.next_snap = 0.0
         self.snaps: list[tuple[int, int, int, bool]] = []
+        self.last_pending: tuple = ()  # the last cycle's Plan.pending
+        self.over_queued: Counter = Counter()  # queued GPUs by kind (see _tally_queued), summed over snapshots
+        self.over_queued_snaps = 0
         self.alloc = 0
         self.healthy = 0
         self.queued_charge = 0
@@ -281,6 +294,25 @@ class Metrics:
         idle = max(0, self.healthy - self.alloc)
         over = self.alloc + self.queued_charge > self.healthy
         self.snaps.append((idle, spare, reserved, over))
+        if over and idle > 0 and self.recs is not None:
+            self._tally_queued()
+
+    def _tally_queued(self) -> None:
+        """What waits beside idle GPUs: the last cycle's pending jobs still queued, by kind."""
+        st, recs, tally = self.state, self.recs, self.over_queued
+        assert recs is not None
+        self.over_queued_snaps += 1
+        for pe in self.last_pending:
+            rec = recs.get(pe.job_id)
+            if rec is None or rec.phase != "queued":
+                continue
+            team, gt, charge = rec.job.team, rec.job.gpu_type, rec.charge
+            beyond = st.guaranteed_used(team, gt) + charge > st.quota(team, gt).guaranteed
+            flag = "borrowed" if beyond else "guaranteed"
+            key = f"{rec.job.priority}/{flag}/{size_bucket(charge)}/{pe.reason.value}"
+            if pe.detail:
+                key += ": " + _NUMBERS.sub("N", pe.detail)
+            tally[key] += charge
 
     def close_window(self, recs) -> None:
         """The window has ended; from here on only first starts count (the drain)."""
@@ -436,6 +468,8 @@ class Metrics:
 
     def after_cycle(self, now: float, queue, plan=None) -> None:
         self.stale = True
+        if plan is not None:
+            self.last_pending = plan.pending
         if now < 0 or self.closed:
             return
         st = self.state
@@ -529,6 +563,23 @@ class Metrics:
         _episode(self.starved_job_max, self.starved_job_episodes, key[0], now - since)
 
     # ------------------------------------------------------------------ summary
+
+    def _queued_beside_idle(self) -> dict | None:
+        """Mean queued GPUs per over-capacity snapshot with idle GPUs, by kind (the top
+        ``_QUEUED_KINDS``; the rest summed)."""
+        n = self.over_queued_snaps
+        if not n:
+            return None
+        ranked = sorted(self.over_queued.items(), key=lambda kv: (-kv[1], kv[0]))
+        top, rest = ranked[:_QUEUED_KINDS], ranked[_QUEUED_KINDS:]
+        idle = [x[0] for x in self.snaps if x[3] and x[0] > 0]
+        return {
+            "snapshots": n,
+            "idle_gpus_mean": r(sum(idle) / len(idle), 1) if idle else None,
+            "queued_gpus_mean": r(sum(self.over_queued.values()) / n, 1),
+            "by_kind_gpus_mean": {k: r(v / n, 1) for k, v in top},
+            "other_kinds_gpus_mean": r(sum(v for _, v in rest) / n, 1),
+        }
 
     def _breakdown(self) -> dict:
         """Mean share of healthy GPUs idle, by where they sit (snapshots every sample_s)."""
@@ -680,6 +731,7 @@ class Metrics:
                 "cost_usd": r(idle_h * GPU_HOUR_USD, 0),
                 "gpu_hours_while_demand_exceeds_capacity": r(over_idle_h, 1),
                 "cost_usd_while_demand_exceeds_capacity": r(over_idle_h * GPU_HOUR_USD, 0),
+                "queued_while_demand_exceeds_capacity": self._queued_beside_idle(),
             },
             "wait_s": {
                 "by_class": {c: dist(waits_class.get(c, []), cens_class.get(c, 0)) for c in CLASSES},

@@ -67,6 +67,15 @@ def rows(report: dict) -> list[tuple[str, list[str]]]:
         return f"{b['hot_spares']:.1f} / {b['reserved_for_large_gangs']:.1f} / {b['other_free']:.1f}"
 
     row("idle while over capacity: spares / reserved / other (%)", breakdown)
+
+    def queued_beside(p: dict) -> str:
+        q = p["idle"].get("queued_while_demand_exceeds_capacity")
+        if not q or not q["by_kind_gpus_mean"]:
+            return "–"
+        kind, gpus = next(iter(q["by_kind_gpus_mean"].items()))
+        return f"{kind} ({_num(gpus, 1)} of {_num(q['queued_gpus_mean'], 1)} GPUs queued)"
+
+    row("… the most work queued beside them (kind: mean GPUs)", queued_beside)
     for c in CLASSES:
         row(
             f"wait ≤8 GPUs, {c}: p50 / p95 / p99",

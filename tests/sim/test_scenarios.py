@@ -248,6 +248,29 @@ def test_cycles_only_on_change_and_at_most_once_per_second() -> None:
     assert max(waits) <= 1.0
 
 
+def test_the_report_names_the_work_queued_beside_idle_gpus_while_demand_exceeds_capacity() -> None:
+    # 8 nodes of 8 GPUs, each holding one 7-GPU job (2 h): 8 GPUs free, one per node. Two
+    # 8-GPU jobs arrive at 60 s: demand (72) exceeds the 64 GPUs, yet 8 sit free, because
+    # neither job fits a node. Everything is team x's, within its guarantee, one class.
+    smalls = [job(f"s{i}", "x", 0.0, 2 * HOUR, gpus=7) for i in range(8)]
+    wholes = [job(f"w{i}", "x", 60.0, HOUR, gpus=8) for i in range(2)]
+    sim, res = simulate(workload(smalls + wholes, {"x": (64, 0)}, end=HOUR))
+    at_60 = next(p for p in sim.plans if p.now >= 60.0)
+    assert {at_60.reason(w.job_id).value for w in wholes} == {"topology"}
+    q = res["idle"]["queued_while_demand_exceeds_capacity"]
+    assert q["snapshots"] == 11  # every 300 s from 300 s to 3,300 s
+    assert q["idle_gpus_mean"] == 8.0
+    assert q["queued_gpus_mean"] == 16.0
+    assert q["by_kind_gpus_mean"] == {"research/guaranteed/<=8/topology: needs N whole free node(s), N free": 16.0}
+    assert q["other_kinds_gpus_mean"] == 0.0
+    assert res["allocation"]["healthy_gpu_pct_while_demand_exceeds_capacity"] == pytest.approx(87.5)
+
+
+def test_nothing_is_listed_beside_idle_gpus_when_demand_never_exceeds_capacity() -> None:
+    _, res = simulate(workload([job("a", "x", 0.0, HOUR, gpus=8)], {"x": (64, 0)}, end=HOUR))
+    assert res["idle"]["queued_while_demand_exceeds_capacity"] is None
+
+
 def _borrow_then_ask(b_class: str) -> object:
     # team A (guarantee 16) runs 4 x 8 GPUs on a 32-GPU block: 16 borrowed; an hour in, team B
     # (guarantee 16) asks for 8 GPUs. A's jobs run 3 h.
