@@ -59,6 +59,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from placement import ClusterState, NodeHealth, Policy
+from placement.quota import beyond_guarantee
 from sim.costs import restart_s
 from sim.records import JobRecord
 from sim.workload import CLASSES, SIZE_BUCKETS, Workload, size_bucket
@@ -148,6 +149,7 @@ class Metrics:
         self.last_pending: tuple = ()  # the last cycle's Plan.pending
         self.over_queued: Counter = Counter()  # queued GPUs by kind (see _tally_queued), summed over snapshots
         self.over_queued_snaps = 0
+        self.over_queued_idle = 0  # idle GPUs summed over those snapshots
         self.alloc = 0
         self.healthy = 0
         self.queued_charge = 0
@@ -295,20 +297,20 @@ class Metrics:
         over = self.alloc + self.queued_charge > self.healthy
         self.snaps.append((idle, spare, reserved, over))
         if over and idle > 0 and self.recs is not None:
-            self._tally_queued()
+            self._tally_queued(idle)
 
-    def _tally_queued(self) -> None:
+    def _tally_queued(self, idle: int) -> None:
         """What waits beside idle GPUs: the last cycle's pending jobs still queued, by kind."""
         st, recs, tally = self.state, self.recs, self.over_queued
         assert recs is not None
         self.over_queued_snaps += 1
+        self.over_queued_idle += idle
         for pe in self.last_pending:
             rec = recs.get(pe.job_id)
             if rec is None or rec.phase != "queued":
                 continue
             team, gt, charge = rec.job.team, rec.job.gpu_type, rec.charge
-            beyond = st.guaranteed_used(team, gt) + charge > st.quota(team, gt).guaranteed
-            flag = "borrowed" if beyond else "guaranteed"
+            flag = "borrowed" if beyond_guarantee(st, team, gt, charge) else "guaranteed"
             key = f"{rec.job.priority}/{flag}/{size_bucket(charge)}/{pe.reason.value}"
             if pe.detail:
                 key += ": " + _NUMBERS.sub("N", pe.detail)
@@ -572,10 +574,9 @@ class Metrics:
             return None
         ranked = sorted(self.over_queued.items(), key=lambda kv: (-kv[1], kv[0]))
         top, rest = ranked[:_QUEUED_KINDS], ranked[_QUEUED_KINDS:]
-        idle = [x[0] for x in self.snaps if x[3] and x[0] > 0]
         return {
             "snapshots": n,
-            "idle_gpus_mean": r(sum(idle) / len(idle), 1) if idle else None,
+            "idle_gpus_mean": r(self.over_queued_idle / n, 1),
             "queued_gpus_mean": r(sum(self.over_queued.values()) / n, 1),
             "by_kind_gpus_mean": {k: r(v / n, 1) for k, v in top},
             "other_kinds_gpus_mean": r(sum(v for _, v in rest) / n, 1),
