@@ -397,6 +397,14 @@ class _Cycle:
         # team whose jobs keep arriving would otherwise wait for ever, one patience at a time
         return self.now - self._team_waiting_since(job.team, job.gpu_type) < patience
 
+    def _over_in_use(self, job: JobSpec, shape: Shape) -> bool:
+        """``Policy.preempt_within_team_use``: would the team's whole use (its borrowed jobs
+        too) plus this job pass its guarantee? (Not prod-serving: its guarantee is its own.)"""
+        if not self.policy.preempt_within_team_use or job.rank == SERVING_RANK:
+            return False
+        state = self.state
+        return state.used(job.team, job.gpu_type) + shape.charge > state.quota(job.team, job.gpu_type).guaranteed
+
     def _small_reclaim_due(self, job: JobSpec) -> bool:
         """May this job (within its team's guarantee) reclaim small borrowed jobs of higher
         classes (``Policy.reclaim_small_borrowed_after_s``)? With ``reclaim_wait_per_team``
@@ -689,7 +697,12 @@ class _Cycle:
             self._pend(job, PendingReason.PREEMPTING, "stopping backfill on its reserved nodes")
             return
         mode = None
-        if not borrowed:
+        if not borrowed and self._over_in_use(job, shape):
+            # Policy.preempt_within_team_use: its team's use (borrowed jobs too) plus the job
+            # passes the guarantee: it preempts as work beyond the guarantee does
+            if policy.borrowed_gangs_reclaim_lower and shape.whole and shape.charge >= policy.reserve_min_gpus:
+                mode = Mode(job.rank, True, job.team)
+        elif not borrowed:
             due = self._small_reclaim_due(job)
             mode = Mode(job.rank, False, job.team, due, self._higher_gangs_upto(job, shape) if due else 0)
         elif serving or (

@@ -367,6 +367,15 @@ class Policy:
       but on the public trace (guarantees adding up to the whole small cluster) the guard
       kept GPUs idle beside queued work for hours (docs/design.md, sim/README.md). None:
       gangs only.
+    * ``preempt_within_team_use`` (off): reclaim rights judged by the team's whole use. A
+      job labelled guaranteed (not prod-serving) whose team's use, borrowed jobs included,
+      plus the job passes the guarantee preempts as work beyond the guarantee does: a
+      whole-node gang of ``reserve_min_gpus`` or more takes lower classes' borrowed work
+      (``borrowed_gangs_reclaim_lower``), anything else waits. Flags are per job, so a team
+      whose borrowed gang does not fit its guarantee keeps its guaranteed use low and its
+      next small job reclaims other teams' work. Seed 3's starvation ended and seed 2 passed
+      the 90% floor, but seed 5 starved a team and the week 6 (4); sim/README.md. False:
+      the job's label decides.
     * ``borrowed_restart_backoff_s``: a job preempted ``n`` times within
       ``preemption_window_s`` (not prod-serving, holding no reservation of its own) starts
       borrowed again only ``n`` x this long after its last preemption, unless the free GPUs
@@ -455,6 +464,7 @@ class Policy:
     gang_guard_reserved: bool = False
     serving_idle_guard: float | None = None
     borrowed_guard_min_gpus: int | None = None
+    preempt_within_team_use: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):

@@ -519,3 +519,35 @@ def test_serving_takes_idle_gpus_only_under_its_guard_and_only_those_not_expecte
             assert pl.borrowed, case
         else:
             assert p.preemptions == (), case
+
+
+def test_a_team_at_its_guarantee_in_use_does_not_reclaim_for_a_job_labelled_guaranteed() -> None:
+    """``preempt_within_team_use``: (a's guarantee, the new job's class, field) -> preempts?
+
+    One block of 4 nodes, all busy. "lender" (no guarantee) borrows n0 with a research job.
+    Team a runs a 16-GPU research gang on n1-n2; with a guarantee of 8 the gang does not fit
+    it, so it stays borrowed and a's guaranteed use is 0. a's new 8-GPU job fits that
+    guaranteed use, so it is labelled guaranteed, though a's whole use (16) is past the
+    guarantee already. A filler's guaranteed research job holds n3."""
+    cases = [
+        # a's guarantee, new job's class, field, preempts lender's job
+        (8, "research", False, True),  # by default the label decides: it reclaims
+        (8, "research", True, False),  # a's use (16) + 8 > 8: it waits as work beyond it does
+        (24, "research", True, True),  # the gang runs guaranteed: 16 + 8 <= 24, it reclaims
+        (8, "prod-serving", True, True),  # prod-serving keeps its guarantee's rights
+    ]
+    for a_guarantee, cls, field, preempts in cases:
+        pol = Policy(preempt_within_team_use=field)
+        st = cluster(blocks=1, nodes=4)
+        st.set_quota("lender", "h100", 0, 100)
+        st.set_quota("a", "h100", a_guarantee, 100)
+        occupy(st, spec("lent", team="lender", gpr=8), ["b0n0"], borrowed=True)
+        occupy(st, spec("gang", team="a", replicas=2, gpr=8), ["b0n1", "b0n2"], borrowed=a_guarantee < 16)
+        fill(st, ["b0n3"], team="filler")
+        q = queue_of(spec("x", team="a", cls=cls, gpr=8, submit=NOW - 600))
+        p = cycle(st, q, NOW, pol)
+        case = (a_guarantee, cls, field)
+        assert ([pr.victim for pr in p.preemptions] == ["lent"]) is preempts, case
+        if not preempts:
+            assert p.reason_for(q.get("x")) is PendingReason.CAPACITY, case
+    assert Policy().preempt_within_team_use is False
