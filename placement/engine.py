@@ -139,6 +139,8 @@ class _Cycle:
         self.preempt_fail: set[tuple] = set()
         self.reclaimed: set[tuple[str, str]] = set()
         self.waiting_since: dict[tuple[str, str], float] | None = None  # per (team, type), built on first use
+        # per (team, type): its oldest queued job within its guarantee (reclaim_wait_per_team)
+        self.fitting_since: dict[tuple[str, str], float] = {}
         # (res_version, reservations' expected starts sorted, max_runtime -> span) for _backfill_span
         self.backfill_spans: tuple[int, list[float], dict[float, tuple[float, float]]] = (-1, [], {})
         self.victim_index: dict[tuple[str, Mode], VictimIndex] = {}  # per (type, mode without team)
@@ -167,6 +169,10 @@ class _Cycle:
 
     def run(self) -> Plan:
         state, now = self.state, self.now
+        if self.policy.reclaim_wait_per_team:
+            # before any placement moves a team's use: check_plan reads the same from the
+            # state and queue it is given
+            self.fitting_since = quota_mod.within_guarantee_since(state, self.queue._jobs.values())
         state.promote(now, self.policy.preemption_protect_s)
         checked = state.quota_dirty()
         for team, gpu_type in checked:
@@ -408,14 +414,17 @@ class _Cycle:
     def _small_reclaim_due(self, job: JobSpec) -> bool:
         """May this job (within its team's guarantee) reclaim small borrowed jobs of higher
         classes (``Policy.reclaim_small_borrowed_after_s``)? With ``reclaim_wait_per_team``
-        the wait counts from the team's oldest queued job of the type, so a team whose jobs
-        keep arriving is not held back one wait after another while others borrow."""
+        the wait counts from the team's oldest queued job of the type that fits its
+        guarantee (at the cycle's start), so a team whose jobs keep arriving is not held
+        back one wait after another while others borrow."""
         wait = self.policy.reclaim_small_borrowed_after_s
         if wait is None:
             return False
         if job.waited(self.now, wait):
             return True
-        return self.policy.reclaim_wait_per_team and self.now - self._team_waiting_since(job.team, job.gpu_type) >= wait
+        if not self.policy.reclaim_wait_per_team:
+            return False
+        return self.now - self.fitting_since.get((job.team, job.gpu_type), self.now) >= wait
 
     def _higher_gangs_upto(self, job: JobSpec, shape: Shape) -> int:
         """``Policy.reclaim_higher_borrowed_gangs``: the largest higher-class borrowed gang this

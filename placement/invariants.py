@@ -270,7 +270,8 @@ def _owner_borrowed_then(state: ClusterState, res: Reservation, placed_guarantee
 
 def _small_reclaim_due(job, now: float, policy: Policy, team_since: dict[tuple[str, str], float]) -> bool:
     """The engine's ``_small_reclaim_due``: waited ``reclaim_small_borrowed_after_s`` since its
-    own submit or, with ``reclaim_wait_per_team``, since its team's oldest queued job's."""
+    own submit or, with ``reclaim_wait_per_team``, since its team's oldest queued job's that
+    fits the guarantee."""
     wait = policy.reclaim_small_borrowed_after_s
     if wait is None:
         return False
@@ -375,10 +376,8 @@ def check_plan(
                 errs.append(f"{key}: borrowed usage {b} > borrow limit {q.borrow_limit}")
         # victims
         victims_seen: set[str] = set()
-        team_since: dict[tuple[str, str], float] = {}  # oldest queued submit per (team, type)
-        for j in queue:
-            k = (j.team, j.gpu_type)
-            team_since[k] = min(team_since.get(k, math.inf), j.submit_time)
+        # oldest queued submit within the guarantee per (team, type), as the engine reads it
+        team_since = quota_mod.within_guarantee_since(state, queue) if policy.reclaim_wait_per_team else {}
         for pr in plan.preemptions:
             if pr.victim in victims_seen:
                 errs.append(f"{pr.victim}: preempted twice")

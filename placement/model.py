@@ -321,9 +321,13 @@ class Policy:
       off, docs/design.md: no team starved on seeds 1-5, but the 7-day run starved one more
       team and lost more to preemption): small jobs only.
     * ``reclaim_wait_per_team``: ``reclaim_small_borrowed_after_s`` is counted from the
-      team's oldest queued job of the GPU type (as ``preempt_patience_s`` is), not only from
-      the job's own submit: a team whose small jobs keep arriving, each waiting its own 300 s,
-      stays below its guarantee for as long as they keep coming. False: per job.
+      team's oldest queued job of the GPU type that fits what is left of its guarantee (by
+      the team's whole use at the cycle's start, as the starvation yardstick judges it), not
+      only from the job's own submit: a team whose small jobs keep arriving, each waiting its
+      own 300 s, stays below its guarantee for as long as they keep coming. Jobs that would
+      run borrowed do not count (a first form counted any queued job, so a team with a gang
+      waiting for hours beyond its guarantee reclaimed at once with every small job). False:
+      per job.
     * ``borrowed_apart``: a small job (within one node) goes first to the best-fitting partly
       used node whose running jobs all share its borrowed flag, then as before (best fit
       among partly used nodes, then a free node): borrowed work kept off nodes with

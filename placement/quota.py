@@ -15,8 +15,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from placement.model import JobSpec, Policy, Relabel
 from placement.state import ClusterState
+from placement.topology import job_shape
 
 _INF = float("inf")
 
@@ -24,6 +27,27 @@ _INF = float("inf")
 def beyond_guarantee(state: ClusterState, team: str, gpu_type: str, charge: int) -> bool:
     """Would ``charge`` more GPUs take the team's guaranteed usage past its guarantee?"""
     return state.guaranteed_used(team, gpu_type) + charge > state.quota(team, gpu_type).guaranteed
+
+
+def within_guarantee_since(state: ClusterState, jobs: Iterable[JobSpec]) -> dict[tuple[str, str], float]:
+    """Per (team, type): the submit time of the oldest of ``jobs`` that fits what is left of
+    its team's guarantee, judged by the team's whole use (borrowed jobs too), as the
+    starvation yardstick judges it (``Policy.reclaim_wait_per_team``). A team whose queue
+    holds only work that would run borrowed has no entry."""
+    out: dict[tuple[str, str], float] = {}
+    for job in jobs:
+        key = (job.team, job.gpu_type)
+        if job.submit_time >= out.get(key, _INF):
+            continue
+        ti = state._types.get(job.gpu_type)
+        if ti is None:
+            continue
+        shape = job_shape(job, ti.node_gpus)
+        if isinstance(shape, str):
+            continue
+        if state.used(*key) + shape.charge <= state.quota(*key).guaranteed:
+            out[key] = job.submit_time
+    return out
 
 
 def classify(state: ClusterState, job: JobSpec, charge: int, policy: Policy) -> bool | None:

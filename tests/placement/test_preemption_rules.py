@@ -37,10 +37,19 @@ def test_victims_only_from_lower_classes() -> None:
 def test_the_wait_before_reclaiming_higher_classes_counts_per_team_when_asked() -> None:
     """``reclaim_wait_per_team``: a job queued 10 s ago, whose team's other job has been queued
     for 300 s (a 4-node job that no capacity holds), reclaims a small borrowed prod-batch job;
-    per job (the default) it does not yet. A team without an older job waits its own 300 s."""
-    for per_team, older, reclaimed in [(True, True, True), (False, True, False), (True, False, False)]:
+    per job (the default) it does not yet. A team without an older job waits its own 300 s,
+    and so does one whose older job does not fit its guarantee (it would run borrowed: the
+    team is not kept from its guarantee by it)."""
+    cases = [
+        # per team, an older job queued, my guarantee, reclaimed
+        (True, True, 100, True),
+        (False, True, 100, False),
+        (True, False, 100, False),
+        (True, True, 16, False),  # the 32-GPU older job does not fit 16: it does not count
+    ]
+    for per_team, older, guarantee, reclaimed in cases:
         st = cluster(blocks=1, nodes=2)
-        st.set_quota("me", "h100", 100, 100)
+        st.set_quota("me", "h100", guarantee, 100)
         st.set_quota("b", "h100", 0, 100)
         occupy(st, spec("v", team="b", cls="prod-batch", gpr=8), ["b0n0"], borrowed=True)
         fill(st, ["b0n1"], team="g", cls="prod-batch")
@@ -49,7 +58,7 @@ def test_the_wait_before_reclaiming_higher_classes_counts_per_team_when_asked() 
             jobs.append(spec("old", team="me", cls="research", replicas=4, gpr=8, submit=NOW - 300))
         pol = Policy(reserve_min_gpus=64, reclaim_wait_per_team=per_team)
         p = cycle(st, queue_of(*jobs), NOW, pol)
-        assert (victims(p) == ["v"]) is reclaimed, (per_team, older)
+        assert (victims(p) == ["v"]) is reclaimed, (per_team, older, guarantee)
         assert p.preemptions == () or p.preemptions[0].beneficiary == "x"
 
 
