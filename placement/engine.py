@@ -172,7 +172,7 @@ class _Cycle:
         if self.policy.reclaim_wait_per_team:
             # before any placement moves a team's use: check_plan reads the same from the
             # state and queue it is given
-            self.fitting_since = quota_mod.within_guarantee_since(state, self.queue._jobs.values())
+            self.fitting_since = quota_mod.within_guarantee_since(state, self.queue)
         state.promote(now, self.policy.preemption_protect_s)
         checked = state.quota_dirty()
         for team, gpu_type in checked:

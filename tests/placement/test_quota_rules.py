@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from placement import PendingReason, Policy, check_state, plan
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from placement import PendingReason, Policy, check_state, plan, quota
+from placement.topology import job_shape
 
 from .helpers import HOUR, cluster, cycle, fill, occupy, queue_of, spec
 
@@ -118,3 +124,41 @@ def test_gang_stays_borrowed_when_the_guarantee_cannot_hold_it() -> None:
     pol = Policy(reserve_min_gpus=32, guarantee_gangs_first=False)
     p = cycle(st2, queue_of(spec("gang", replicas=4, gpr=8, pack="block")), 100, pol)
     assert p.placement("gang").borrowed and p.relabels == ()
+
+
+@given(
+    jobs=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c"]),  # team
+            st.integers(1, 8),  # GPUs per replica
+            st.integers(1, 3),  # replicas
+            st.integers(0, 50),  # submit
+            st.booleans(),  # re-queued at the front of its class
+        ),
+        max_size=25,
+    ),
+    guarantees=st.tuples(st.integers(0, 12), st.integers(0, 12), st.integers(0, 40)),
+    a_used=st.integers(0, 2),  # whole nodes team a runs
+)
+@settings(max_examples=200, deadline=None)
+def test_the_oldest_job_within_the_guarantee_is_what_a_full_scan_finds(
+    jobs: list[tuple[str, int, int, int, bool]], guarantees: tuple[int, int, int], a_used: int
+) -> None:
+    """``quota.within_guarantee_since`` skips lanes and stops early; a full scan judges every
+    queued job by its charge against what is left of its team's guarantee (whole use)."""
+    cl = cluster(blocks=1, nodes=4)
+    for team, g in zip("abc", guarantees, strict=True):
+        cl.set_quota(team, "h100", g, 100)
+    if a_used:
+        occupy(cl, spec("run", team="a", replicas=a_used, gpr=8), [f"b0n{i}" for i in range(a_used)], borrowed=True)
+    q = queue_of(
+        *(spec(f"j{i}", team=t, gpr=g, replicas=r, submit=float(s), front=f) for i, (t, g, r, s, f) in enumerate(jobs))
+    )
+    want: dict[tuple[str, str], float] = {}
+    for j in q:
+        shape = job_shape(j, 8)
+        key = (j.team, j.gpu_type)
+        room = cl.quota(*key).guaranteed - cl.used(*key)
+        if not isinstance(shape, str) and shape.charge <= room:
+            want[key] = min(want.get(key, math.inf), j.submit_time)
+    assert quota.within_guarantee_since(cl, q) == want
