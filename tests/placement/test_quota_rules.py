@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import strategies as hs
 
 from placement import PendingReason, Policy, check_state, plan, quota
 from placement.topology import job_shape
@@ -127,18 +127,18 @@ def test_gang_stays_borrowed_when_the_guarantee_cannot_hold_it() -> None:
 
 
 @given(
-    jobs=st.lists(
-        st.tuples(
-            st.sampled_from(["a", "b", "c"]),  # team
-            st.integers(1, 8),  # GPUs per replica
-            st.integers(1, 3),  # replicas
-            st.integers(0, 50),  # submit
-            st.booleans(),  # re-queued at the front of its class
+    jobs=hs.lists(
+        hs.tuples(
+            hs.sampled_from(["a", "b", "c"]),  # team
+            hs.integers(1, 8),  # GPUs per replica
+            hs.integers(1, 3),  # replicas
+            hs.integers(0, 50),  # submit
+            hs.booleans(),  # re-queued at the front of its class
         ),
         max_size=25,
     ),
-    guarantees=st.tuples(st.integers(0, 12), st.integers(0, 12), st.integers(0, 40)),
-    a_used=st.integers(0, 2),  # whole nodes team a runs
+    guarantees=hs.tuples(hs.integers(0, 12), hs.integers(0, 12), hs.integers(0, 40)),
+    a_used=hs.integers(0, 2),  # whole nodes team a runs
 )
 @settings(max_examples=200, deadline=None)
 def test_the_oldest_job_within_the_guarantee_is_what_a_full_scan_finds(
