@@ -278,19 +278,23 @@ class _Cycle:
             room = max(room, q.borrow_limit - (used - gused))
         return room
 
-    def _excl(self, job: JobSpec, class_rule: bool = True, evictably: bool = False) -> Exclusions:
-        """Reservation owners whose nodes ``job`` may not use (shared per cycle by equal jobs)."""
+    def _excl(
+        self, job: JobSpec, class_rule: bool = True, evictably: bool = False, borrowed: bool = False
+    ) -> Exclusions:
+        """Reservation owners whose nodes ``job`` may not use (shared per cycle by equal jobs).
+        ``borrowed``: the job would run borrowed (``Policy.guaranteed_reservations_hold``)."""
         state = self.state
         if state.res_free_version != self.excl_version:
             self.excl_cache.clear()
             self.excl_version = state.res_free_version
         own = job.job_id if job.job_id in state._reservations else None
         span = self._backfill_span(job)
-        key = (job.gpu_type, job.rank, span, class_rule, own, evictably, self.claim_team)
+        borrowed = borrowed and class_rule and self.policy.guaranteed_reservations_hold
+        key = (job.gpu_type, job.rank, span, class_rule, own, evictably, self.claim_team, borrowed)
         ex = self.excl_cache.get(key)
         if ex is None:
             ex = self.excl_cache[key] = Exclusions(
-                state, job, self.now, self.policy, class_rule, evictably, self.claim_team, span
+                state, job, self.now, self.policy, class_rule, evictably, self.claim_team, span, borrowed
             )
         return ex
 
@@ -791,7 +795,7 @@ class _Cycle:
         if placed is None:
             # last resort: blocks reserved for lower classes (which would rather be preempted)
             if self._lower_class_reservation(job):
-                loose = self._excl(job)
+                loose = self._excl(job, borrowed=borrowed)
                 fail2, placed = self._search(job, ti, shape, borrowed, restrict, own_spares, loose)
                 if placed is None and fail is PendingReason.RESERVATION:
                     fail = fail2
@@ -1012,7 +1016,7 @@ class _Cycle:
         state, policy, now = self.state, self.policy, self.now
         if ti.free_gpus + eligible_upper_bound(ti, mode) < shape.charge:
             return False
-        excl = self._excl(job)
+        excl = self._excl(job, borrowed=mode.borrowed_only)
         t = job.topology
         mkey = (job.gpu_type, mode, shape.whole, shape.nodes, shape.total, t.pack, t.max_blocks, excl.key)
         if mkey in self.victim_memo:

@@ -227,7 +227,8 @@ def _reserved_node_errors(
     """A placement on nodes another job's reservation held for the whole cycle (before the plan
     and after it, the same reservation) must be one the rules allow: never nodes cleared by
     preemption; on a head-of-line reservation's nodes only backfill ending by the expected
-    start, a higher class (last resort), borrowed work that accepts eviction, or guaranteed
+    start, a higher class (last resort; under ``guaranteed_reservations_hold`` not borrowed
+    work on a gang that would run guaranteed), borrowed work that accepts eviction, or guaranteed
     work that waited past ``claim_borrowed_reservations_after_s`` on a borrowing gang's nodes.
     Whether the gang borrows is judged as the engine judged it, mid-cycle: counting the
     guaranteed GPUs the plan placed for the gang's team before this placement
@@ -247,7 +248,14 @@ def _reserved_node_errors(
             if post.kind is ReservationKind.PREEMPTION:
                 errs.append(f"{job_id}: uses {nid}, cleared by preemption for {owner}")
                 continue
-            if may_use(post, spec, now, policy, evictably=borrowed):
+            # Policy.guaranteed_reservations_hold: borrowed work has no higher-class last resort
+            # on a gang's nodes while that gang would run guaranteed
+            class_rule = not (
+                policy.guaranteed_reservations_hold
+                and borrowed
+                and not _owner_borrowed_then(state, post, placed_guaranteed)
+            )
+            if may_use(post, spec, now, policy, class_rule, evictably=borrowed):
                 continue
             if (
                 not borrowed

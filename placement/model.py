@@ -380,6 +380,14 @@ class Policy:
       next small job reclaims other teams' work. Seed 3's starvation ended and seed 2 passed
       the 90% floor, but seed 5 starved a team and the week 6 (4); sim/README.md. False:
       the job's label decides.
+    * ``guaranteed_reservations_hold`` (off): a higher class's work that would run borrowed
+      may not take the nodes a head-of-line reservation holds for a gang that would run
+      guaranteed, neither as its last resort when placed nor for a preemption (the
+      requirements' "a team below its guarantee is always scheduled before a team above
+      it"). Seen on seed 3: a team's guaranteed research gang drained 32 nodes, another
+      team's borrowed prod-batch jobs took them, and the gang's drain began again
+      elsewhere. Guaranteed higher-class work keeps the last resort. False: any higher
+      class may (docs/design.md's reservations).
     * ``borrowed_restart_backoff_s``: a job preempted ``n`` times within
       ``preemption_window_s`` (not prod-serving, holding no reservation of its own) starts
       borrowed again only ``n`` x this long after its last preemption, unless the free GPUs
@@ -469,6 +477,7 @@ class Policy:
     serving_idle_guard: float | None = None
     borrowed_guard_min_gpus: int | None = None
     preempt_within_team_use: bool = False
+    guaranteed_reservations_hold: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -512,6 +521,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "checkpoint_wait_s": None,
     "guaranteed_gangs_outrank_borrowed": False,
     "class_preemption_max_lost_s": None,
+    "guaranteed_reservations_hold": False,
 }
 
 PRESETS: dict[str, Policy] = {

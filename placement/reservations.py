@@ -70,6 +70,7 @@ class Exclusions:
 
     __slots__ = (
         "avail",
+        "borrowed_job",
         "cache",
         "claim_team",
         "class_rule",
@@ -93,6 +94,7 @@ class Exclusions:
         evictably: bool = False,
         claim_team: str | None = None,
         span: object = None,
+        borrowed_job: bool = False,
     ) -> None:
         self.state = state
         self.job = job
@@ -103,6 +105,9 @@ class Exclusions:
         # a guaranteed job's team past Policy.claim_borrowed_reservations_after_s: borrowing
         # gangs of other teams do not hold their nodes against it
         self.claim_team = claim_team
+        # the job would run borrowed (Policy.guaranteed_reservations_hold): a guaranteed gang's
+        # head-of-line nodes are not its last resort
+        self.borrowed_job = borrowed_job and class_rule and policy.guaranteed_reservations_hold
         self.cache: dict[object, bool] = {}  # keyed like ``__contains__``'s argument
         # block -> (its version, free whole nodes the job may use): ``topology.Search.block_avail``
         # of this object's answers, which are kept once asked (every owner it reads holds nodes
@@ -125,6 +130,7 @@ class Exclusions:
             state.res_free_version,
             evictably,
             claim_team,
+            self.borrowed_job,
         )
 
     def __contains__(self, owner: object) -> bool:
@@ -139,8 +145,9 @@ class Exclusions:
             # the object is shared by every job with an equal key: a reservation its first
             # user made later in the cycle is another job's to all the others (seen: a job
             # placed on the free GPUs a reclaim had just counted on; the reclaim overran)
+            class_rule = self.class_rule and not (self.borrowed_job and not owner_borrows(self.state, res))
             got = res.gpu_type == self.job.gpu_type and not may_use(
-                res, self.job, self.now, self.policy, self.class_rule, owner_rule=False, evictably=self.evictably
+                res, self.job, self.now, self.policy, class_rule, owner_rule=False, evictably=self.evictably
             )
             if (
                 got

@@ -107,6 +107,8 @@ BORROWED_APART = Policy(reserve_min_gpus=16, borrowed_apart=True)
 RESTART_BACKOFF = Policy(reserve_min_gpus=16, borrowed_restart_backoff_s=600.0)
 # guaranteed gangs that waited reclaim higher classes' borrowed gangs (Policy.reclaim_higher_borrowed_gangs)
 HIGHER_GANGS = Policy(reserve_min_gpus=16, reclaim_higher_borrowed_gangs=True)
+# guaranteed gangs' reserved nodes held against borrowed higher-class work (Policy.guaranteed_reservations_hold)
+RESERVATIONS_HOLD = Policy(reserve_min_gpus=16, guaranteed_reservations_hold=True)
 # new jobs wait for their victims' checkpoints (Policy.checkpoint_wait_s): long enough that
 # most queued jobs of a random world may wait, with ``checkpoint_twice`` giving a pace
 CHECKPOINT_WAIT = Policy(reserve_min_gpus=16, checkpoint_wait_s=4 * HOUR)
@@ -146,6 +148,20 @@ def test_plan_invariants_with_borrowed_restarts_backing_off(data) -> None:
 @given(data=st.data())
 def test_plan_invariants_with_gangs_reclaiming_higher_classes_gangs(data) -> None:
     two_cycles_on_a_random_world(data, HIGHER_GANGS)
+
+
+@PROPS
+@given(data=st.data())
+def test_plan_invariants_with_guaranteed_reservations_holding(data) -> None:
+    two_cycles_on_a_random_world(data, RESERVATIONS_HOLD)
+
+
+@PROPS
+@given(data=st.data())
+def test_contended_clusters_with_guaranteed_reservations_holding(data) -> None:
+    stt, q = contended_world(data)
+    now = data.draw(st.sampled_from([3000.0, 4400.0, 6 * HOUR]))
+    _preempt_then_restart(stt, q, RESERVATIONS_HOLD, now)
 
 
 @PROPS

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from placement import PendingReason, Policy, ReservationKind
+from placement import PendingReason, Policy, ReservationKind, check_plan, plan
 
 from .helpers import HOUR, blocks_of, cluster, cycle, fill, nodes_of, queue_of, spec
 
@@ -408,3 +408,50 @@ def test_a_gang_that_borrows_after_its_teams_placements_this_cycle_may_be_claime
     p = cycle(st, q, 400, pol)  # "theirs" waited 350 s
     assert blocks_of(p, "serve") == ("b0",) and not p.placement("serve").borrowed
     assert blocks_of(p, "theirs") == ("b0",) and not p.placement("theirs").borrowed
+
+
+def test_guaranteed_reservations_hold_against_borrowed_higher_classes() -> None:
+    """``guaranteed_reservations_hold``: (the gang's team guarantee, the prod-batch job's team
+    guarantee, field) -> does the prod-batch job take a node the research gang reserved?
+    Today's last resort lets any higher class take it; with the field, work that would run
+    borrowed may not while the gang would run guaranteed."""
+    rows = [
+        (1000, 0, False, True),  # today: the higher class's last resort, borrowed or not
+        (1000, 0, True, False),  # borrowed work waits: the gang runs guaranteed
+        (1000, 100, True, True),  # guaranteed higher-class work keeps the last resort
+        (16, 0, True, True),  # the gang itself would borrow: nothing guaranteed to hold
+    ]
+    for gang_guarantee, job_guarantee, hold, takes in rows:
+        pol = Policy(reserve_min_gpus=32, borrowed_gang_guard=None, guaranteed_reservations_hold=hold)
+        st = setup()
+        st.set_quota("t", "h100", gang_guarantee, 1000)
+        st.set_quota("over", "h100", job_guarantee, 1000)
+        q = queue_of(gang())
+        p = cycle(st, q, 100, pol)
+        assert [(r.job_id, r.blocks) for r in p.reservations] == [("gang", ("b0",))]
+        q.push(spec("pb", team="over", cls="prod-batch", gpr=8, submit=150))
+        p = cycle(st, q, 200, pol)
+        row = (gang_guarantee, job_guarantee, hold)
+        if takes:
+            assert blocks_of(p, "pb") == ("b0",), row
+            assert p.placement("pb").borrowed is (job_guarantee == 0), row
+        else:
+            assert p.reason("pb") is PendingReason.RESERVATION, row
+    assert Policy().guaranteed_reservations_hold is False
+
+
+def test_check_plan_flags_borrowed_work_on_a_held_guaranteed_reservation() -> None:
+    """The invariant checker judges the field as the engine does: the plan made without it
+    (the borrowed prod-batch job on the gang's reserved node) breaks the rule with it."""
+    off = Policy(reserve_min_gpus=32, borrowed_gang_guard=None)
+    on = Policy(reserve_min_gpus=32, borrowed_gang_guard=None, guaranteed_reservations_hold=True)
+    st = setup()
+    st.set_quota("over", "h100", 0, 1000)
+    q = queue_of(gang())
+    cycle(st, q, 100, off)
+    q.push(spec("pb", team="over", cls="prod-batch", gpr=8, submit=150))
+    p = plan(st, q, off, 200)
+    assert blocks_of(p, "pb") == ("b0",)
+    assert not check_plan(st, p, q, off)
+    errs = check_plan(st, p, q, on)
+    assert errs and all("pb: uses b0n" in e and "reserved for gang" in e for e in errs), errs
