@@ -14,7 +14,8 @@ free in its blocks, and never holds more than it needs (cached per block version
 Who may use reserved nodes (``may_use``): the owner; jobs of a strictly higher
 class than the owner (head-of-line reservations only: nodes cleared by preemption
 are held for their beneficiary whatever the class, or it would preempt again and its
-reclaim would overrun the grace period); and, with backfill, jobs whose max_runtime ends by the
+reclaim would overrun the grace period; with ``Policy.guaranteed_reservations_hold``,
+not work that would run borrowed while the owner would run guaranteed); and, with backfill, jobs whose max_runtime ends by the
 expected start. Reservations survive across cycles and are dropped when the owner
 is placed or leaves the queue. Preemption reservations hold the nodes being cleared
 for a beneficiary (expected start: now + the victims' grace).
