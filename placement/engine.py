@@ -363,14 +363,21 @@ class _Cycle:
         a = self.state._acct.get((job.team, job.gpu_type))
         return q is None or (a.used if a is not None else 0) >= q.guaranteed
 
-    def _guard_covers(self, shape: Shape) -> bool:
+    def _guard_covers(self, shape: Shape, ti: _TypeIndex, job: JobSpec) -> bool:
         """Is a job of this shape one ``borrowed_gang_guard`` may hold back? Whole-node gangs of
         ``reserve_min_gpus`` or more; under ``borrowed_guard_min_gpus`` also any job of at least
-        that many GPUs."""
-        small_min = self.policy.borrowed_guard_min_gpus
-        return (shape.whole and shape.charge >= self.policy.reserve_min_gpus) or (
-            small_min is not None and shape.charge >= small_min
-        )
+        that many GPUs that is at most ``borrowed_guard_max_share`` of its type's GPUs, and
+        (prod-batch) has waited less than ``borrowed_guard_prod_hold_s``."""
+        policy = self.policy
+        if shape.whole and shape.charge >= policy.reserve_min_gpus:
+            return True
+        small_min = policy.borrowed_guard_min_gpus
+        if small_min is None or shape.charge < small_min:
+            return False
+        share = policy.borrowed_guard_max_share
+        if share is not None and shape.charge > share * ti.total_gpus:
+            return False
+        return not (job.rank == SERVING_RANK + 1 and job.waited(self.now, policy.borrowed_guard_prod_hold_s))
 
     def _backing_off(self, job: JobSpec) -> int:
         """``Policy.borrowed_restart_backoff_s``: the preemptions the job backs off after, so
@@ -643,7 +650,7 @@ class _Cycle:
             and policy.borrowed_gang_guard is not None
             and (own_res is None or (policy.gang_guard_reserved and own_res.kind is ReservationKind.HEAD_OF_LINE))
             and not serving
-            and self._guard_covers(shape)
+            and self._guard_covers(shape, ti, job)
             and self._gang_reclaim_likely(job, ti, shape.charge, policy.borrowed_gang_guard)
         ):
             if own_res is not None:

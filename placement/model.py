@@ -371,6 +371,13 @@ class Policy:
       but on the public trace (guarantees adding up to the whole small cluster) the guard
       kept GPUs idle beside queued work for hours (docs/design.md, sim/README.md). None:
       gangs only.
+    * ``borrowed_guard_max_share`` (off): ``borrowed_guard_min_gpus`` holds back only jobs of
+      at most this share of their type's GPUs. On a pool of thousands of GPUs the free GPUs
+      the guard keeps are a sliver; on the public trace's 48 one 8-GPU pod is a sixth of it,
+      and the guard kept a third of the cluster idle. None: any size.
+    * ``borrowed_guard_prod_hold_s`` (off): ``borrowed_guard_min_gpus`` holds back a
+      prod-batch job (below the gang size) only until it has waited this long, for the
+      2-minute p95 of small prod jobs. None: as long as the guard says.
     * ``preempt_within_team_use`` (off): reclaim rights judged by the team's whole use. A
       job labelled guaranteed (not prod-serving) whose team's use, borrowed jobs included,
       plus the job passes the guarantee preempts as work beyond the guarantee does: a
@@ -478,6 +485,8 @@ class Policy:
     borrowed_guard_min_gpus: int | None = None
     preempt_within_team_use: bool = False
     guaranteed_reservations_hold: bool = False
+    borrowed_guard_max_share: float | None = None
+    borrowed_guard_prod_hold_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -522,6 +531,8 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "guaranteed_gangs_outrank_borrowed": False,
     "class_preemption_max_lost_s": None,
     "guaranteed_reservations_hold": False,
+    "borrowed_guard_max_share": None,
+    "borrowed_guard_prod_hold_s": None,
 }
 
 PRESETS: dict[str, Policy] = {

@@ -491,6 +491,43 @@ def test_the_guard_reaches_small_borrowed_jobs_only_under_its_field() -> None:
         assert PRESETS[name].borrowed_guard_min_gpus is None, name
 
 
+def test_the_small_job_guard_spares_jobs_large_for_the_pool_and_prod_batch_that_waited() -> None:
+    """(borrowed_guard_max_share, borrowed_guard_prod_hold_s, class, waited s) -> starts?
+
+    The world of the test above: 8 GPUs free of 16, 8 expected back, a 4-GPU borrowed job of
+    "b" held back by ``borrowed_guard_min_gpus=1``, unless it is more than the share of the
+    type's GPUs (on a small pool one held job idles a visible part of it) or a prod-batch
+    job that has waited the hold (the 2-minute p95 for small prod jobs)."""
+    cases = [
+        (None, None, "research", 0, False),  # the guard as above
+        (0.25, None, "research", 0, False),  # 4 of 16 GPUs: within the share, held
+        (0.2, None, "research", 0, True),  # past the share: not the guard's
+        (None, 60.0, "prod-batch", 30, False),  # prod-batch within its hold
+        (None, 60.0, "prod-batch", 90, True),  # prod-batch past its hold
+        (None, 60.0, "research", 90, False),  # the hold is prod-batch's only
+        (None, None, "prod-batch", 90, False),  # no hold: held as any class
+    ]
+    for share, hold, cls, waited, starts in cases:
+        pol = Policy(
+            borrowed_gang_guard=1.0,
+            borrowed_guard_min_gpus=1,
+            borrowed_guard_max_share=share,
+            borrowed_guard_prod_hold_s=hold,
+        )
+        st = cluster(blocks=1, nodes=2)
+        fill(st, ["b0n0"], team="lender")
+        st.set_quota("lender", "h100", 16, 0)
+        st.set_quota("b", "h100", 0, 100)
+        st.set_demand_forecast({("lender", "h100"): 16})
+        q = queue_of(spec("x", team="b", gpr=4, cls=cls, submit=NOW - waited))
+        p = cycle(st, q, NOW, pol)
+        case = (share, hold, cls, waited)
+        assert (p.placement("x") is not None) is starts, case
+        if not starts:
+            assert p.reason_for(q.get("x")) is PendingReason.CAPACITY, case
+    assert Policy().borrowed_guard_max_share is None and Policy().borrowed_guard_prod_hold_s is None
+
+
 def test_serving_takes_idle_gpus_only_under_its_guard_and_only_those_not_expected_back() -> None:
     """``serving_idle_guard``: prod-serving beyond its guarantee (never a victim) takes idle
     GPUs only if the free GPUs left after it cover guard x the demand expected back; by
