@@ -377,7 +377,7 @@ class _Cycle:
         share = policy.borrowed_guard_max_share
         if share is not None and shape.charge > share * ti.total_gpus:
             return False
-        return not (job.rank == SERVING_RANK + 1 and job.waited(self.now, policy.borrowed_guard_prod_hold_s))
+        return not (job.rank == _PROD_BATCH_RANK and job.waited(self.now, policy.borrowed_guard_prod_hold_s))
 
     def _backing_off(self, job: JobSpec) -> int:
         """``Policy.borrowed_restart_backoff_s``: the preemptions the job backs off after, so

@@ -15,10 +15,11 @@ Who may use reserved nodes (``may_use``): the owner; jobs of a strictly higher
 class than the owner (head-of-line reservations only: nodes cleared by preemption
 are held for their beneficiary whatever the class, or it would preempt again and its
 reclaim would overrun the grace period; with ``Policy.guaranteed_reservations_hold``,
-not work that would run borrowed while the owner would run guaranteed); and, with backfill, jobs whose max_runtime ends by the
-expected start. Reservations survive across cycles and are dropped when the owner
-is placed or leaves the queue. Preemption reservations hold the nodes being cleared
-for a beneficiary (expected start: now + the victims' grace).
+not work that would run borrowed while the owner would run guaranteed); and, with
+backfill, jobs whose max_runtime ends by the expected start. Reservations survive
+across cycles and are dropped when the owner is placed or leaves the queue. Preemption
+reservations hold the nodes being cleared for a beneficiary (expected start: now +
+the victims' grace).
 """
 
 from __future__ import annotations
@@ -106,9 +107,10 @@ class Exclusions:
         # a guaranteed job's team past Policy.claim_borrowed_reservations_after_s: borrowing
         # gangs of other teams do not hold their nodes against it
         self.claim_team = claim_team
-        # the job would run borrowed (Policy.guaranteed_reservations_hold): a guaranteed gang's
-        # head-of-line nodes are not its last resort
-        self.borrowed_job = borrowed_job and class_rule and policy.guaranteed_reservations_hold
+        # the job would run borrowed and Policy.guaranteed_reservations_hold is on (the engine's
+        # ``_excl`` judges both, for its cache key): a guaranteed gang's head-of-line nodes are
+        # not its last resort
+        self.borrowed_job = borrowed_job
         self.cache: dict[object, bool] = {}  # keyed like ``__contains__``'s argument
         # block -> (its version, free whole nodes the job may use): ``topology.Search.block_avail``
         # of this object's answers, which are kept once asked (every owner it reads holds nodes
