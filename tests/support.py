@@ -160,13 +160,16 @@ class OutputReader:
 
 
 async def workflow_status(client: Any, workflow_id: str) -> dict[str, Any]:
-    """A job workflow's ``status`` query, or ``{}`` while its first workflow task has not been
-    scheduled (the server answers a query that early with WorkflowNotReady): for polling."""
-    from temporalio.service import RPCError
+    """A job workflow's ``status`` query, or ``{}`` while the workflow does not exist yet or its
+    first workflow task has not been scheduled (the server answers a query that early with
+    WorkflowNotReady): for polling. A job's workflow starts after its allocation commits (the
+    leader starts it with the allocation signal), so a job already STARTING in Postgres can
+    briefly have no workflow; a poll's deadline still catches one that never starts."""
+    from temporalio.service import RPCError, RPCStatusCode
 
     try:
         return await client.get_workflow_handle(workflow_id).query("status")
     except RPCError as e:
-        if "not scheduled yet" in str(e):
+        if e.status == RPCStatusCode.NOT_FOUND or "not scheduled yet" in str(e):
             return {}
         raise
