@@ -53,6 +53,13 @@ def sim(
         None, "--warmup-h", help="simulated hours before the measured window (seed default 6, trace 0)"
     ),
     failure_rate: float = typer.Option(2e-5, "--failure-rate", help="GPU/node faults per GPU-hour (0: none)"),
+    fault_draw: int = typer.Option(
+        0,
+        "--fault-draw",
+        min=0,
+        help="another fault schedule from the same model and workload (0: the seed's own): how much"
+        " of a figure is which jobs the faults happen to hit",
+    ),
     load_scale: float = typer.Option(1.0, "--load-scale", help="seed: multiply every job's run time"),
     one_block_wait: float = typer.Option(
         300.0,
@@ -207,7 +214,7 @@ def sim(
     for run_seed in seed_list:
         wl = build(run_seed)
         label = f"seed {run_seed} " if len(seed_list) > 1 else ""
-        reports[run_seed] = _run_one(wl, names, run_seed, failures, options, console, quiet, label)
+        reports[run_seed] = _run_one(wl, names, run_seed, failures, fault_draw, options, console, quiet, label)
 
     if len(seed_list) == 1:
         report = reports[seed_list[0]]
@@ -247,7 +254,9 @@ def sim(
     sys.stdout.flush()
 
 
-def _run_one(wl, names: list[str], seed: int, failures, options, console, quiet: bool, label: str) -> dict:
+def _run_one(
+    wl, names: list[str], seed: int, failures, fault_draw: int, options, console, quiet: bool, label: str
+) -> dict:
     """Every policy over one seed's workload and faults, with a progress bar per policy."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -280,6 +289,7 @@ def _run_one(wl, names: list[str], seed: int, failures, options, console, quiet:
             names,
             seed=seed,
             failures=failures,
+            fault_draw=fault_draw,
             options=options,
             on_start=on_start,
             on_progress=on_progress,

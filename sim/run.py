@@ -85,10 +85,13 @@ def resolve_policy(spec: str) -> tuple[str, Policy]:
     return preset, policy
 
 
-def faults_for(workload: Workload, model: FailureModel | None, seed: int):
+def faults_for(workload: Workload, model: FailureModel | None, seed: int, draw: int = 0):
+    """The run's fault schedule. ``draw`` > 0 draws another schedule from the same model on
+    the same workload: a change that should not matter, to see how much of a figure is the
+    luck of which jobs the faults hit (0: the seed's own schedule)."""
     if model is None:
         return ()
-    rng = random.Random(f"gpufleet-faults:{seed}")
+    rng = random.Random(f"gpufleet-faults:{seed}" if draw == 0 else f"gpufleet-faults:{seed}:draw{draw}")
     return fault_schedule(workload.cluster, model, -workload.warmup, workload.end, rng)
 
 
@@ -98,6 +101,7 @@ def run_policies(
     *,
     seed: int = 1,
     failures: FailureModel | None = FailureModel(),
+    fault_draw: int = 0,
     options: SimOptions | None = None,
     on_start: Callable[[str], None] | None = None,
     on_progress: Callable[[str, float], None] | None = None,
@@ -106,10 +110,11 @@ def run_policies(
 ) -> dict:
     """Simulate each policy on the same workload and faults; returns the report dict."""
     options = options or SimOptions()
-    faults = faults_for(workload, failures, seed)
+    faults = faults_for(workload, failures, seed, fault_draw)
     out: dict = {
         "workload": workload.summary(),
         "seed": seed,
+        "fault_draw": fault_draw,
         "failure_model": asdict(failures) if failures else None,
         "faults_scheduled": len(faults),
         "options": asdict(options),

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from sim.failures import FailureModel
-from sim.run import run_policies, to_json
+from sim.run import faults_for, run_policies, to_json
 from sim.seed import SeedConfig, seed_workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +20,7 @@ FAILURES = FailureModel(rate_per_gpu_hour=1e-2)  # busy enough to see faults in 
 SCRIPT = """
 import sys
 from sim.failures import FailureModel
-from sim.run import run_policies, to_json
+from sim.run import faults_for, run_policies, to_json
 from sim.seed import SeedConfig, seed_workload
 wl = seed_workload(SeedConfig(seed=int(sys.argv[1]), days=0.04, nodes=96, warmup_h=0.5))
 rep = run_policies(wl, seed=int(sys.argv[1]), failures=FailureModel(rate_per_gpu_hour=1e-2))
@@ -56,3 +56,17 @@ def test_same_json_across_interpreters_with_different_hash_seeds() -> None:
         outs.append(r.stdout)
     assert outs[0] == outs[1]
     assert outs[0] == _run(5)
+
+
+def test_a_fault_draw_is_another_schedule_on_the_same_workload() -> None:
+    """``fault_draw`` 0 is the seed's own schedule; another draw moves the faults (same
+    model, same workload, same jobs) and is itself reproducible."""
+    wl = seed_workload(SeedConfig(seed=3, **CFG))
+    own = faults_for(wl, FAILURES, 3)
+    assert faults_for(wl, FAILURES, 3, 0) == own
+    other = faults_for(wl, FAILURES, 3, 1)
+    assert other and other != own
+    assert faults_for(wl, FAILURES, 3, 1) == other
+    rep = run_policies(wl, ("ours",), seed=3, failures=FAILURES, fault_draw=1)
+    assert rep["fault_draw"] == 1
+    assert rep["workload"] == run_policies(wl, ("ours",), seed=3, failures=FAILURES)["workload"]
