@@ -53,12 +53,12 @@ def sim(
         None, "--warmup-h", help="simulated hours before the measured window (seed default 6, trace 0)"
     ),
     failure_rate: float = typer.Option(2e-5, "--failure-rate", help="GPU/node faults per GPU-hour (0: none)"),
-    fault_draw: int = typer.Option(
-        0,
-        "--fault-draw",
-        min=0,
-        help="another fault schedule from the same model and workload (0: the seed's own): how much"
-        " of a figure is which jobs the faults happen to hit",
+    fault_draws: str = typer.Option(
+        "0",
+        "--fault-draws",
+        help="fault schedules from the same model on the same workload (0: the seed's own; 1-2 or"
+        " 0-2: others, each run like another seed): how much of a figure is which jobs the faults"
+        " happen to hit",
     ),
     load_scale: float = typer.Option(1.0, "--load-scale", help="seed: multiply every job's run time"),
     one_block_wait: float = typer.Option(
@@ -137,6 +137,10 @@ def sim(
         seed_list = parse_seeds(seeds) if seeds is not None else [seed]
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--seeds") from None
+    try:
+        draw_list = parse_seeds(fault_draws)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--fault-draws") from None
     names = [p.strip() for p in policies.split(",") if p.strip()] or list(DEFAULT_POLICIES)
     for n in names:
         try:
@@ -210,20 +214,24 @@ def sim(
         drain_s=drain_h * 3600.0,
     )
 
-    reports: dict[int, dict] = {}
+    # a run per seed and fault draw, keyed by the seed alone while every draw is the seed's own
+    reports: dict[int | str, dict] = {}
     for run_seed in seed_list:
         wl = build(run_seed)
-        label = f"seed {run_seed} " if len(seed_list) > 1 else ""
-        reports[run_seed] = _run_one(wl, names, run_seed, failures, fault_draw, options, console, quiet, label)
+        for draw in draw_list:
+            key: int | str = run_seed if draw_list == [0] else f"{run_seed}/d{draw}"
+            label = f"seed {key} " if len(seed_list) * len(draw_list) > 1 else ""
+            reports[key] = _run_one(wl, names, run_seed, failures, draw, options, console, quiet, label)
 
-    if len(seed_list) == 1:
-        report = reports[seed_list[0]]
+    if len(reports) == 1:
+        report = next(iter(reports.values()))
         text = to_json(report)
         md = markdown_table(report)
     else:
-        # each seed's own report, and each policy's min/median/max per metric over them
+        # each run's own report, and each policy's min/median/max per metric over them
         report = {
             "seeds": seed_list,
+            "fault_draws": draw_list,
             "across_seeds": across_seeds(reports),
             "runs": {str(k): v for k, v in reports.items()},
         }
@@ -237,13 +245,13 @@ def sim(
         table.write_text(md)
     if plots is not None:
         for run_seed, rep in reports.items():
-            where = plots if len(seed_list) == 1 else plots / f"seed-{run_seed}"
+            where = plots if len(reports) == 1 else plots / f"seed-{str(run_seed).replace('/', '-')}"
             for p in write_plots(rep, where):
                 if not quiet:
                     console.print(f"plot: {p}")
     if not quiet:
         console.print(md, markup=False, highlight=False, soft_wrap=True)
-        if len(seed_list) == 1:
+        if len(reports) == 1:
             chk = report.get("checks") or {}
             if chk:
                 console.print({k: v for k, v in chk.items() if not isinstance(v, dict)})

@@ -1,7 +1,8 @@
 """Several seeds of one run: each seed's own report, and each policy's min/median/max per metric.
 
 ``gpufleet sim --seeds 1-5`` (or ``1,3,7``, or ``1-3,7``) builds the workload and the
-fault schedule of each seed and runs every policy on it (``sim.run.run_policies``), then
+fault schedule of each seed and runs every policy on it (with ``--fault-draws 0-2``, on each
+of the seed's fault draws too, a run keyed ``"3/d1"``) (``sim.run.run_policies``), then
 ``across_seeds`` gathers, for each policy, every numeric figure of its per-seed reports
 (flattened to a dotted path: ``allocation.healthy_gpu_pct``, ``wait_s.by_size.>=1024.mean``,
 ...) into ``{"min", "median", "max", "n"}``, and counts each check's verdicts over the seeds.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from collections.abc import Mapping
 
 _SKIP = {"series", "timing"}  # the time series; wall-clock figures (not deterministic)
 
@@ -70,8 +72,9 @@ def _stats(xs: list[float]) -> dict:
     return {"min": min(xs), "median": round(float(statistics.median(xs)), 4), "max": max(xs), "n": len(xs)}
 
 
-def across_seeds(reports: dict[int, dict]) -> dict:
-    """Per policy, per metric: min/median/max over the seeds; per check: its verdicts' counts."""
+def across_seeds(reports: Mapping[int | str, dict]) -> dict:
+    """Per policy, per metric: min/median/max over the runs (seeds, or seeds and fault draws);
+    per check: its verdicts' counts."""
     seeds = list(reports)
     names: list[str] = []
     for rep in reports.values():

@@ -288,6 +288,33 @@ def test_cli_seeds_reports_each_seed_and_min_median_max(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "seeds" in r.output
 
 
+def test_cli_fault_draws_run_each_seed_on_each_draw(tmp_path: Path) -> None:
+    """``--fault-draws 0-1``: a run per seed and draw, keyed "seed/dN"; draw 0 is the seed's
+    own run, and another draw keeps the workload but not the faults."""
+    args = ["--workload", "seed", "--days", "0.02", "--nodes", "64", "--warmup-h", "0.2", "--drain-h", "1",
+            "--failure-rate", "0.01", "--policies", "ours", "--quiet"]  # fmt: skip
+    out = tmp_path / "draws.json"
+    r = CliRunner().invoke(_app(), [*args, "--seed", "3", "--fault-draws", "0-1", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(out.read_text())
+    assert rep["seeds"] == [3] and rep["fault_draws"] == [0, 1] and list(rep["runs"]) == ["3/d0", "3/d1"]
+    d0, d1 = rep["runs"]["3/d0"], rep["runs"]["3/d1"]
+    assert (d0["fault_draw"], d1["fault_draw"]) == (0, 1)
+    assert d0["workload"] == d1["workload"]
+    assert d0["policies"]["ours"]["failures"] != d1["policies"]["ours"]["failures"]
+    assert rep["across_seeds"]["policies"]["ours"]["allocation.healthy_gpu_pct"]["n"] == 2
+    one = tmp_path / "one.json"
+    r = CliRunner().invoke(_app(), [*args, "--seed", "3", "--json", str(one)])
+    assert r.exit_code == 0, r.output
+    single = json.loads(one.read_text())
+    for p in (single, d0):
+        for pol in p["policies"].values():
+            pol.pop("timing")
+    assert single == d0
+    r = CliRunner().invoke(_app(), ["--fault-draws", "-1", "--quiet"])
+    assert r.exit_code == 2 and "fault-draws" in r.output
+
+
 # ---------------------------------------------------------------------- the SIGTERM cost model
 
 
