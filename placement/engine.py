@@ -846,6 +846,8 @@ class _Cycle:
             if hit is not None:
                 return hit, None
         search = Search(state, ti, excl, restrict)
+        if policy.align_node_ends:
+            search.end = self.now + job.max_runtime_s
         r = find_placement(search, job, shape, borrowed, policy)
         if isinstance(r, PendingReason):
             if memo_ok:

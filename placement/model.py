@@ -378,6 +378,13 @@ class Policy:
     * ``borrowed_guard_prod_hold_s`` (off): ``borrowed_guard_min_gpus`` holds back a
       prod-batch job (below the gang size) only until it has waited this long, for the
       2-minute p95 of small prod jobs. None: as long as the guard says.
+    * ``align_node_ends`` (off): a small job goes to the partly used node it would not keep
+      busy past its jobs' expected ends (start + max_runtime), best fit among those; else to
+      the one it keeps busy the least longer. Nodes whose jobs end together come free
+      whole, for gangs and 8-GPU jobs. It scans every partly used node that fits (best fit
+      stops at the first). Seed 2 passed the 90% floor and seed 5's gangs waited less, but
+      the week lost more to preemption (4.20%, 3.73) and netted less; sim/README.md.
+      False: best fit, the first node in the fullest bucket.
     * ``preempt_within_team_use`` (off): reclaim rights judged by the team's whole use. A
       job labelled guaranteed (not prod-serving) whose team's use, borrowed jobs included,
       plus the job passes the guarantee preempts as work beyond the guarantee does: a
@@ -487,6 +494,7 @@ class Policy:
     guaranteed_reservations_hold: bool = False
     borrowed_guard_max_share: float | None = None
     borrowed_guard_prod_hold_s: float | None = None
+    align_node_ends: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -533,6 +541,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "guaranteed_reservations_hold": False,
     "borrowed_guard_max_share": None,
     "borrowed_guard_prod_hold_s": None,
+    "align_node_ends": False,
 }
 
 PRESETS: dict[str, Policy] = {

@@ -70,7 +70,7 @@ def _shape(job: JobSpec, node_gpus: int) -> Shape | str:
 class Search:
     """One job's view of the free capacity: which reservations it may not use, which nodes only."""
 
-    __slots__ = ("any_excl", "avail", "excl", "node_res", "own_pre", "restrict", "state", "ti")
+    __slots__ = ("any_excl", "avail", "end", "excl", "node_res", "own_pre", "restrict", "state", "ti")
 
     def __init__(
         self,
@@ -81,6 +81,7 @@ class Search:
     ) -> None:
         self.state = state
         self.ti = ti
+        self.end: float | None = None  # the placed job's expected end (Policy.align_node_ends)
         self.excl = excl  # reservation owners whose nodes this job may not use
         self.restrict = restrict  # if set, only these nodes
         self.node_res = state._node_res
@@ -249,10 +250,15 @@ def find_small_node(search: Search, need: int, policy: Policy, borrowed: bool | 
                         best_id = nid
                     break
         return best_id
-    for f in range(need, G):
-        for nid in buckets[f]:
-            if ok(nid):
-                return nid
+    if policy.align_node_ends and search.end is not None:
+        nid = _aligned_node(search, need)
+        if nid is not None:
+            return nid
+    else:
+        for f in range(need, G):
+            for nid in buckets[f]:
+                if ok(nid):
+                    return nid
     if not buckets[G]:
         return None
     # a whole free node: from the block with the fewest free nodes (partly used blocks first)
@@ -261,6 +267,34 @@ def find_small_node(search: Search, need: int, policy: Policy, borrowed: bool | 
         if nodes:
             return nodes[0]
     return None
+
+
+def _aligned_node(search: Search, need: int) -> str | None:
+    """Among partly used nodes that fit: one this job would not keep busy past its jobs'
+    expected ends (start + max_runtime), best fit, the earliest such end; else the one it
+    keeps busy the least longer. Nodes whose jobs end together free whole nodes together."""
+    ti = search.ti
+    nodes = search.state._nodes
+    running = search.state._running
+    ok = search.ok
+    end = search.end
+    assert end is not None
+    best: tuple[int, float, float, str] | None = None
+    for f in range(need, ti.node_gpus):
+        for nid in ti.buckets[f]:
+            if not ok(nid):
+                continue
+            horizon = 0.0
+            for j in nodes[nid].jobs:
+                rj = running[j]
+                h = rj.started_at + rj.spec.max_runtime_s
+                if h > horizon:
+                    horizon = h
+            ext = end - horizon
+            key = (0, float(f), horizon, nid) if ext <= 0 else (1, ext, float(f), nid)
+            if best is None or key < best:
+                best = key
+    return best[-1] if best is not None else None
 
 
 def _apart_node(search: Search, need: int, borrowed: bool) -> str | None:

@@ -345,6 +345,44 @@ def test_the_baselines_keep_borrowed_work_in_best_fit() -> None:
     assert all(not p.borrowed_apart for p in PRESETS.values())
 
 
+@pytest.mark.parametrize(
+    ("align", "runtime", "want"),
+    [
+        (False, 1_000.0, "b0n0"),  # best fit: 4 free on b0n0 (ends at NOW + 1,400), 6 on b0n1
+        (False, 20_000.0, "b0n0"),
+        (True, 1_000.0, "b0n0"),  # ends before both nodes' jobs: best fit
+        (True, 5_000.0, "b0n1"),  # within b0n1's end (NOW + 9,400) only
+        (True, 20_000.0, "b0n1"),  # past both: the node it keeps busy the least longer
+        (True, 90_000.0, "b0n1"),
+    ],
+)
+def test_small_jobs_go_where_their_end_keeps_no_node_busy_longer(align: bool, runtime: float, want: str) -> None:
+    """(align_node_ends, the new job's max_runtime) -> its node. b0n0 runs a 4-GPU job
+    expected to end at NOW + 1,400 s, b0n1 a 2-GPU job expected to end at NOW + 9,400 s
+    (start + max_runtime), b0n2 is free. Aligned, a job goes where it does not hold a node
+    past the jobs already there, so the node comes free whole sooner."""
+    st = cluster(blocks=1, nodes=3)
+    st.set_quota("t", "h100", 24, 0)
+    occupy(st, spec("short", gpr=4, runtime=2_000.0), {"b0n0": (0, 1, 2, 3)}, started_at=NOW - 600)
+    occupy(st, spec("long", gpr=2, runtime=10_000.0), {"b0n1": (0, 1)}, started_at=NOW - 600)
+    p = cycle(st, queue_of(spec("x", gpr=2, submit=NOW, runtime=runtime)), NOW, Policy(align_node_ends=align))
+    assert nodes_of(p, "x") == [want]
+
+
+def test_the_aligned_search_falls_back_to_a_free_node() -> None:
+    """No partly used node fits: a whole free node, as best fit would choose."""
+    st = cluster(blocks=1, nodes=2)
+    st.set_quota("t", "h100", 16, 0)
+    occupy(st, spec("a", gpr=6, runtime=2_000.0), {"b0n0": tuple(range(6))}, started_at=NOW - 600)
+    p = cycle(st, queue_of(spec("x", gpr=4, submit=NOW)), NOW, Policy(align_node_ends=True))
+    assert nodes_of(p, "x") == ["b0n1"]
+
+
+def test_the_presets_place_small_jobs_by_best_fit_alone() -> None:
+    assert Policy().align_node_ends is False
+    assert all(not p.align_node_ends for p in PRESETS.values())
+
+
 def test_a_job_preempted_lately_backs_off_before_it_starts_borrowed_again() -> None:
     """(backoff, its preemption times, its team's guarantee, demand expected back) -> an
     8-GPU job starts on one of two free nodes?
