@@ -244,8 +244,8 @@ def sim(
         table.parent.mkdir(parents=True, exist_ok=True)
         table.write_text(md)
     if plots is not None:
-        for run_seed, rep in reports.items():
-            where = plots if len(reports) == 1 else plots / f"seed-{str(run_seed).replace('/', '-')}"
+        for run_key, rep in reports.items():
+            where = plots if len(reports) == 1 else plots / f"seed-{str(run_key).replace('/', '-')}"
             for p in write_plots(rep, where):
                 if not quiet:
                     console.print(f"plot: {p}")
