@@ -500,7 +500,7 @@ def test_the_guard_reaches_small_borrowed_jobs_only_under_its_field() -> None:
     covers its size and the free GPUs left after it fall short of guard x 8."""
     cases = [
         # min GPUs, guard, b's guarantee, job GPUs, starts
-        (None, 1.0, 0, 4, True),  # by default the guard holds back gangs only
+        (None, 1.0, 0, 4, True),  # without the field the guard holds back gangs only
         (1, 1.0, 0, 4, False),  # 4 left after it, 8 expected back: waits
         (4, 1.0, 0, 4, False),  # exactly the minimum: covered
         (5, 1.0, 0, 4, True),  # below the minimum: starts as before
@@ -511,7 +511,13 @@ def test_the_guard_reaches_small_borrowed_jobs_only_under_its_field() -> None:
         (1, None, 0, 4, True),  # the guard off: nothing to extend
     ]
     for small_min, guard, b_guarantee, gpus, starts in cases:
-        pol = Policy(borrowed_gang_guard=guard, borrowed_guard_min_gpus=small_min)
+        # unbounded by pool share or a prod hold (the next test has those)
+        pol = Policy(
+            borrowed_gang_guard=guard,
+            borrowed_guard_min_gpus=small_min,
+            borrowed_guard_max_share=None,
+            borrowed_guard_prod_hold_s=None,
+        )
         st = cluster(blocks=1, nodes=2)
         fill(st, ["b0n0"], team="lender")
         st.set_quota("lender", "h100", 16, 0)  # fill() raised it
@@ -524,9 +530,10 @@ def test_the_guard_reaches_small_borrowed_jobs_only_under_its_field() -> None:
         if not starts:
             assert p.reason_for(q.get("x")) is PendingReason.CAPACITY, case
             assert not p.preemptions, case
-    assert Policy().borrowed_guard_min_gpus is None  # off in gpufleet (sim/README.md has the runs)
+    assert Policy().borrowed_guard_min_gpus == 1  # on in gpufleet, bounded (sim/README.md has the runs)
     for name in PRESETS:
-        assert PRESETS[name].borrowed_guard_min_gpus is None, name
+        if name != "gpufleet":
+            assert PRESETS[name].borrowed_guard_min_gpus is None, name
 
 
 def test_the_small_job_guard_spares_jobs_large_for_the_pool_and_prod_batch_that_waited() -> None:
@@ -563,7 +570,10 @@ def test_the_small_job_guard_spares_jobs_large_for_the_pool_and_prod_batch_that_
         assert (p.placement("x") is not None) is starts, case
         if not starts:
             assert p.reason_for(q.get("x")) is PendingReason.CAPACITY, case
-    assert Policy().borrowed_guard_max_share is None and Policy().borrowed_guard_prod_hold_s is None
+    assert (Policy().borrowed_guard_max_share, Policy().borrowed_guard_prod_hold_s) == (0.01, 60.0)  # gpufleet
+    for name in PRESETS:
+        if name != "gpufleet":
+            assert PRESETS[name].borrowed_guard_max_share is None, name
 
 
 def test_serving_takes_idle_gpus_only_under_its_guard_and_only_those_not_expected_back() -> None:

@@ -135,6 +135,7 @@ def test_a_team_that_reaches_its_guarantee_stops_going_first_within_the_cycle() 
 
 
 ACROSS = Policy(guarantees_before_classes=True)
+CLASSES_FIRST = Policy(guarantees_before_classes=False)  # the baselines' order
 
 
 def test_guarantees_before_classes_puts_every_team_below_its_guarantee_first() -> None:
@@ -157,8 +158,17 @@ def test_guarantees_before_classes_puts_every_team_below_its_guarantee_first() -
     )
     now = 10 * HOUR
     assert order(st, q, now, ACROSS) == ["u2-batch", "u-again", "u-res", "u-pre", "o-serve", "o-batch", "o-again"]
-    # the default keeps classes first
-    assert order(st, q, now) == ["o-serve", "u2-batch", "o-batch", "u-again", "o-again", "u-res", "u-pre"]
+    assert order(st, q, now) == order(st, q, now, ACROSS)  # on in gpufleet
+    # without it, classes first
+    assert order(st, q, now, CLASSES_FIRST) == [
+        "o-serve",
+        "u2-batch",
+        "o-batch",
+        "u-again",
+        "o-again",
+        "u-res",
+        "u-pre",
+    ]
 
 
 def low_and_high(nodes: int) -> ClusterState:
@@ -185,8 +195,9 @@ def test_guarantees_before_classes_a_team_that_reaches_its_guarantee_goes_behind
     p = cycle(st, q, 10 * HOUR, pol)
     assert {pl.job_id for pl in p.placements} == {"l1", "l2", "h1"}
     assert p.reason("l3") is PendingReason.CAPACITY
-    # one free node: it goes to low's research job, not to high's prod-batch job (the default's)
-    for policy, winner in ((Policy(preemption=False, reservations=False), "h1"), (pol, "l1")):
+    # one free node: it goes to low's research job, not to high's prod-batch job (classes first)
+    classes_first = Policy(preemption=False, reservations=False, guarantees_before_classes=False)
+    for policy, winner in ((classes_first, "h1"), (pol, "l1")):
         st2 = low_and_high(nodes=3)
         q2 = queue_of(
             spec("l1", team="low", cls="research", gpr=8, submit=10),
