@@ -192,7 +192,8 @@ class Settings(BaseSettings):
     borrowed_gang_guard: float | None = Field(
         0.5,
         ge=0,
-        description="a whole-node gang of the reservation size or more (placement.Policy.reserve_min_gpus) beyond its"
+        description="a whole-node gang of the reservation size or more (placement.Policy.reserve_min_gpus), or any"
+        " job of at most 1% of its GPU type (a prod-batch job only for its first 60 s), beyond its"
         " team's guarantee starts only on free GPUs that leave this share"
         " of the guaranteed demand other teams are expected to want back (recent peaks); it then waits rather than"
         " reclaim or reserve. null: off (docs/design.md, Placement: less churn)",
