@@ -20,7 +20,7 @@ FAILURES = FailureModel(rate_per_gpu_hour=1e-2)  # busy enough to see faults in 
 SCRIPT = """
 import sys
 from sim.failures import FailureModel
-from sim.run import faults_for, run_policies, to_json
+from sim.run import run_policies, to_json
 from sim.seed import SeedConfig, seed_workload
 wl = seed_workload(SeedConfig(seed=int(sys.argv[1]), days=0.04, nodes=96, warmup_h=0.5))
 rep = run_policies(wl, seed=int(sys.argv[1]), failures=FailureModel(rate_per_gpu_hour=1e-2))
