@@ -14,8 +14,9 @@ placement.PRESETS), on the same workload and the same fault schedule. The JSON h
 object per policy (wall-clock figures under each policy's ``timing``); ``--plots`` writes
 allocation.png and wait_cdf.png; ``--table`` writes the side-by-side markdown table.
 With ``--seeds`` the JSON holds ``runs`` (each seed's report, as above), ``across_seeds``
-(each policy's min/median/max per metric, sim/seeds.py) and the table shows min / median /
-max of the headline metrics; plots go to ``<plots>/seed-N/``.
+(each policy's min/median/max per metric, sim/seeds.py; ``paired``: each policy minus the
+first one named, run by run) and the table shows min / median / max of the headline
+metrics, then the paired differences; plots go to ``<plots>/seed-N/``.
 This module parses arguments, shows progress and prints; the simulation is in sim/.
 """
 
@@ -37,8 +38,8 @@ def sim(
     seeds: str | None = typer.Option(
         None,
         "--seeds",
-        help="run several seeds (1-5, 1,3,7 or 1-3,7; replaces --seed): each seed's report, and each"
-        " policy's min/median/max per metric",
+        help="run several seeds (1-5, 1,3,7 or 1-3,7; replaces --seed): each seed's report, each"
+        " policy's min/median/max per metric, and each policy minus the first one named, run by run",
     ),
     policies: str = typer.Option(
         "ours,fifo,kueue-like,slurm-like",

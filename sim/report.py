@@ -240,6 +240,60 @@ def seeds_table(across: dict) -> str:
         + " | ".join(f"{bal.get(n, {}).get('true', 0)} of {len(across['seeds'])}" for n in names)
         + " |"
     )
+    out = "\n".join(lines) + "\n"
+    pairs = (across.get("paired") or {}).get("policies") or {}
+    return out + "\n" + paired_table(across) if pairs else out
+
+
+# labels of ``sim.seeds.PAIRED_FIGURES`` in ``paired_table`` and the format of a difference
+PAIRED_LABELS: dict[str, tuple[str, str]] = {
+    "allocation.healthy_gpu_pct_net_of_lost_work": ("net of lost work, points", "pct"),
+    "allocation.healthy_gpu_pct_while_demand_exceeds_capacity": ("while demand exceeds capacity, points", "pct"),
+    "allocation.allocated_gpu_hours": ("allocated GPU-hours", "num"),
+    "starved_teams_count": ("teams starved", "num"),
+    "lost_gpu_hours.preemption": ("GPU-hours lost to preemption", "num"),
+    "lost_gpu_hours.preemption_pct_of_allocated": ("… % of allocated, points", "pct"),
+    "wait_s.by_class_and_size.prod-serving.<=8.p95": ("wait ≤8 GPUs, prod-serving p95", "s"),
+    "wait_s.by_class_and_size.prod-batch.<=8.p95": ("wait ≤8 GPUs, prod-batch p95", "s"),
+    "wait_s.by_size.9-1023.mean": ("wait 9-1023 GPUs, mean", "s"),
+    "wait_s.large_gangs.mean": ("large gangs (≥1,024): wait mean", "s"),
+}
+
+
+def paired_table(across: dict) -> str:
+    """Each policy minus the first one named, run by run (``across["paired"]``): the mean
+    difference (min / max) and the runs on which it is better / worse / tied by the margins."""
+    pr = across["paired"]
+    names = list(pr["policies"])
+
+    def signed(x: float | None, kind: str) -> str:
+        if x is None:
+            return "–"
+        if kind == "s":
+            return ("-" if x < 0 else "+") + fmt_s(abs(x))
+        if kind == "pct" or (abs(x) < 100 and x != int(x)):
+            return f"{x:+,.2f}"
+        return f"{x:+,.0f}"
+
+    lines = [
+        f"| column − {pr['reference']}, run by run: mean (min / max); runs better / worse / tie | "
+        + " | ".join(names)
+        + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for path, (label, kind) in PAIRED_LABELS.items():
+        cells = []
+        for n in names:
+            f = pr["policies"][n].get(path)
+            if not f or not f["difference"]["n"]:
+                cells.append("–")
+                continue
+            d = f["difference"]
+            cells.append(
+                f"{signed(d['mean'], kind)} ({signed(d['min'], kind)} / {signed(d['max'], kind)});"
+                f" {f['better']} / {f['worse']} / {f['tie']}"
+            )
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

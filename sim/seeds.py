@@ -8,6 +8,13 @@ of the seed's fault draws too, a run keyed ``"3/d1"``) (``sim.run.run_policies``
 ...) into ``{"min", "median", "max", "n"}``, and counts each check's verdicts over the seeds.
 A figure that is ``null`` on some seeds (nothing to measure there) is summarized over the
 seeds that have it (``n``). Wall-clock timings, the time series and lists are left out.
+
+``paired`` sets each other policy beside the first one named, run by run: a candidate's
+figures move with the seed and the fault draw about as far as most changes move them
+(sim/README.md, "How much of a cell is the fault draw"), so a min/median/max per policy
+cannot say whether it wins on the same runs. It gives the difference on each run, their
+mean/min/max, and on how many runs the candidate is better, worse or tied by the
+report's own margins (``sim.run.compare``).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from collections.abc import Mapping
+
+from sim.run import MARGIN_PCT_POINTS, MARGIN_RELATIVE, compare
 
 _SKIP = {"series", "timing"}  # the time series; wall-clock figures (not deterministic)
 
@@ -101,6 +110,8 @@ def across_seeds(reports: Mapping[int | str, dict]) -> dict:
     return {
         "seeds": seeds,
         "policies": policies,
+        # each other policy beside the first one named, run by run (``paired``)
+        "paired": paired(reports),
         # seeds on which each policy's jobs balance (submitted = finished + running + queued + requeued)
         "jobs_balance_holds": {name: dict(sorted(c.items())) for name, c in balance.items()},
         # for each check of ours: on how many seeds it was true, false, tie or null
@@ -128,3 +139,70 @@ def _label(v: object) -> str:
     if v is False:
         return "false"
     return str(v)
+
+
+# (dotted path, higher is better, margin) of the figures ``paired`` compares (the issue's
+# musts): "points" MARGIN_PCT_POINTS, "relative" MARGIN_RELATIVE of the larger value,
+# "exact" none (one starved team is one too many)
+PAIRED_FIGURES: tuple[tuple[str, bool, str], ...] = (
+    ("allocation.healthy_gpu_pct_net_of_lost_work", True, "points"),
+    ("allocation.healthy_gpu_pct_while_demand_exceeds_capacity", True, "points"),
+    ("allocation.allocated_gpu_hours", True, "relative"),
+    ("starved_teams_count", False, "exact"),
+    ("lost_gpu_hours.preemption", False, "relative"),
+    ("lost_gpu_hours.preemption_pct_of_allocated", False, "relative"),
+    ("wait_s.by_class_and_size.prod-serving.<=8.p95", False, "relative"),
+    ("wait_s.by_class_and_size.prod-batch.<=8.p95", False, "relative"),
+    ("wait_s.by_size.9-1023.mean", False, "relative"),
+    ("wait_s.large_gangs.mean", False, "relative"),
+)
+_MARGINS = {"points": (MARGIN_PCT_POINTS, False), "relative": (MARGIN_RELATIVE, True), "exact": (0.0, False)}
+
+
+def paired(reports: Mapping[int | str, dict]) -> dict:
+    """Each policy against the first one named (the reference), on the runs both have: per
+    figure of ``PAIRED_FIGURES``, the differences (policy - reference) as
+    ``{"min", "mean", "max", "n"}`` and the runs on which the policy is ``better``, ``worse``
+    or ``tie`` by the report's margins (0.5 points for percentages of GPUs, 5% of the larger
+    value otherwise; a count of starved teams by any team). A run where either value
+    is ``null`` (nothing to measure) is left out of that figure (``n``)."""
+    names: list[str] = []
+    for rep in reports.values():
+        for n in rep["policies"]:
+            if n not in names:
+                names.append(n)
+    if not names:
+        return {"reference": None, "policies": {}}
+    ref = names[0]
+    out: dict[str, dict] = {}
+    for name in names[1:]:
+        runs = [
+            (flatten(rep["policies"][ref]), flatten(rep["policies"][name]))
+            for rep in reports.values()
+            if ref in rep["policies"] and name in rep["policies"]
+        ]
+        figures: dict[str, dict] = {}
+        for path, higher, kind in PAIRED_FIGURES:
+            margin, relative = _MARGINS[kind]
+            diffs: list[float] = []
+            verdicts: Counter = Counter()
+            for r, c in runs:
+                a, b = r.get(path), c.get(path)
+                if a is None or b is None:
+                    continue
+                diffs.append(b - a)
+                v = compare(b, a, margin=margin, relative=relative, higher_is_better=higher)
+                verdicts["tie" if v == "tie" else "better" if v is True else "worse"] += 1
+            figures[path] = {
+                "difference": {
+                    "min": round(min(diffs), 4) if diffs else None,
+                    "mean": round(statistics.fmean(diffs), 4) if diffs else None,
+                    "max": round(max(diffs), 4) if diffs else None,
+                    "n": len(diffs),
+                },
+                "better": verdicts["better"],
+                "worse": verdicts["worse"],
+                "tie": verdicts["tie"],
+            }
+        out[name] = figures
+    return {"reference": ref, "policies": out}

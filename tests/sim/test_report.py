@@ -15,10 +15,10 @@ from cli.sim_cmd import sim
 from sim.core import SimOptions
 from sim.costs import SIGTERM_SAVE_SHARE, restart_s, saves_on_sigterm
 from sim.failures import FailureModel
-from sim.report import markdown_table, seeds_table
+from sim.report import markdown_table, paired_table, seeds_table
 from sim.run import checks, compare, run_policies, to_json
 from sim.seed import SeedConfig, seed_workload
-from sim.seeds import across_seeds, flatten, parse_seeds
+from sim.seeds import across_seeds, flatten, paired, parse_seeds
 from sim.traces import TraceOptions, load_trace
 from sim.workload import ClusterSpec
 
@@ -248,6 +248,62 @@ def test_across_seeds_min_median_max_per_metric_and_check_counts() -> None:
     assert "| allocated % of healthy GPUs | 70.0% / 80.0% / 90.0% |" in seeds_table(a)
 
 
+def _pair_run(ref: dict, cand: dict) -> dict:
+    def pol(net: float, over: float | None, starved: int, lost: float, mid: float | None) -> dict:
+        return {
+            "allocation": {
+                "healthy_gpu_pct_net_of_lost_work": net,
+                "healthy_gpu_pct_while_demand_exceeds_capacity": over,
+            },
+            "starved_teams": [f"t{i}" for i in range(starved)],
+            "lost_gpu_hours": {"preemption": lost},
+            "wait_s": {"by_size": {"9-1023": {"mean": mid}}},
+            "jobs": {"balance": {"holds": True}},
+        }
+
+    return {"policies": {"ours": pol(**ref), "ours:x=1": pol(**cand)}}
+
+
+def test_paired_compares_each_policy_with_the_first_run_by_run_past_the_margins() -> None:
+    base = {"net": 80.0, "over": 90.0, "starved": 0, "lost": 1000.0, "mid": 100.0}
+    reps = {
+        # better net past 0.5 points, within it while over capacity, one team more starved,
+        # 4% more lost (within 5%), a wait that is null for the candidate
+        1: _pair_run(base, {"net": 80.6, "over": 90.4, "starved": 1, "lost": 1040.0, "mid": None}),
+        # worse net past the margin, better over capacity, 10% less lost, a shorter wait
+        2: _pair_run(base, {"net": 79.0, "over": 91.0, "starved": 0, "lost": 900.0, "mid": 50.0}),
+        # the same everywhere
+        3: _pair_run(base, base),
+    }
+    p = paired(reps)
+    assert p["reference"] == "ours" and list(p["policies"]) == ["ours:x=1"]
+    f = p["policies"]["ours:x=1"]
+    net = f["allocation.healthy_gpu_pct_net_of_lost_work"]
+    assert (net["better"], net["worse"], net["tie"]) == (1, 1, 1)
+    assert net["difference"] == {"min": -1.0, "mean": round((0.6 - 1.0) / 3, 4), "max": 0.6, "n": 3}
+    over = f["allocation.healthy_gpu_pct_while_demand_exceeds_capacity"]
+    assert (over["better"], over["worse"], over["tie"]) == (1, 0, 2)
+    starved = f["starved_teams_count"]  # any team counts: no margin
+    assert (starved["better"], starved["worse"], starved["tie"]) == (0, 1, 2)
+    lost = f["lost_gpu_hours.preemption"]  # lower is better, 5% of the larger value
+    assert (lost["better"], lost["worse"], lost["tie"]) == (1, 0, 2)
+    mid = f["wait_s.by_size.9-1023.mean"]  # null on run 1: left out
+    assert mid["difference"]["n"] == 2 and (mid["better"], mid["worse"], mid["tie"]) == (1, 0, 1)
+    absent = f["wait_s.large_gangs.mean"]
+    assert absent["difference"] == {"min": None, "mean": None, "max": None, "n": 0}
+    a = across_seeds(reps)
+    assert a["paired"] == p
+    table = paired_table(a)
+    assert table.startswith("| column − ours, run by run: mean (min / max); runs better / worse / tie | ours:x=1 |")
+    assert "| net of lost work, points | -0.13 (-1.00 / +0.60); 1 / 1 / 1 |" in table
+    assert "| teams starved | +0.33 (+0 / +1); 0 / 1 / 2 |" in table
+    assert "| large gangs (≥1,024): wait mean | – |" in table
+    assert table in seeds_table(a)
+    # one policy: nothing to pair, and the seeds table carries no second table
+    one = {k: {"policies": {"ours": r["policies"]["ours"]}} for k, r in reps.items()}
+    assert paired(one) == {"reference": "ours", "policies": {}}
+
+
 def test_flatten_keeps_numbers_by_path() -> None:
     assert flatten({"a": {"b": 1, "c": [1, 2], "d": True, "e": None}, "starved_teams": ["x"], "_s": 3}) == {
         "a.b": 1,
@@ -275,6 +331,11 @@ def test_cli_seeds_reports_each_seed_and_min_median_max(tmp_path: Path) -> None:
     per_seed = sorted(rep["runs"][s]["policies"]["ours"]["allocation"]["healthy_gpu_pct"] for s in ("1", "3"))
     assert (st["min"], st["max"], st["n"]) == (per_seed[0], per_seed[1], 2)
     assert (tmp_path / "t.md").read_text().startswith("| metric (min / median / max over seeds 1, 3) | ours | fifo |")
+    # fifo beside ours on the same runs
+    assert rep["across_seeds"]["paired"]["reference"] == "ours"
+    pair = rep["across_seeds"]["paired"]["policies"]["fifo"]["allocation.healthy_gpu_pct_net_of_lost_work"]
+    assert pair["difference"]["n"] == 2 and pair["better"] + pair["worse"] + pair["tie"] == 2
+    assert "| column − ours, run by run" in (tmp_path / "t.md").read_text()
     # each seed's report is the one a single-seed run gives (timings aside)
     one = tmp_path / "one.json"
     r = CliRunner().invoke(_app(), [*args, "--json", str(one), "--seed", "3"])
