@@ -386,6 +386,14 @@ class Policy:
       stops at the first). Seed 2 passed the 90% floor and seed 5's gangs waited less, but
       the week lost more to preemption (4.20%, 3.73) and netted less; sim/README.md.
       False: best fit, the first node in the fullest bucket.
+    * ``evictable_backfill_min_s`` (off): ``evictable_backfill`` uses a reservation's nodes
+      only while its owner's expected start (the nodes' free times, its evictable backfill
+      counted as gone) is more than this far off. Seen on seed 3: a 1,024-GPU borrowed gang
+      backfilled onto a gang's reserved nodes in the cycle the owner's last nodes came free
+      (the queue put it first), and was stopped for the owner one second later; its restart
+      then backed off. Over seeds 1-5 on three fault draws it won nothing past the margins
+      and starved more teams (the expected start comes from max_runtime; owners are often
+      ready long before it); sim/README.md. None: whenever the owner is not running.
     * ``preempt_within_team_use`` (off): reclaim rights judged by the team's whole use. A
       job labelled guaranteed (not prod-serving) whose team's use, borrowed jobs included,
       plus the job passes the guarantee preempts as work beyond the guarantee does: a
@@ -496,6 +504,7 @@ class Policy:
     borrowed_guard_max_share: float | None = 0.01
     borrowed_guard_prod_hold_s: float | None = 60.0
     align_node_ends: bool = False
+    evictable_backfill_min_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -543,6 +552,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "borrowed_guard_max_share": None,
     "borrowed_guard_prod_hold_s": None,
     "align_node_ends": False,
+    "evictable_backfill_min_s": None,
     "guarantees_before_classes": False,
     "borrowed_guard_min_gpus": None,
 }

@@ -55,7 +55,7 @@ def may_use(
         return True
     if class_rule and job.rank < res.priority_rank and res.kind is ReservationKind.HEAD_OF_LINE:
         return True  # nodes cleared by preemption are never taken: the beneficiary would preempt again
-    if evictably and may_backfill_evictably(res, job):
+    if evictably and may_backfill_evictably(res, job) and _owner_not_due(res, now, policy):
         return True
     return policy.backfill and now + job.max_runtime_s <= res.expected_start
 
@@ -193,6 +193,13 @@ def evictable_for(rj: RunningJob, res: Reservation | None) -> bool:
         and rj.rank >= res.priority_rank
         and rj.started_at >= res.created_at
     )
+
+
+def _owner_not_due(res: Reservation, now: float, policy: Policy) -> bool:
+    """``Policy.evictable_backfill_min_s``: is the owner's expected start (its nodes' free
+    times, evictable backfill counted as gone) far enough off for evictable backfill?"""
+    m = policy.evictable_backfill_min_s
+    return m is None or res.expected_start > now + m
 
 
 def may_backfill_evictably(res: Reservation, job: JobSpec) -> bool:

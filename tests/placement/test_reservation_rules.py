@@ -294,6 +294,23 @@ def test_borrowed_work_of_another_team_backfills_evictably_and_is_stopped_when_t
     assert p.placement("gang") is not None and p.placement("gang").blocks == ("b0",)
 
 
+def test_evictable_backfill_only_while_the_owners_expected_start_is_far_enough_off() -> None:
+    """``evictable_backfill_min_s``: the gang's expected start is 3000 (its nodes' jobs' ends);
+    at 100 borrowed work backfills evictably only if that is more than the field away
+    (``cycle`` runs ``check_plan``, which judges by the same rule)."""
+    for min_s, placed in ((None, True), (0.0, True), (2800.0, True), (2900.0, False), (5000.0, False)):
+        st = setup()
+        st.set_quota("o", "h100", 0, 1000)  # borrows only
+        q = queue_of(gang(), spec("bf", team="o", gpr=8, runtime=10 * HOUR, submit=1))
+        pol = Policy(reserve_min_gpus=32, evictable_backfill_min_s=min_s)
+        p = cycle(st, q, 100, pol)
+        assert st.reservation("gang").expected_start == 3000
+        if placed:
+            assert p.placement("bf") is not None and p.placement("bf").backfill, min_s
+        else:
+            assert p.reason("bf") is PendingReason.RESERVATION, min_s
+
+
 def test_without_evictable_backfill_long_borrowed_work_waits() -> None:
     st = setup()
     st.set_quota("o", "h100", 0, 1000)
