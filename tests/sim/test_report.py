@@ -15,10 +15,10 @@ from cli.sim_cmd import sim
 from sim.core import SimOptions
 from sim.costs import SIGTERM_SAVE_SHARE, restart_s, saves_on_sigterm
 from sim.failures import FailureModel
-from sim.report import markdown_table, paired_table, seeds_table
+from sim.report import PAIRED_LABELS, markdown_table, paired_table, seeds_table
 from sim.run import checks, compare, run_policies, to_json
 from sim.seed import SeedConfig, seed_workload
-from sim.seeds import across_seeds, flatten, paired, parse_seeds
+from sim.seeds import PAIRED_FIGURES, across_seeds, flatten, paired, parse_seeds
 from sim.traces import TraceOptions, load_trace
 from sim.workload import ClusterSpec
 
@@ -299,6 +299,8 @@ def test_paired_compares_each_policy_with_the_first_run_by_run_past_the_margins(
     assert "| teams starved | +0.33 (+0 / +1); 0 / 1 / 2 |" in table
     assert "| large gangs (≥1,024): wait mean | – |" in table
     assert table in seeds_table(a)
+    # every paired figure has its row, in the same order
+    assert list(PAIRED_LABELS) == [path for path, _, _ in PAIRED_FIGURES]
     # one policy: nothing to pair, and the seeds table carries no second table
     one = {k: {"policies": {"ours": r["policies"]["ours"]}} for k, r in reps.items()}
     assert paired(one) == {"reference": "ours", "policies": {}}
