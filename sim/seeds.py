@@ -75,6 +75,16 @@ def flatten(d: dict, prefix: str = "") -> dict[str, float]:
     return out
 
 
+def _policy_names(reports: Mapping[int | str, dict]) -> list[str]:
+    """Every policy named in the runs, in the order first seen."""
+    names: list[str] = []
+    for rep in reports.values():
+        for n in rep["policies"]:
+            if n not in names:
+                names.append(n)
+    return names
+
+
 def _stats(xs: list[float]) -> dict:
     if not xs:
         return {"min": None, "median": None, "max": None, "n": 0}
@@ -85,11 +95,7 @@ def across_seeds(reports: Mapping[int | str, dict]) -> dict:
     """Per policy, per metric: min/median/max over the runs (seeds, or seeds and fault draws);
     per check: its verdicts' counts."""
     seeds = list(reports)
-    names: list[str] = []
-    for rep in reports.values():
-        for n in rep["policies"]:
-            if n not in names:
-                names.append(n)
+    names = _policy_names(reports)
     policies: dict[str, dict] = {}
     for name in names:
         flat = [flatten(reports[s]["policies"][name]) for s in seeds if name in reports[s]["policies"]]
@@ -166,21 +172,15 @@ def paired(reports: Mapping[int | str, dict]) -> dict:
     or ``tie`` by the report's margins (0.5 points for percentages of GPUs, 5% of the larger
     value otherwise; a count of starved teams by any team). A run where either value
     is ``null`` (nothing to measure) is left out of that figure (``n``)."""
-    names: list[str] = []
-    for rep in reports.values():
-        for n in rep["policies"]:
-            if n not in names:
-                names.append(n)
+    names = _policy_names(reports)
     if not names:
         return {"reference": None, "policies": {}}
     ref = names[0]
+    # each run's policies flattened once, for the runs that have the reference
+    flat = [{n: flatten(p) for n, p in rep["policies"].items()} for rep in reports.values() if ref in rep["policies"]]
     out: dict[str, dict] = {}
     for name in names[1:]:
-        runs = [
-            (flatten(rep["policies"][ref]), flatten(rep["policies"][name]))
-            for rep in reports.values()
-            if ref in rep["policies"] and name in rep["policies"]
-        ]
+        runs = [(f[ref], f[name]) for f in flat if name in f]
         figures: dict[str, dict] = {}
         for path, higher, kind in PAIRED_FIGURES:
             margin, relative = _MARGINS[kind]
