@@ -51,6 +51,7 @@ from placement.model import (
 from placement.ordering import JobQueue, iter_order
 from placement.reservations import (
     Exclusions,
+    backfills_evictably,
     evictable_for,
     make_head_of_line,
     owner_borrows,
@@ -552,6 +553,7 @@ class _Cycle:
                 job.topology,
                 self._backfill_span(job),
                 policy.unsaved_borrow_guard is not None and job.preemptible,
+                backfills_evictably(job, policy),
                 job.waited(now, policy.claim_borrowed_reservations_after_s),
                 job.waited(now, policy.reclaim_small_borrowed_after_s),
                 job.waited(now, policy.spares_yield_after_s),
@@ -790,7 +792,7 @@ class _Cycle:
             self._backfill_span(job),
             restrict,
             state.res_free_version,
-            borrowed if policy.evictable_backfill else None,
+            borrowed and backfills_evictably(job, policy) if policy.evictable_backfill else None,
             self.claim_team,
         )
         if not own and not own_spares:
@@ -806,7 +808,13 @@ class _Cycle:
                 fail2, placed = self._search(job, ti, shape, borrowed, restrict, own_spares, loose)
                 if placed is None and fail is PendingReason.RESERVATION:
                     fail = fail2
-        if placed is None and borrowed and policy.evictable_backfill and self._evictable_reservation(job):
+        if (
+            placed is None
+            and borrowed
+            and policy.evictable_backfill
+            and backfills_evictably(job, policy)
+            and self._evictable_reservation(job)
+        ):
             # borrowed work may run on a reservation's nodes until their owner is ready for them
             ev = self._excl(job, evictably=True)
             _, placed = self._search(job, ti, shape, borrowed, restrict, own_spares, ev)

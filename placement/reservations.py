@@ -55,7 +55,12 @@ def may_use(
         return True
     if class_rule and job.rank < res.priority_rank and res.kind is ReservationKind.HEAD_OF_LINE:
         return True  # nodes cleared by preemption are never taken: the beneficiary would preempt again
-    if evictably and may_backfill_evictably(res, job) and _owner_not_due(res, now, policy):
+    if (
+        evictably
+        and may_backfill_evictably(res, job)
+        and _owner_not_due(res, now, policy)
+        and backfills_evictably(job, policy)
+    ):
         return True
     return policy.backfill and now + job.max_runtime_s <= res.expected_start
 
@@ -200,6 +205,17 @@ def _owner_not_due(res: Reservation, now: float, policy: Policy) -> bool:
     times, evictable backfill counted as gone) far enough off for evictable backfill?"""
     m = policy.evictable_backfill_min_s
     return m is None or res.expected_start > now + m
+
+
+def backfills_evictably(job: JobSpec, policy: Policy) -> bool:
+    """May ``job`` backfill evictably at all, whatever the reservation? The owner stops such
+    work as soon as it is ready, so ``Policy.evictable_backfill_saving_only`` keeps out jobs
+    that cannot checkpoint (they lose every second they ran) and
+    ``Policy.evictable_backfill_max_gpus`` jobs whose stop throws away more GPUs' work."""
+    if policy.evictable_backfill_saving_only and not job.preemptible:
+        return False
+    m = policy.evictable_backfill_max_gpus
+    return m is None or job.total_gpus <= m
 
 
 def may_backfill_evictably(res: Reservation, job: JobSpec) -> bool:

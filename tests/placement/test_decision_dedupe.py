@@ -21,6 +21,7 @@ from .strategies import CLASSES, HOUR, build, job_specs, populate, scenarios, un
 from .test_properties import (
     BORROWED_APART,
     CHECKPOINT_WAIT,
+    EVICTABLE_LIMITS,
     HIGHER_GANGS,
     POLICIES,
     PROPS,
@@ -85,7 +86,9 @@ def clone_queues(draw, sc, prefix: str):
 def test_repeated_decisions_equal_fresh_ones(data) -> None:
     stt, q = _clone_world(data)
     policy = data.draw(
-        st.sampled_from([*POLICIES, SPARES_YIELD, BORROWED_APART, RESTART_BACKOFF, HIGHER_GANGS, SHORT_WAITS])
+        st.sampled_from(
+            [*POLICIES, SPARES_YIELD, BORROWED_APART, RESTART_BACKOFF, HIGHER_GANGS, SHORT_WAITS, EVICTABLE_LIMITS]
+        )
     )
     now = data.draw(st.sampled_from([3000.0, 2 * HOUR, 6 * HOUR]))
     _three_cycles(stt, q, policy, now)

@@ -109,6 +109,9 @@ RESTART_BACKOFF = Policy(reserve_min_gpus=16, borrowed_restart_backoff_s=600.0)
 HIGHER_GANGS = Policy(reserve_min_gpus=16, reclaim_higher_borrowed_gangs=True)
 # guaranteed gangs' reserved nodes held against borrowed higher-class work (Policy.guaranteed_reservations_hold)
 RESERVATIONS_HOLD = Policy(reserve_min_gpus=16, guaranteed_reservations_hold=True)
+# evictable backfill only for jobs that save and of a node at most
+# (Policy.evictable_backfill_saving_only, Policy.evictable_backfill_max_gpus)
+EVICTABLE_LIMITS = Policy(reserve_min_gpus=16, evictable_backfill_saving_only=True, evictable_backfill_max_gpus=8)
 # new jobs wait for their victims' checkpoints (Policy.checkpoint_wait_s): long enough that
 # most queued jobs of a random world may wait, with ``checkpoint_twice`` giving a pace
 CHECKPOINT_WAIT = Policy(reserve_min_gpus=16, checkpoint_wait_s=4 * HOUR)
@@ -154,6 +157,12 @@ def test_plan_invariants_with_gangs_reclaiming_higher_classes_gangs(data) -> Non
 @given(data=st.data())
 def test_plan_invariants_with_guaranteed_reservations_holding(data) -> None:
     two_cycles_on_a_random_world(data, RESERVATIONS_HOLD)
+
+
+@PROPS
+@given(data=st.data())
+def test_plan_invariants_with_evictable_backfill_limited(data) -> None:
+    two_cycles_on_a_random_world(data, EVICTABLE_LIMITS)
 
 
 @PROPS

@@ -311,6 +311,49 @@ def test_evictable_backfill_only_while_the_owners_expected_start_is_far_enough_o
             assert p.reason("bf") is PendingReason.RESERVATION, min_s
 
 
+def test_evictable_backfill_only_for_jobs_that_save_and_are_small_enough() -> None:
+    """``evictable_backfill_saving_only`` keeps out jobs that cannot checkpoint;
+    ``evictable_backfill_max_gpus`` jobs of more GPUs. The gang reserves b0, whose two free
+    nodes are all a long borrowed job could run on (``cycle`` runs ``check_plan`` too)."""
+    cases = [
+        # (saving_only, max_gpus, replicas, preemptible, placed)
+        (False, None, 2, False, True),
+        (True, None, 1, False, False),
+        (True, None, 1, True, True),
+        (False, 8, 2, True, False),
+        (False, 16, 2, True, True),
+        (False, 8, 1, False, True),
+    ]
+    for saving_only, max_gpus, replicas, preemptible, placed in cases:
+        st = setup()
+        st.set_quota("o", "h100", 0, 1000)  # borrows only
+        bf = spec("bf", team="o", replicas=replicas, gpr=8, runtime=10 * HOUR, submit=1, preemptible=preemptible)
+        pol = Policy(
+            reserve_min_gpus=32, evictable_backfill_saving_only=saving_only, evictable_backfill_max_gpus=max_gpus
+        )
+        p = cycle(st, queue_of(gang(), bf), 100, pol)
+        case = (saving_only, max_gpus, replicas, preemptible)
+        if placed:
+            assert p.placement("bf") is not None and p.placement("bf").backfill, case
+        else:
+            assert p.reason("bf") is PendingReason.RESERVATION, case
+
+
+def test_a_job_kept_from_evictable_backfill_does_not_keep_out_one_of_its_shape_that_saves() -> None:
+    """The engine remembers a shape's failed search within a cycle: whether the job may
+    backfill evictably is part of what it remembers."""
+    st = setup()
+    st.set_quota("o", "h100", 0, 1000)
+    q = queue_of(
+        gang(),
+        spec("unsaved", team="o", gpr=8, runtime=10 * HOUR, submit=1, preemptible=False),
+        spec("saves", team="o", gpr=8, runtime=10 * HOUR, submit=2),
+    )
+    p = cycle(st, q, 100, Policy(reserve_min_gpus=32, evictable_backfill_saving_only=True))
+    assert p.reason("unsaved") is PendingReason.RESERVATION
+    assert p.placement("saves") is not None and p.placement("saves").backfill
+
+
 def test_without_evictable_backfill_long_borrowed_work_waits() -> None:
     st = setup()
     st.set_quota("o", "h100", 0, 1000)
