@@ -782,6 +782,8 @@ class _Cycle:
             return self._search(job, ti, shape, borrowed, restrict, own_spares, _NO_EXCL)
         t = job.topology
         own = job.job_id in state._reservations
+        # borrowed work may run on a reservation's nodes until their owner is ready for them
+        evictably = borrowed and policy.evictable_backfill and backfills_evictably(job, policy)
         tkey = (
             job.gpu_type,
             job.gpus_per_replica,
@@ -792,7 +794,7 @@ class _Cycle:
             self._backfill_span(job),
             restrict,
             state.res_free_version,
-            borrowed and backfills_evictably(job, policy) if policy.evictable_backfill else None,
+            evictably,
             self.claim_team,
         )
         if not own and not own_spares:
@@ -808,14 +810,7 @@ class _Cycle:
                 fail2, placed = self._search(job, ti, shape, borrowed, restrict, own_spares, loose)
                 if placed is None and fail is PendingReason.RESERVATION:
                     fail = fail2
-        if (
-            placed is None
-            and borrowed
-            and policy.evictable_backfill
-            and backfills_evictably(job, policy)
-            and self._evictable_reservation(job)
-        ):
-            # borrowed work may run on a reservation's nodes until their owner is ready for them
+        if placed is None and evictably and self._evictable_reservation(job):
             ev = self._excl(job, evictably=True)
             _, placed = self._search(job, ti, shape, borrowed, restrict, own_spares, ev)
             self.evictable_placement = placed is not None
