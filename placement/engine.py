@@ -500,6 +500,37 @@ class _Cycle:
                 lost += lost_work(rj, now)
         return lost > cap * shape.charge
 
+    def _reclaim_too_costly(self, job: JobSpec, shape: Shape, ti: _TypeIndex, victims: tuple[str, ...]) -> bool:
+        """``Policy.reclaim_max_lost_s``: would the borrowed victims lose more work than that many
+        seconds of the job's GPUs, while the job is younger than ``reclaim_hold_s``?"""
+        policy = self.policy
+        cap = policy.reclaim_max_lost_s
+        if cap is None or _never_held_back(job, shape, ti) or self._reclaim_hold_over(job):
+            return False
+        running, now = self.state._running, self.now
+        lost = 0.0
+        for vid in victims:
+            rj = running[vid]
+            if rj.borrowed:
+                lost += lost_work(rj, now)
+        return lost > cap * shape.charge
+
+    def _reclaim_held(self, job: JobSpec) -> bool:
+        """Could ``reclaim_max_lost_s`` still hold this job back (a memo key's part)?"""
+        return self.policy.reclaim_max_lost_s is not None and not self._reclaim_hold_over(job)
+
+    def _reclaim_hold_over(self, job: JobSpec) -> bool:
+        """Has the job waited ``reclaim_hold_s``, or with ``reclaim_hold_per_team`` its team's
+        oldest queued job of the type? (Per job, a team whose jobs keep arriving waits one hold
+        after another.)"""
+        policy, now = self.policy, self.now
+        if job.waited(now, policy.reclaim_hold_s):
+            return True
+        return (
+            policy.reclaim_hold_per_team
+            and now - self._team_waiting_since(job.team, job.gpu_type) >= policy.reclaim_hold_s
+        )
+
     def _pend(self, job: JobSpec, reason: PendingReason, detail: str = "") -> None:
         self.pending.append(Pending(job.job_id, reason, detail))
 
@@ -561,6 +592,7 @@ class _Cycle:
                 policy.reclaim_higher_borrowed_gangs and self._reclaim_settled(job),
                 job.waited(now, policy.checkpoint_wait_s),
                 job.waited(now, policy.class_preemption_hold_s),
+                self._reclaim_held(job),
             )
             epoch = self._epoch()
             hit = self.decided.get(key)
@@ -1011,6 +1043,7 @@ class _Cycle:
             self.claim_team,
             patient,
             job.waited(self.now, self.policy.class_preemption_hold_s),  # (the cost cap holds it back till then)
+            self._reclaim_held(job),  # (and the reclaim's)
         )
         if fkey in self.preempt_fail:
             return False
@@ -1055,6 +1088,8 @@ class _Cycle:
             return False  # it waits for jobs to end (or for cheaper victims) within its patience
         if self._class_preemption_too_costly(job, shape, ti, choice.victims):
             return False  # it waits (a gang reserves) for jobs to end rather than throw that work away
+        if self._reclaim_too_costly(job, shape, ti, choice.victims):
+            return False  # the same, for borrowed work
         if self._checkpoints_due(job, shape, ti, choice):
             self.awaits_checkpoints = True
             return False

@@ -25,6 +25,7 @@ from .test_properties import (
     HIGHER_GANGS,
     POLICIES,
     PROPS,
+    RECLAIM_CAP,
     RESTART_BACKOFF,
     SPARES_YIELD,
     checkpoint_twice,
@@ -87,7 +88,16 @@ def test_repeated_decisions_equal_fresh_ones(data) -> None:
     stt, q = _clone_world(data)
     policy = data.draw(
         st.sampled_from(
-            [*POLICIES, SPARES_YIELD, BORROWED_APART, RESTART_BACKOFF, HIGHER_GANGS, SHORT_WAITS, EVICTABLE_LIMITS]
+            [
+                *POLICIES,
+                SPARES_YIELD,
+                BORROWED_APART,
+                RESTART_BACKOFF,
+                HIGHER_GANGS,
+                SHORT_WAITS,
+                EVICTABLE_LIMITS,
+                RECLAIM_CAP,
+            ]
         )
     )
     now = data.draw(st.sampled_from([3000.0, 2 * HOUR, 6 * HOUR]))

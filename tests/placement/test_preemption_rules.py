@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from placement import ClusterState, JobQueue, PendingReason, Plan, Policy, PreemptReason, plan
+from placement import ClusterState, JobQueue, JobSpec, PendingReason, Plan, Policy, PreemptReason, plan
 
 from .helpers import HOUR, cluster, fill, nodes_of, occupy, queue_of, spec
 from .helpers import cycle as checked_cycle
@@ -586,6 +586,21 @@ def test_an_idle_job_within_its_guarantee_keeps_its_place_among_victims() -> Non
     assert victims(p) == ["recent-b0n0"]
 
 
+def _one_gang_victim(
+    vcls: str, vborrowed: bool, lost_s: float, cls: str, gpus: int, waited: float
+) -> tuple[ClusterState, JobSpec]:
+    """One block of 4 nodes run by team low's 32-GPU gang ``v`` (borrowed or not; ``lost_s`` of
+    work since its checkpoint, or since its start when it cannot checkpoint), and team me's
+    job ``x`` of ``gpus`` GPUs queued ``waited`` seconds."""
+    st = cluster(blocks=1, nodes=4)
+    st.set_quota("me", "h100", 100)
+    st.set_quota("low", "h100", 0 if vborrowed else 100, 100)
+    v = spec("v", team="low", cls=vcls, replicas=4, gpr=8, preemptible=lost_s < HOUR)
+    v = replace(v, last_checkpoint_at=NOW - lost_s if lost_s < HOUR else None)
+    occupy(st, v, [f"b0n{i}" for i in range(4)], started_at=NOW - max(lost_s, HOUR), borrowed=vborrowed)
+    return st, spec("x", team="me", cls=cls, replicas=gpus // 8, gpr=8, pack="block", submit=NOW - waited)
+
+
 def test_a_class_preemption_that_would_throw_away_much_guaranteed_work_waits() -> None:
     """``class_preemption_max_lost_s``: the guaranteed victims stopped for the job's class lose
     at most that many seconds of the job's GPUs in work; otherwise the job waits (a gang
@@ -607,16 +622,58 @@ def test_a_class_preemption_that_would_throw_away_much_guaranteed_work_waits() -
         ("preemptible", True, 2 * HOUR, "prod-batch", 32, cap, 10.0, True),  # borrowed: always preemptible
     ]
     for vcls, vborrowed, lost_s, cls, gpus, limit, waited, stopped in cases:
-        st = cluster(blocks=1, nodes=4)
-        st.set_quota("me", "h100", 100)
-        st.set_quota("low", "h100", 0 if vborrowed else 100, 100)
-        v = spec("v", team="low", cls=vcls, replicas=4, gpr=8, preemptible=lost_s < HOUR)
-        v = replace(v, last_checkpoint_at=NOW - lost_s if lost_s < HOUR else None)
-        occupy(st, v, [f"b0n{i}" for i in range(4)], started_at=NOW - max(lost_s, HOUR), borrowed=vborrowed)
-        job = spec("x", team="me", cls=cls, replicas=gpus // 8, gpr=8, pack="block", submit=NOW - waited)
+        st, job = _one_gang_victim(vcls, vborrowed, lost_s, cls, gpus, waited)
         pol = Policy(reserve_min_gpus=32, class_preemption_max_lost_s=limit)
         p = cycle(st, queue_of(job), NOW, pol)
         case = (vcls, vborrowed, lost_s, cls, gpus, limit, waited)
         assert (victims(p) == ["v"]) is stopped, case
         if not stopped:
             assert p.reason("x") is PendingReason.RESERVED, case
+
+
+def test_a_reclaim_that_would_throw_away_much_borrowed_work_waits() -> None:
+    """``reclaim_max_lost_s``: the borrowed victims of a job lose at most that many seconds of
+    the job's GPUs in work; otherwise the job waits (a gang reserves), for ``reclaim_hold_s``
+    (300 s) at most. Guaranteed victims are ``class_preemption_max_lost_s``'s to judge, and a
+    prod job within one node is not held back. The victim is another team's 32-GPU gang.
+
+    (victim's class, victim borrowed, work since its checkpoint or start, job's class and
+    GPUs, cap, job's wait) -> the victim is stopped?"""
+    cap = 1800.0
+    cases = [
+        ("research", True, 600.0, "research", 8, cap, 10.0, False),  # 32 x 600 > 8 x 1,800 GPU-s
+        ("research", True, 400.0, "research", 8, cap, 10.0, True),  # 32 x 400 < 8 x 1,800
+        ("research", True, 600.0, "research", 8, None, 10.0, True),  # the field off: as before
+        ("research", True, 600.0, "research", 8, cap, 300.0, True),  # held back 300 s at most
+        ("research", True, 1700.0, "research", 32, cap, 10.0, True),  # a gang of its size: under
+        ("research", True, 1900.0, "research", 32, cap, 10.0, False),  # just over
+        ("research", True, 2 * HOUR, "prod-batch", 8, cap, 10.0, True),  # a prod job within one node
+        ("research", True, 2 * HOUR, "prod-batch", 32, cap, 10.0, False),  # borrowed, of a lower class
+        ("research", False, 2 * HOUR, "prod-batch", 32, cap, 10.0, True),  # guaranteed: not this rule's
+    ]
+    for vcls, vborrowed, lost_s, cls, gpus, limit, waited, stopped in cases:
+        st, job = _one_gang_victim(vcls, vborrowed, lost_s, cls, gpus, waited)
+        pol = Policy(reserve_min_gpus=32, class_preemption_max_lost_s=None, reclaim_max_lost_s=limit)
+        p = cycle(st, queue_of(job), NOW, pol)
+        case = (vcls, vborrowed, lost_s, cls, gpus, limit, waited)
+        assert (victims(p) == ["v"]) is stopped, case
+        if not stopped and gpus == 32:
+            assert p.reason("x") is PendingReason.RESERVED, case
+
+
+def test_the_hold_on_a_dear_reclaim_counts_per_team_when_asked() -> None:
+    """``reclaim_hold_per_team``: a job queued 10 s ago, whose team's other job (too large for
+    the cluster) has been queued for 300 s, takes the dear reclaim that per job
+    (``reclaim_max_lost_s`` alone) still waits for."""
+    for per_team, older, stopped in [(False, True, False), (True, True, True), (True, False, False)]:
+        st = cluster(blocks=1, nodes=4)
+        st.set_quota("me", "h100", 100)
+        st.set_quota("low", "h100", 0, 100)
+        v = replace(spec("v", team="low", replicas=4, gpr=8), last_checkpoint_at=NOW - 600.0)
+        occupy(st, v, [f"b0n{i}" for i in range(4)], started_at=NOW - HOUR, borrowed=True)
+        jobs = [spec("x", team="me", gpr=8, submit=NOW - 10.0)]
+        if older:
+            jobs.append(spec("big", team="me", replicas=8, gpr=8, submit=NOW - 300.0))
+        pol = Policy(class_preemption_max_lost_s=None, reclaim_max_lost_s=1800.0, reclaim_hold_per_team=per_team)
+        p = cycle(st, queue_of(*jobs), NOW, pol)
+        assert ("v" in victims(p)) is stopped, (per_team, older)

@@ -112,6 +112,9 @@ RESERVATIONS_HOLD = Policy(reserve_min_gpus=16, guaranteed_reservations_hold=Tru
 # evictable backfill only for jobs that save and of a node at most
 # (Policy.evictable_backfill_saving_only, Policy.evictable_backfill_max_gpus)
 EVICTABLE_LIMITS = Policy(reserve_min_gpus=16, evictable_backfill_saving_only=True, evictable_backfill_max_gpus=8)
+# reclaims that would lose much borrowed work wait (Policy.reclaim_max_lost_s): a low cap and
+# a long hold, so most reclaims of a random world are held back
+RECLAIM_CAP = Policy(reserve_min_gpus=16, reclaim_max_lost_s=60.0, reclaim_hold_s=4 * HOUR)
 # new jobs wait for their victims' checkpoints (Policy.checkpoint_wait_s): long enough that
 # most queued jobs of a random world may wait, with ``checkpoint_twice`` giving a pace
 CHECKPOINT_WAIT = Policy(reserve_min_gpus=16, checkpoint_wait_s=4 * HOUR)
@@ -163,6 +166,12 @@ def test_plan_invariants_with_guaranteed_reservations_holding(data) -> None:
 @given(data=st.data())
 def test_plan_invariants_with_evictable_backfill_limited(data) -> None:
     two_cycles_on_a_random_world(data, EVICTABLE_LIMITS)
+
+
+@PROPS
+@given(data=st.data())
+def test_plan_invariants_with_dear_reclaims_held(data) -> None:
+    two_cycles_on_a_random_world(data, RECLAIM_CAP)
 
 
 @PROPS
