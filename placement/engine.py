@@ -492,13 +492,7 @@ class _Cycle:
         cap = policy.class_preemption_max_lost_s
         if cap is None or _never_held_back(job, shape, ti) or job.waited(self.now, policy.class_preemption_hold_s):
             return False
-        running, now = self.state._running, self.now
-        lost = 0.0
-        for vid in victims:
-            rj = running[vid]
-            if not rj.borrowed:
-                lost += lost_work(rj, now)
-        return lost > cap * shape.charge
+        return self._victims_lost(victims, borrowed=False) > cap * shape.charge
 
     def _reclaim_too_costly(self, job: JobSpec, shape: Shape, ti: _TypeIndex, victims: tuple[str, ...]) -> bool:
         """``Policy.reclaim_max_lost_s``: would the borrowed victims lose more work than that many
@@ -507,13 +501,12 @@ class _Cycle:
         cap = policy.reclaim_max_lost_s
         if cap is None or _never_held_back(job, shape, ti) or self._reclaim_hold_over(job):
             return False
+        return self._victims_lost(victims, borrowed=True) > cap * shape.charge
+
+    def _victims_lost(self, victims: tuple[str, ...], borrowed: bool) -> float:
+        """GPU-seconds of work the borrowed (or the guaranteed) victims would lose."""
         running, now = self.state._running, self.now
-        lost = 0.0
-        for vid in victims:
-            rj = running[vid]
-            if rj.borrowed:
-                lost += lost_work(rj, now)
-        return lost > cap * shape.charge
+        return sum(lost_work(rj, now) for rj in (running[vid] for vid in victims) if rj.borrowed == borrowed)
 
     def _reclaim_held(self, job: JobSpec) -> bool:
         """Could ``reclaim_max_lost_s`` still hold this job back (a memo key's part)?"""

@@ -666,12 +666,8 @@ def test_the_hold_on_a_dear_reclaim_counts_per_team_when_asked() -> None:
     the cluster) has been queued for 300 s, takes the dear reclaim that per job
     (``reclaim_max_lost_s`` alone) still waits for."""
     for per_team, older, stopped in [(False, True, False), (True, True, True), (True, False, False)]:
-        st = cluster(blocks=1, nodes=4)
-        st.set_quota("me", "h100", 100)
-        st.set_quota("low", "h100", 0, 100)
-        v = replace(spec("v", team="low", replicas=4, gpr=8), last_checkpoint_at=NOW - 600.0)
-        occupy(st, v, [f"b0n{i}" for i in range(4)], started_at=NOW - HOUR, borrowed=True)
-        jobs = [spec("x", team="me", gpr=8, submit=NOW - 10.0)]
+        st, job = _one_gang_victim("research", True, 600.0, "research", 8, 10.0)
+        jobs = [job]
         if older:
             jobs.append(spec("big", team="me", replicas=8, gpr=8, submit=NOW - 300.0))
         pol = Policy(class_preemption_max_lost_s=None, reclaim_max_lost_s=1800.0, reclaim_hold_per_team=per_team)
