@@ -586,6 +586,7 @@ class _Cycle:
                 job.waited(now, policy.checkpoint_wait_s),
                 job.waited(now, policy.class_preemption_hold_s),
                 self._reclaim_held(job),
+                job.waited(now, policy.borrowed_guard_prod_hold_s),
             )
             epoch = self._epoch()
             hit = self.decided.get(key)

@@ -358,6 +358,18 @@ def _checkpoint_wait():
     return st, q, pol, NOW, "new", "old"
 
 
+def _prod_guard_hold():
+    """``borrowed_guard_prod_hold_s``: the small-job guard holds a borrowed prod-batch job back
+    only until it has waited that long; an equal job that has, decided after it, starts."""
+    pol = Policy(borrowed_gang_guard=1.0, borrowed_guard_min_gpus=1, borrowed_guard_max_share=None)
+    st = _lent_to_b()
+    q = queue_of(
+        spec("fresh", team="b", cls="prod-batch", gpr=8, submit=NOW - 10, front=True),
+        spec("waited", team="b", cls="prod-batch", gpr=8, submit=NOW - 100),
+    )
+    return st, q, pol, NOW, "fresh", "waited"
+
+
 def _outcome(p, jid: str):
     if p.placement(jid) is not None:
         return "placed"
@@ -381,6 +393,7 @@ def _outcome(p, jid: str):
         _restart_backoff_count,
         _gang_reclaim_settled,
         _checkpoint_wait,
+        _prod_guard_hold,
     ],
 )
 def test_a_job_that_differs_where_the_decision_reads_is_decided_afresh(case) -> None:
