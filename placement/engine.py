@@ -496,11 +496,14 @@ class _Cycle:
 
     def _reclaim_too_costly(self, job: JobSpec, shape: Shape, ti: _TypeIndex, victims: tuple[str, ...]) -> bool:
         """``Policy.reclaim_max_lost_s``: would the borrowed victims lose more work than that many
-        seconds of the job's GPUs, while the job is younger than ``reclaim_hold_s``?"""
+        seconds of the job's GPUs, while the job is younger than ``reclaim_hold_s`` (and, with
+        ``reclaim_hold_small_only``, within one node)?"""
         policy = self.policy
         cap = policy.reclaim_max_lost_s
         if cap is None or _never_held_back(job, shape, ti) or self._reclaim_hold_over(job):
             return False
+        if policy.reclaim_hold_small_only and shape.charge > ti.node_gpus:
+            return False  # a gang is not held (it would reserve and drain meanwhile)
         return self._victims_lost(victims, borrowed=True) > cap * shape.charge
 
     def _victims_lost(self, victims: tuple[str, ...], borrowed: bool) -> float:

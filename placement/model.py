@@ -307,6 +307,11 @@ class Policy:
       with ``reclaim_hold_per_team``, only while its team's oldest queued job of the GPU type
       is younger than that (a team whose jobs keep arriving is not held one hold after
       another).
+    * ``reclaim_hold_small_only`` (off): ``reclaim_max_lost_s`` holds back only jobs within one
+      node (research and preemptible: prod-batch ones never are); a gang reclaims as without
+      the bound. A held gang reserves and drains nodes, and on all jobs the bound held seed 9
+      under the 90% floor on every fault draw; held small jobs only wait for other small jobs
+      to end (sim/README.md). False: every job the bound covers.
     * ``guarantees_before_classes`` (on in ``gpufleet``, with the bounded small-job guard
       below): the queue puts every job of a team below its guarantee before any job of a
       team at or above it, whatever the classes (the requirements' "a team below its
@@ -532,6 +537,7 @@ class Policy:
     reclaim_max_lost_s: float | None = None
     reclaim_hold_s: float = 300.0
     reclaim_hold_per_team: bool = False
+    reclaim_hold_small_only: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):

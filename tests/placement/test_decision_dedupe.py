@@ -26,6 +26,7 @@ from .test_properties import (
     POLICIES,
     PROPS,
     RECLAIM_CAP,
+    RECLAIM_CAP_SMALL,
     RESTART_BACKOFF,
     SPARES_YIELD,
     checkpoint_twice,
@@ -97,6 +98,7 @@ def test_repeated_decisions_equal_fresh_ones(data) -> None:
                 SHORT_WAITS,
                 EVICTABLE_LIMITS,
                 RECLAIM_CAP,
+                RECLAIM_CAP_SMALL,
             ]
         )
     )

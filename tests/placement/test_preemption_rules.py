@@ -673,3 +673,22 @@ def test_the_hold_on_a_dear_reclaim_counts_per_team_when_asked() -> None:
         pol = Policy(class_preemption_max_lost_s=None, reclaim_max_lost_s=1800.0, reclaim_hold_per_team=per_team)
         p = cycle(st, queue_of(*jobs), NOW, pol)
         assert ("v" in victims(p)) is stopped, (per_team, older)
+
+
+def test_the_hold_on_a_dear_reclaim_spares_gangs_when_asked() -> None:
+    """``reclaim_hold_small_only``: a 32-GPU gang takes the dear reclaim that the bound alone
+    holds it back from, while a job within one node still waits."""
+    for small_only, gpus, lost_s, stopped in [
+        (False, 32, 1900.0, False),
+        (True, 32, 1900.0, True),
+        (True, 8, 600.0, False),
+    ]:
+        st, job = _one_gang_victim("research", True, lost_s, "research", gpus, 10.0)
+        pol = Policy(
+            reserve_min_gpus=32,
+            class_preemption_max_lost_s=None,
+            reclaim_max_lost_s=1800.0,
+            reclaim_hold_small_only=small_only,
+        )
+        p = cycle(st, queue_of(job), NOW, pol)
+        assert (victims(p) == ["v"]) is stopped, (small_only, gpus)

@@ -115,6 +115,10 @@ EVICTABLE_LIMITS = Policy(reserve_min_gpus=16, evictable_backfill_saving_only=Tr
 # reclaims that would lose much borrowed work wait (Policy.reclaim_max_lost_s): a low cap and
 # a long hold, so most reclaims of a random world are held back
 RECLAIM_CAP = Policy(reserve_min_gpus=16, reclaim_max_lost_s=60.0, reclaim_hold_s=4 * HOUR)
+# ... held for jobs within one node only (Policy.reclaim_hold_small_only)
+RECLAIM_CAP_SMALL = Policy(
+    reserve_min_gpus=16, reclaim_max_lost_s=60.0, reclaim_hold_s=4 * HOUR, reclaim_hold_small_only=True
+)
 # new jobs wait for their victims' checkpoints (Policy.checkpoint_wait_s): long enough that
 # most queued jobs of a random world may wait, with ``checkpoint_twice`` giving a pace
 CHECKPOINT_WAIT = Policy(reserve_min_gpus=16, checkpoint_wait_s=4 * HOUR)
@@ -171,7 +175,7 @@ def test_plan_invariants_with_evictable_backfill_limited(data) -> None:
 @PROPS
 @given(data=st.data())
 def test_plan_invariants_with_dear_reclaims_held(data) -> None:
-    two_cycles_on_a_random_world(data, RECLAIM_CAP)
+    two_cycles_on_a_random_world(data, data.draw(st.sampled_from([RECLAIM_CAP, RECLAIM_CAP_SMALL])))
 
 
 @PROPS
