@@ -3,11 +3,13 @@ is the one design and its generated tables match the code."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 from cli.design_doc import DESIGN, TABLES, render, stale
 from common.settings import Settings
+from placement import Policy
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -34,6 +36,24 @@ def test_every_setting_is_in_the_design_doc():
     text = DESIGN.read_text()
     missing = [f"GPUFLEET_{n.upper()}" for n in Settings.model_fields if f"`GPUFLEET_{n.upper()}`" not in text]
     assert not missing, missing
+
+
+def test_every_policy_field_is_in_the_placement_readme_with_its_default():
+    """placement/README.md lists every Policy knob as ``name=default`` (or, for a few, by name
+    with the values spelled out), so a new field or a changed default shows there too."""
+    text = (ROOT / "placement" / "README.md").read_text()
+    spelled_out = {"ordering", "topology", "reservations", "backfill", "preemption", "borrowing"}
+    wrong = []
+    for f in dataclasses.fields(Policy):
+        if f.name in spelled_out:
+            ok = f"`{f.name}`" in text
+        else:
+            value = f.default
+            shown = "None" if value is None else (f"{value:g}" if isinstance(value, float) else str(value))
+            ok = f"`{f.name}={shown}`" in text
+        if not ok:
+            wrong.append(f"{f.name}={f.default}")
+    assert not wrong, f"placement/README.md misses or misstates: {wrong}"
 
 
 def test_a_stale_table_is_caught_and_rewritten():
