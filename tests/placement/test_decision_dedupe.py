@@ -309,7 +309,12 @@ def _own_reservation():
 def _victims_stopping():
     """A job whose victims are stopping is told ``preempting``; an equal job decided just
     before it finds nothing left to take (``capacity``)."""
-    pol = Policy(reserve_min_gpus=16, reclaim_small_borrowed_after_s=None, claim_borrowed_reservations_after_s=None)
+    pol = Policy(
+        reserve_min_gpus=16,
+        reclaim_small_borrowed_after_s=None,
+        claim_borrowed_reservations_after_s=None,
+        reclaim_max_lost_s=None,  # the victim has run since NOW - 3,600: a dear reclaim
+    )
     st = cluster(blocks=1, nodes=1)
     st.set_quota("me", "h100", 100, 100)
     st.set_quota("b", "h100", 0, 100)

@@ -56,7 +56,7 @@ def test_the_wait_before_reclaiming_higher_classes_counts_per_team_when_asked() 
         jobs = [spec("x", team="me", cls="research", gpr=8, submit=NOW - 10)]
         if older:
             jobs.append(spec("old", team="me", cls="research", replicas=4, gpr=8, submit=NOW - 300))
-        pol = Policy(reserve_min_gpus=64, reclaim_wait_per_team=per_team)
+        pol = Policy(reserve_min_gpus=64, reclaim_wait_per_team=per_team, reclaim_max_lost_s=None)
         p = cycle(st, queue_of(*jobs), NOW, pol)
         assert (victims(p) == ["v"]) is reclaimed, (per_team, older, guarantee)
         assert p.preemptions == () or p.preemptions[0].beneficiary == "x"
@@ -474,13 +474,14 @@ def test_a_higher_class_does_not_take_nodes_cleared_for_a_lower_class_beneficiar
     fill(st, ["b0n0"], team="o", cls="preemptible", borrowed=True, prefix="keep", started_at=NOW - 3600)
     fill(st, ["b0n1"], team="o", cls="preemptible", borrowed=True, prefix="v", started_at=NOW - 60)
     q = queue_of(spec("x", team="me", cls="preemptible", gpr=8, submit=NOW))
-    p = cycle(st, q, NOW)
+    pol = Policy(reclaim_max_lost_s=None)  # keep-b0n0's hour of work would hold hi's reclaim back
+    p = cycle(st, q, NOW, pol)
     assert victims(p) == ["v-b0n1"]
     q.push(spec("hi", team="r", cls="research", gpr=8, submit=NOW + 10))
-    p = cycle(st, q, NOW + 10)
+    p = cycle(st, q, NOW + 10, pol)
     assert victims(p) == ["keep-b0n0"]  # hi preempts for itself, not from x's held node
     st.release("v-b0n1", NOW + 30)
-    p = cycle(st, q, NOW + 31)
+    p = cycle(st, q, NOW + 31, pol)
     assert p.placement("x") is not None and [n.node_id for n in p.placement("x").nodes] == ["b0n1"]
     assert p.placement("hi") is None
 
@@ -653,7 +654,12 @@ def test_a_reclaim_that_would_throw_away_much_borrowed_work_waits() -> None:
     ]
     for vcls, vborrowed, lost_s, cls, gpus, limit, waited, stopped in cases:
         st, job = _one_gang_victim(vcls, vborrowed, lost_s, cls, gpus, waited)
-        pol = Policy(reserve_min_gpus=32, class_preemption_max_lost_s=None, reclaim_max_lost_s=limit)
+        pol = Policy(
+            reserve_min_gpus=32,
+            class_preemption_max_lost_s=None,
+            reclaim_max_lost_s=limit,
+            reclaim_hold_small_only=False,  # gangs held too
+        )
         p = cycle(st, queue_of(job), NOW, pol)
         case = (vcls, vborrowed, lost_s, cls, gpus, limit, waited)
         assert (victims(p) == ["v"]) is stopped, case

@@ -149,7 +149,7 @@ def test_a_backfill_jobs_preemption_keeps_the_gangs_reservation() -> None:
     fill(st, nodes[:7], team="q", cls="prod-batch", runtime=2 * HOUR)
     fill(st, nodes[7:], team="e", cls="preemptible", runtime=24 * HOUR, borrowed=True, prefix="e")
     q = queue_of(spec("L", team="p", cls="prod-batch", replicas=8, gpr=8, pack="block", runtime=2 * HOUR, submit=3500))
-    pol = Policy(reserve_min_gpus=32)
+    pol = Policy(reserve_min_gpus=32, reclaim_max_lost_s=None)  # R's reclaim is dear: not held here
     p = cycle(st, q, 3500, pol)
     assert p.reason("L") is PendingReason.RESERVED
     q.push(spec("R", team="w", cls="research", gpr=8, runtime=600, submit=3650))

@@ -174,6 +174,7 @@ def _check(
         reserve_min_gpus=RESERVE_MIN,
         reclaim_higher_borrowed_gangs=True,
         class_preemption_max_lost_s=None,
+        reclaim_max_lost_s=None,
     )
     submit = NOW - 300 if waited else NOW  # 300 s: reclaim_small_borrowed_after_s
     if shape == "whole":
