@@ -90,6 +90,11 @@ _NO_SPAN = (-math.inf, math.inf)  # without backfill a run time decides nothing
 _PROD_BATCH_RANK = PriorityClass.PROD_BATCH.rank
 
 
+# the pending detail of a job whose victims would lose too much work
+# (Policy.class_preemption_max_lost_s, Policy.reclaim_max_lost_s)
+HELD_FOR_VICTIMS_WORK = "waits for jobs to end rather than throw away its victims' work"
+
+
 def _never_held_back(job: JobSpec, shape: Shape, ti: _TypeIndex) -> bool:
     """prod-serving, and prod-batch jobs within one node (the requirements' 2-minute p95 wait
     for small prod jobs): never kept waiting to spare victims' work."""
@@ -137,7 +142,8 @@ class _Cycle:
         self.victim_memo: set[tuple] = set()
         self.reserve_memo: set[tuple] = set()
         self.head_of_line: dict[tuple[str, int], list[Reservation]] = {}  # (type, res_version) -> head-of-line
-        self.preempt_fail: set[tuple] = set()
+        # a victim search that failed (or whose choice was held back: then the pending detail)
+        self.preempt_fail: dict[tuple, str] = {}
         self.reclaimed: set[tuple[str, str]] = set()
         self.waiting_since: dict[tuple[str, str], float] | None = None  # per (team, type), built on first use
         # per (team, type): its oldest queued job within its guarantee (reclaim_wait_per_team)
@@ -158,6 +164,7 @@ class _Cycle:
         self.excl_version = -1
         self.evictable_placement = False  # the last _try_place used evictable backfill
         self.awaits_checkpoints = False  # the last _preempt waits for its victims' checkpoints
+        self.held_detail = ""  # the last _preempt's choice was held back as too costly: why
         self.claim_team: str | None = None  # Exclusions.claim_team for the job being decided
         self.returning: dict[tuple[str, int], int] = {}  # (type, placements so far) -> demand expected back
         self.dedupe = dedupe
@@ -640,6 +647,7 @@ class _Cycle:
         state, policy = self.state, self.policy
         self.claim_team = None
         self.awaits_checkpoints = False
+        self.held_detail = ""
         ti = state._types.get(job.gpu_type)
         if ti is None:
             self._pend(job, PendingReason.GPU_TYPE)
@@ -789,7 +797,8 @@ class _Cycle:
         if fail is PendingReason.TOPOLOGY:
             self._pend(job, fail, _fragments_detail(ti, shape, job))
             return
-        self._pend(job, fail or PendingReason.CAPACITY)
+        reason = fail or PendingReason.CAPACITY
+        self._pend(job, reason, self.held_detail if reason is PendingReason.CAPACITY else "")
 
     def _try_place(
         self,
@@ -1042,13 +1051,15 @@ class _Cycle:
             job.waited(self.now, self.policy.class_preemption_hold_s),  # (the cost cap holds it back till then)
             self._reclaim_held(job),  # (and the reclaim's)
         )
-        if fkey in self.preempt_fail:
+        held = self.preempt_fail.get(fkey)
+        if held is not None:
+            self.held_detail = held
             return False
         if reclaim:
             self.reclaimed.add(tkey)  # one uncapped attempt per team and cycle, found or not
         if not self._preempt_search(job, ti, shape, mode, reclaim, patient):
             if not self.awaits_checkpoints:  # (a wait depends on the job's own submit time)
-                self.preempt_fail.add(fkey)
+                self.preempt_fail[fkey] = self.held_detail
             return False
         return True
 
@@ -1083,10 +1094,12 @@ class _Cycle:
             return False
         if patient and self._too_costly(choice.victims):
             return False  # it waits for jobs to end (or for cheaper victims) within its patience
-        if self._class_preemption_too_costly(job, shape, ti, choice.victims):
-            return False  # it waits (a gang reserves) for jobs to end rather than throw that work away
-        if self._reclaim_too_costly(job, shape, ti, choice.victims):
-            return False  # the same, for borrowed work
+        if self._class_preemption_too_costly(job, shape, ti, choice.victims) or self._reclaim_too_costly(
+            job, shape, ti, choice.victims
+        ):
+            # it waits (a gang reserves) for jobs to end rather than throw that work away
+            self.held_detail = HELD_FOR_VICTIMS_WORK
+            return False
         if self._checkpoints_due(job, shape, ti, choice):
             self.awaits_checkpoints = True
             return False

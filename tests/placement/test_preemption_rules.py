@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from placement import ClusterState, JobQueue, JobSpec, PendingReason, Plan, Policy, PreemptReason, plan
+from placement.engine import HELD_FOR_VICTIMS_WORK
 
 from .helpers import HOUR, cluster, fill, nodes_of, occupy, queue_of, spec
 from .helpers import cycle as checked_cycle
@@ -665,6 +666,9 @@ def test_a_reclaim_that_would_throw_away_much_borrowed_work_waits() -> None:
         assert (victims(p) == ["v"]) is stopped, case
         if not stopped and gpus == 32:
             assert p.reason("x") is PendingReason.RESERVED, case
+        elif not stopped:  # told why it waits beside work it could have stopped
+            assert p.reason("x") is PendingReason.CAPACITY, case
+            assert [x.detail for x in p.pending] == [HELD_FOR_VICTIMS_WORK], case
 
 
 def test_the_hold_on_a_dear_reclaim_counts_per_team_when_asked() -> None:
