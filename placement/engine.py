@@ -507,10 +507,12 @@ class _Cycle:
         ``reclaim_hold_small_only``, within one node)?"""
         policy = self.policy
         cap = policy.reclaim_max_lost_s
-        if cap is None or _never_held_back(job, shape, ti) or self._reclaim_hold_over(job):
+        if cap is None or _never_held_back(job, shape, ti):
             return False
         if policy.reclaim_hold_small_only and shape.charge > ti.node_gpus:
             return False  # a gang is not held (it would reserve and drain meanwhile)
+        if self._reclaim_hold_over(job):  # (after the cheap tests: per team it reads the queue)
+            return False
         return self._victims_lost(victims, borrowed=True) > cap * shape.charge
 
     def _victims_lost(self, victims: tuple[str, ...], borrowed: bool) -> float:

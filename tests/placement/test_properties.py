@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random as _random
+from dataclasses import replace
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -113,12 +114,13 @@ RESERVATIONS_HOLD = Policy(reserve_min_gpus=16, guaranteed_reservations_hold=Tru
 # (Policy.evictable_backfill_saving_only, Policy.evictable_backfill_max_gpus)
 EVICTABLE_LIMITS = Policy(reserve_min_gpus=16, evictable_backfill_saving_only=True, evictable_backfill_max_gpus=8)
 # reclaims that would lose much borrowed work wait (Policy.reclaim_max_lost_s): a low cap and
-# a long hold, so most reclaims of a random world are held back
-RECLAIM_CAP = Policy(reserve_min_gpus=16, reclaim_max_lost_s=60.0, reclaim_hold_s=4 * HOUR)
-# ... held for jobs within one node only (Policy.reclaim_hold_small_only)
-RECLAIM_CAP_SMALL = Policy(
-    reserve_min_gpus=16, reclaim_max_lost_s=60.0, reclaim_hold_s=4 * HOUR, reclaim_hold_small_only=True
+# a long hold, so most reclaims of a random world are held back, gangs' too (the default holds
+# only jobs within one node: without the explicit False both policies would be that one)
+RECLAIM_CAP = Policy(
+    reserve_min_gpus=16, reclaim_max_lost_s=60.0, reclaim_hold_s=4 * HOUR, reclaim_hold_small_only=False
 )
+# ... held for jobs within one node only (Policy.reclaim_hold_small_only)
+RECLAIM_CAP_SMALL = replace(RECLAIM_CAP, reclaim_hold_small_only=True)
 # new jobs wait for their victims' checkpoints (Policy.checkpoint_wait_s): long enough that
 # most queued jobs of a random world may wait, with ``checkpoint_twice`` giving a pace
 CHECKPOINT_WAIT = Policy(reserve_min_gpus=16, checkpoint_wait_s=4 * HOUR)
