@@ -509,11 +509,24 @@ class _Cycle:
         cap = policy.reclaim_max_lost_s
         if cap is None or _never_held_back(job, shape, ti):
             return False
-        if policy.reclaim_hold_small_only and shape.charge > ti.node_gpus:
+        if (
+            policy.reclaim_hold_small_only
+            and shape.charge > ti.node_gpus
+            and not self._stops_much_larger(shape, victims)
+        ):
             return False  # a gang is not held (it would reserve and drain meanwhile)
         if self._reclaim_hold_over(job):  # (after the cheap tests: per team it reads the queue)
             return False
         return self._victims_lost(victims, borrowed=True) > cap * shape.charge
+
+    def _stops_much_larger(self, shape: Shape, victims: tuple[str, ...]) -> bool:
+        """``Policy.reclaim_hold_gang_victims_ratio``: would the borrowed victims hold at least
+        that many times the job's GPUs?"""
+        ratio = self.policy.reclaim_hold_gang_victims_ratio
+        if ratio is None:
+            return False
+        running = self.state._running
+        return sum(rj.charge for rj in (running[vid] for vid in victims) if rj.borrowed) >= ratio * shape.charge
 
     def _victims_lost(self, victims: tuple[str, ...], borrowed: bool) -> float:
         """GPU-seconds of work the borrowed (or the guaranteed) victims would lose."""

@@ -316,6 +316,15 @@ class Policy:
       bound) and 6 teams starved (9), net of lost work +0.25 points on average; over seeds
       1-5 on three draws neutral (+0.01 points, as many starved teams); sim/README.md.
       False: every job the bound covers.
+    * ``reclaim_hold_gang_victims_ratio`` (off): with ``reclaim_hold_small_only``, the bound
+      holds back a job beyond one node too when the borrowed victims it would stop hold at
+      least this many times its GPUs (a 64-GPU job stopping a 1,024-GPU borrowed gang).
+      Over week 1 such reclaims, of 1,024-GPU-or-larger gangs for 9-1,023-GPU jobs, lost
+      31,556 of the 140,023 GPU-hours lost to preemption (the simulator's log). A held job of ``reserve_min_gpus``
+      or more reserves; the gains all came from those (below them it changed nothing on
+      seeds 2 and 4). At 8: less lost to preemption and more net on the weeks and most seed
+      days, but seed 2 fell under the 90% floor while over capacity (88.93%) and more teams
+      starved; sim/README.md. None: only ``reclaim_hold_small_only`` decides.
     * ``guarantees_before_classes`` (on in ``gpufleet``, with the bounded small-job guard
       below): the queue puts every job of a team below its guarantee before any job of a
       team at or above it, whatever the classes (the requirements' "a team below its
@@ -542,6 +551,7 @@ class Policy:
     reclaim_hold_s: float = 300.0
     reclaim_hold_per_team: bool = False
     reclaim_hold_small_only: bool = True
+    reclaim_hold_gang_victims_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -593,6 +603,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "evictable_backfill_saving_only": False,
     "evictable_backfill_max_gpus": None,
     "reclaim_max_lost_s": None,
+    "reclaim_hold_gang_victims_ratio": None,
     "guarantees_before_classes": False,
     "borrowed_guard_min_gpus": None,
 }

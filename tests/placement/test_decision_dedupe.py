@@ -26,6 +26,7 @@ from .test_properties import (
     POLICIES,
     PROPS,
     RECLAIM_CAP,
+    RECLAIM_CAP_RATIO,
     RECLAIM_CAP_SMALL,
     RESTART_BACKOFF,
     SPARES_YIELD,
@@ -99,6 +100,7 @@ def test_repeated_decisions_equal_fresh_ones(data) -> None:
                 EVICTABLE_LIMITS,
                 RECLAIM_CAP,
                 RECLAIM_CAP_SMALL,
+                RECLAIM_CAP_RATIO,
             ]
         )
     )

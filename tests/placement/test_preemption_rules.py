@@ -702,3 +702,25 @@ def test_the_hold_on_a_dear_reclaim_spares_gangs_when_asked() -> None:
         )
         p = cycle(st, queue_of(job), NOW, pol)
         assert (victims(p) == ["v"]) is stopped, (small_only, gpus)
+
+
+def test_the_hold_on_a_dear_reclaim_reaches_a_job_that_would_stop_a_much_larger_gang() -> None:
+    """``reclaim_hold_gang_victims_ratio``: with ``reclaim_hold_small_only``, a job beyond one
+    node is held back too when its borrowed victims hold at least that many times its GPUs.
+    Here the victim is one 32-GPU gang: a ratio of 2 holds a 16-GPU job back, 4 does not, and
+    a 32-GPU gang taking the same victim is not held.
+
+    (ratio, job's GPUs) -> the victim is stopped?"""
+    for ratio, gpus, stopped in [(None, 16, True), (2.0, 16, False), (4.0, 16, True), (2.0, 32, True)]:
+        st, job = _one_gang_victim("research", True, 1900.0, "research", gpus, 10.0)
+        pol = Policy(
+            reserve_min_gpus=32,
+            class_preemption_max_lost_s=None,
+            reclaim_max_lost_s=1800.0,
+            reclaim_hold_gang_victims_ratio=ratio,
+        )
+        p = cycle(st, queue_of(job), NOW, pol)
+        assert (victims(p) == ["v"]) is stopped, (ratio, gpus)
+        if not stopped:  # a job below reserve_min_gpus does not reserve: told why it waits
+            assert p.reason("x") is PendingReason.CAPACITY, (ratio, gpus)
+            assert [x.detail for x in p.pending] == [HELD_FOR_VICTIMS_WORK], (ratio, gpus)

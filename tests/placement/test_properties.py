@@ -121,6 +121,9 @@ RECLAIM_CAP = Policy(
 )
 # ... held for jobs within one node only (Policy.reclaim_hold_small_only)
 RECLAIM_CAP_SMALL = replace(RECLAIM_CAP, reclaim_hold_small_only=True)
+# ... and for larger jobs that would stop borrowed work at least twice their size
+# (Policy.reclaim_hold_gang_victims_ratio)
+RECLAIM_CAP_RATIO = replace(RECLAIM_CAP_SMALL, reclaim_hold_gang_victims_ratio=2.0)
 # new jobs wait for their victims' checkpoints (Policy.checkpoint_wait_s): long enough that
 # most queued jobs of a random world may wait, with ``checkpoint_twice`` giving a pace
 CHECKPOINT_WAIT = Policy(reserve_min_gpus=16, checkpoint_wait_s=4 * HOUR)
@@ -177,7 +180,7 @@ def test_plan_invariants_with_evictable_backfill_limited(data) -> None:
 @PROPS
 @given(data=st.data())
 def test_plan_invariants_with_dear_reclaims_held(data) -> None:
-    two_cycles_on_a_random_world(data, data.draw(st.sampled_from([RECLAIM_CAP, RECLAIM_CAP_SMALL])))
+    two_cycles_on_a_random_world(data, data.draw(st.sampled_from([RECLAIM_CAP, RECLAIM_CAP_SMALL, RECLAIM_CAP_RATIO])))
 
 
 @PROPS
