@@ -504,7 +504,8 @@ class _Cycle:
     def _reclaim_too_costly(self, job: JobSpec, shape: Shape, ti: _TypeIndex, victims: tuple[str, ...]) -> bool:
         """``Policy.reclaim_max_lost_s``: would the borrowed victims lose more work than that many
         seconds of the job's GPUs, while the job is younger than ``reclaim_hold_s`` (and, with
-        ``reclaim_hold_small_only``, within one node)?"""
+        ``reclaim_hold_small_only``, within one node or, with
+        ``reclaim_hold_gang_victims_ratio``, stopping borrowed work that many times its size)?"""
         policy = self.policy
         cap = policy.reclaim_max_lost_s
         if cap is None or _never_held_back(job, shape, ti):
@@ -514,7 +515,9 @@ class _Cycle:
             and shape.charge > ti.node_gpus
             and not self._stops_much_larger(shape, victims)
         ):
-            return False  # a gang is not held (it would reserve and drain meanwhile)
+            # a gang is not held (it would reserve and drain meanwhile), unless it would stop
+            # borrowed work many times its size (reclaim_hold_gang_victims_ratio)
+            return False
         if self._reclaim_hold_over(job):  # (after the cheap tests: per team it reads the queue)
             return False
         return self._victims_lost(victims, borrowed=True) > cap * shape.charge
