@@ -323,9 +323,9 @@ class Policy:
       31,556 of the 140,023 GPU-hours lost to preemption (the simulator's log). A held job
       of ``reserve_min_gpus`` or more reserves meanwhile; on seeds 2 and 4 the changes all
       came from those (held below them only, both days came out as without the field). At
-      8: less lost to preemption and more net on the weeks and most seed days, but seed 2
-      fell under the 90% floor while over capacity (88.93%) and more teams starved;
-      sim/README.md. None: only ``reclaim_hold_small_only`` decides.
+      8: less lost to preemption and more net on the weeks, and on average over the seed
+      days, but seed 2 fell under the 90% floor while over capacity (88.93%) and more teams
+      starved; sim/README.md. None: only ``reclaim_hold_small_only`` decides.
     * ``guarantees_before_classes`` (on in ``gpufleet``, with the bounded small-job guard
       below): the queue puts every job of a team below its guarantee before any job of a
       team at or above it, whatever the classes (the requirements' "a team below its
