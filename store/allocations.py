@@ -2,7 +2,8 @@
 
 * ``commit_gang`` - every allocation row and lease of a gang in one transaction, or
   none; the leader epoch is checked in it; guaranteed usage is held within the
-  guarantee; audit and job_events rows are written with the change.
+  guarantee; audit and job_events rows are written with the change; an attempt is never
+  started when an earlier one had finished (every rank's exit 0 on record).
 * ``release_lease`` / ``release_job`` - free GPUs, keyed by lease id (and optionally
   epoch), never by GPU, so a stale "task exited" cannot free a newer lease on the
   same GPU.
@@ -18,8 +19,15 @@ from dataclasses import dataclass
 
 import asyncpg
 
+from store import task_reports
 from store.audit import write_audit, write_job_event
-from store.errors import AllocationConflict, JobStateConflict, QuotaExceeded, UnknownSubject
+from store.errors import (
+    AllocationConflict,
+    EarlierAttemptSucceeded,
+    JobStateConflict,
+    QuotaExceeded,
+    UnknownSubject,
+)
 from store.leadership import check_epoch
 from store.tx import Db, transaction
 
@@ -53,7 +61,7 @@ async def commit_gang(
     """Commit a whole gang in one transaction; return its lease ids.
 
     Moves the job QUEUED -> STARTING. Raises AllocationConflict, StaleEpoch,
-    QuotaExceeded or JobStateConflict, and then nothing is written.
+    QuotaExceeded, JobStateConflict or EarlierAttemptSucceeded, and then nothing is written.
     """
     if not placements:
         raise ValueError("a gang has at least one placement")
@@ -63,13 +71,20 @@ async def commit_gang(
     async with transaction(db) as conn:
         await check_epoch(conn, scope, epoch)
         job = await conn.fetchrow(
-            "SELECT team, gpu_type, state, attempt FROM jobs WHERE job_id = $1 FOR UPDATE", job_id
+            "SELECT team, gpu_type, state, attempt, replicas FROM jobs WHERE job_id = $1 FOR UPDATE", job_id
         )
         if job is None:
             raise UnknownSubject(f"no job {job_id}")
         if job["state"] != "QUEUED" or job["attempt"] != attempt:
             raise JobStateConflict(
                 f"job {job_id} is {job['state']} attempt {job['attempt']}, expected QUEUED attempt {attempt}"
+            )
+        # the row lock above orders this read after any exit 0 already being stored (task_reports.store)
+        done = await task_reports.succeeded_attempt(conn, job_id, before=attempt, replicas=job["replicas"])
+        if done is not None:
+            # its exits came after it was re-queued: the job's workflow is told so by report delivery
+            raise EarlierAttemptSucceeded(
+                f"job {job_id} attempt {done} had exited 0 on every rank: not starting {attempt}"
             )
         team, gpu_type = job["team"], job["gpu_type"]
         # Lock the quota row first: concurrent commits for one team serialize here,

@@ -33,6 +33,12 @@ class JobStateConflict(StoreError):
     code = "job_state_conflict"
 
 
+class EarlierAttemptSucceeded(JobStateConflict):
+    """An earlier attempt of the job had exited 0 on every rank: its work is not started again."""
+
+    code = "earlier_attempt_succeeded"
+
+
 class InvalidJobTransition(StoreError):
     """A job state change that placement.lifecycle's table has no edge for."""
 

@@ -5,10 +5,14 @@
     await mark(pool, [row.id ...], "delivered")       # or "job_finished"
     await exits_for(pool, lease_ids)                 # leases whose end is on record
     await rank_ends(pool, job_id)                    # each rank's end in the newest attempt that has one
+    await succeeded_attempt(conn, job_id, before=2, replicas=4)   # an earlier attempt whose every rank exited 0
     failing(ends)                                    # the rank whose end failed the attempt
 
 A report stored twice (the agent sent it again) is one row: unique on (lease, epoch, state,
-checkpoint). A terminal report carries the rank's cause (signal, stderr tail: migration
+checkpoint). An exit 0 is stored under a share lock on its job's row, so it serializes with
+the writes that lock that row to start or re-queue an attempt (``store.allocations.commit_gang``,
+``store.job_states.requeue_job``): each either sees the exit or commits before it is on record.
+A terminal report carries the rank's cause (signal, stderr tail: migration
 0013); the newest attempt's ends that were not exit 0 are kept after delivery, so a failed
 job says why long after its node is gone.
 """
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from store.tx import Db
+from store.tx import Db, transaction
 
 # the states that end a rank (common.contracts.TaskState's, spelled out: the store imports no Temporal)
 TERMINAL_REPORTS = ("EXITED", "STOPPED", "FENCED", "LOST", "REJECTED")
@@ -52,15 +56,25 @@ class StoredReport:
 
 
 async def store(db: Db, report: dict[str, Any]) -> bool:
-    """Record a report (one statement, so it is durable when this returns); False when it
-    was already on record. ``report``: a TaskStatus as JSON (lease_id, job_id, attempt,
+    """Record a report (committed when this returns); False when it was already on record. ``report``: a TaskStatus as JSON (lease_id, job_id, attempt,
     epoch, rank, node_id, state, exit_code, checkpoint_uri, ...)."""
     report = dict(report)
     tail = _bounded_tail(report.pop("stderr_tail", None))  # its own column, not twice
     sig = report.get("signal")
+    if report["state"] == "EXITED" and report.get("exit_code") == 0:
+        async with transaction(db) as conn:
+            # a finished rank: serialize with a start or re-queue of the job (module docstring)
+            await conn.execute("SELECT 1 FROM jobs WHERE job_id = $1 FOR SHARE", report["job_id"])
+            return await _insert(conn, report, sig, tail)
+    return await _insert(db, report, sig, tail)
+
+
+async def _insert(db: Db, report: dict[str, Any], sig: Any, tail: str | None) -> bool:
+    # received_at: when the row was written (under the lock, for an exit 0), not when its transaction began
     row_id = await db.fetchval(
         "INSERT INTO task_reports (lease_id, job_id, attempt, epoch, rank, node_id, state, exit_code,"
-        " checkpoint_uri, report, signal, stderr_tail) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)"
+        " checkpoint_uri, report, signal, stderr_tail, received_at)"
+        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, clock_timestamp())"
         " ON CONFLICT (lease_id, epoch, state, coalesce(checkpoint_uri, '')) DO NOTHING RETURNING id",
         report["lease_id"],
         report["job_id"],
@@ -142,6 +156,18 @@ async def ranks_exited_ok(db: Db, job_id: str, attempt: int) -> int:
         " AND state = 'EXITED' AND exit_code = 0",
         job_id,
         attempt,
+    )
+
+
+async def succeeded_attempt(db: Db, job_id: str, *, before: int, replicas: int) -> int | None:
+    """The newest attempt earlier than ``before`` whose every one of ``replicas`` ranks
+    exited 0 (on record), or None: the job's work is done, whatever attempt it is on."""
+    return await db.fetchval(
+        "SELECT attempt FROM task_reports WHERE job_id = $1 AND attempt < $2 AND state = 'EXITED' AND exit_code = 0"
+        " GROUP BY attempt HAVING count(DISTINCT rank) >= $3 ORDER BY attempt DESC LIMIT 1",
+        job_id,
+        before,
+        replicas,
     )
 
 
