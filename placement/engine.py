@@ -166,7 +166,7 @@ class _Cycle:
         self.awaits_checkpoints = False  # the last _preempt waits for its victims' checkpoints
         self.held_detail = ""  # the last _preempt's choice was held back as too costly: why
         self.claim_team: str | None = None  # Exclusions.claim_team for the job being decided
-        self.returning: dict[tuple[str, int], int] = {}  # (type, placements so far) -> demand expected back
+        self.returning: dict[tuple[str, int, int], int] = {}  # (type, placements so far, reservations) -> back
         self.dedupe = dedupe
         # equal job -> (epoch, reason, detail, quota only) of a decision that only pended
         self.decided: dict[tuple, tuple[tuple[int, ...], PendingReason, str, bool]] = {}
@@ -351,10 +351,13 @@ class _Cycle:
     def _reclaim_likely(self, gpu_type: str, ti: _TypeIndex, charge: int, guard: float) -> bool:
         """Would a borrowed start of ``charge`` GPUs eat into the free GPUs that the guaranteed
         demand expected back (``ClusterState.returning_demand`` x ``guard``) will want?"""
-        key = (gpu_type, len(self.placements))
+        less_reserved = self.policy.returning_demand_less_reserved
+        key = (gpu_type, len(self.placements), self.state.res_version if less_reserved else 0)
         back = self.returning.get(key)
         if back is None:
-            back = self.returning[key] = self.state.returning_demand(gpu_type, self.policy.pooled_demand_forecast)
+            back = self.returning[key] = self.state.returning_demand(
+                gpu_type, self.policy.pooled_demand_forecast, less_reserved
+            )
         return ti.free_gpus - charge < guard * back
 
     def _gang_reclaim_likely(self, job: JobSpec, ti: _TypeIndex, charge: int, guard: float) -> bool:

@@ -467,6 +467,13 @@ class Policy:
       peak: teams peak at different times. True in ``gpufleet``, with
       ``borrowed_restart_backoff_s`` (alone it lost more to preemption on seeds 4 and 5,
       sim/README.md); False: the sum (the baselines).
+    * ``returning_demand_less_reserved`` (off): the guaranteed demand expected back counts
+      GPUs reserved for a team's jobs as used by it: the reservation already holds room for
+      that demand, and the guards would otherwise keep free room for it a second time.
+      Tried, left off: less room kept let more borrowed work start into reclaims (week 1
+      lost 4.27% to preemption and starved 5 teams; 3.57% and 1 by default; with
+      ``reclaim_hold_gang_victims_ratio`` at 8, 3.51% and 3; sim/README.md). False: the
+      reserved demand is expected back too.
     * ``spread_before_preempt``: a job that runs guaranteed and has a block limit it would
       outwait (``Topology.max_blocks_wait_s`` set, not yet past) takes free nodes beyond the
       limit at once when enough are free but not within it, instead of preempting or
@@ -553,6 +560,7 @@ class Policy:
     reclaim_hold_per_team: bool = False
     reclaim_hold_small_only: bool = True
     reclaim_hold_gang_victims_ratio: float | None = None
+    returning_demand_less_reserved: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -605,6 +613,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "evictable_backfill_max_gpus": None,
     "reclaim_max_lost_s": None,
     "reclaim_hold_gang_victims_ratio": None,
+    "returning_demand_less_reserved": False,
     "guarantees_before_classes": False,
     "borrowed_guard_min_gpus": None,
 }

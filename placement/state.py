@@ -558,13 +558,20 @@ class ClusterState:
     def demand_forecast(self, team: str, gpu_type: str) -> int:
         return self._forecast.get((team, gpu_type), 0)
 
-    def returning_demand(self, gpu_type: str, pooled: bool = False) -> int:
+    def returning_demand(self, gpu_type: str, pooled: bool = False, less_reserved: bool = False) -> int:
         """GPUs of guaranteed demand expected back: per team, its forecast demand within its
         guarantee less what it uses now (0 for a team at or over either), summed. ``pooled``
         (``Policy.pooled_demand_forecast``): at most the teams' combined recent peak within
         their guarantees less what they use within them now; teams peak at different times,
         so the sum of their own peaks expects more back at once than came back together
-        (the sum where the driver gave no combined peak for the type)."""
+        (the sum where the driver gave no combined peak for the type). ``less_reserved``
+        (``Policy.returning_demand_less_reserved``): GPUs reserved for a team's jobs count as
+        used, since the reservation already holds room for that demand."""
+        reserved: dict[str, int] = {}
+        if less_reserved:
+            for res in self._reservations.values():
+                if res.gpu_type == gpu_type:
+                    reserved[res.team] = reserved.get(res.team, 0) + res.gpus
         total = 0
         within = 0
         for (team, t), peak in self._forecast.items():
@@ -574,7 +581,7 @@ class ClusterState:
             if q is None:
                 continue
             a = self._acct.get((team, t))
-            used = a.used if a is not None else 0
+            used = (a.used if a is not None else 0) + reserved.get(team, 0)
             total += max(0, min(q.guaranteed, peak) - used)
             within += min(q.guaranteed, used)  # a team using GPUs has a forecast (its demand >= its use)
         combined = self._pooled_forecast.get(gpu_type) if pooled else None

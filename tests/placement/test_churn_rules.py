@@ -442,6 +442,32 @@ def test_the_pooled_forecast_expects_back_the_teams_combined_peak() -> None:
     assert st.returning_demand("h100") == 16 and st.returning_demand("h100", pooled=True) == 0
 
 
+def test_gpus_reserved_for_a_team_count_as_its_use_only_under_the_field() -> None:
+    """``returning_demand_less_reserved``: "x" (16-GPU guarantee, peak 16) uses 8 and has 8
+    GPUs reserved for a queued job of its own; the reservation already holds room for that
+    demand, so with the field "x" expects nothing more back. "y" (peak 16, uses none) still
+    expects its 16; a reservation of another type counts for nothing."""
+    from placement import Reservation, ReservationKind
+
+    st = cluster(blocks=1, nodes=6)
+    st.set_quota("x", "h100", 16, 0)
+    st.set_quota("y", "h100", 16, 0)
+    st.set_demand_forecast({("x", "h100"): 16, ("y", "h100"): 16}, pooled={"h100": 32})
+    occupy(st, spec("xs", team="x", gpr=8), ["b0n0"])
+    st.add_reservation(Reservation("xr", "h100", ReservationKind.PREEMPTION, (), ("b0n1",), 1, 8, 2, NOW, NOW, "x"))
+    st.add_reservation(Reservation("xa", "a100", ReservationKind.PREEMPTION, (), ("b0n2",), 1, 8, 2, NOW, NOW, "x"))
+    cases = [
+        # less_reserved, pooled, expected back
+        (False, False, 8 + 16),
+        (True, False, 0 + 16),
+        (False, True, 32 - 8),  # the combined peak less the use within guarantees
+        (True, True, 32 - 16),
+    ]
+    for less_reserved, pooled, back in cases:
+        assert st.returning_demand("h100", pooled=pooled, less_reserved=less_reserved) == back, (less_reserved, pooled)
+    assert Policy().returning_demand_less_reserved is False  # off in gpufleet (tried, sim/README.md)
+
+
 def test_a_borrowed_gang_the_summed_forecast_holds_starts_under_the_pooled_one() -> None:
     """The same two lenders, 8 GPUs of "x" in use: 32 GPUs free, a 3-node borrowed gang of
     "b" would leave 8. Summed, 24 GPUs are expected back and the gang guard (1.0) holds it;
