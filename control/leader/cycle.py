@@ -44,7 +44,7 @@ from placement.forecast import DemandForecast, demand_of
 from placement.lifecycle import JobState
 from store import allocations, job_states, publications
 from store.allocations import GangPlacement
-from store.errors import AllocationConflict, StaleEpoch, StoreError, UnknownSubject
+from store.errors import AllocationConflict, EarlierAttemptSucceeded, StaleEpoch, StoreError, UnknownSubject
 from workflows import messages as m
 
 log = logging.getLogger("gpufleet.control.leader")
@@ -194,12 +194,16 @@ class PlacementCycles:
 
         committed: set[str] = set()
         allocated: list[m.Allocation] = []
-        results = await asyncio.gather(
-            *(self._commit(epoch, p) for p in plan.placements if not p.replacement), return_exceptions=True
-        )
-        for res in results:
+        commits = [p for p in plan.placements if not p.replacement]
+        results = await asyncio.gather(*(self._commit(epoch, p) for p in commits), return_exceptions=True)
+        finished: dict[str, int] = {}  # jobs an earlier attempt of which had finished: not started
+        for p, res in zip(commits, results, strict=True):
             if isinstance(res, StaleEpoch):
                 raise res
+            if isinstance(res, EarlierAttemptSucceeded):
+                known = state.jobs.get(p.job_id)
+                if known is not None:
+                    finished[p.job_id] = known.attempt
             if isinstance(res, BaseException):
                 stats.failed_commits += 1
                 stats.errors.append(str(res))
@@ -214,7 +218,7 @@ class PlacementCycles:
         preempts: list[m.PreemptRequest] = []
         for pr in plan.preemptions:
             job = state.jobs.get(pr.victim)
-            if job is None:
+            if job is None or pr.beneficiary in finished:
                 continue
             victim = cluster.get_running(pr.victim)
             lost_gpu_s = victim.charge * max(0.0, now - victim.lost_since) if victim is not None else 0.0
@@ -239,6 +243,8 @@ class PlacementCycles:
         except Exception as e:  # memory disagrees with what committed: rebuild before the next plan
             log.error("applying the cycle's plan failed (%s): the leader state will be rebuilt", e)
             state.needs_rebuild = True
+        for job_id, attempt in finished.items():
+            state.hold_finished(job_id, attempt)
         stats.placed = len(allocated)
         stats.preempted = len(preempts)
 

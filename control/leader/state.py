@@ -119,6 +119,9 @@ class LeaderState:
         self._adopt: list[tuple[str, str, int]] = []
         self.needs_rebuild = False
         self.lease_cache: dict[str, LeaseRow] = {}  # lease rows read so far (rows never change but for state)
+        # job -> the attempt whose start the store refused: an earlier attempt had finished
+        # (store.errors.EarlierAttemptSucceeded); kept out of the queue until its row moves on
+        self.finished_earlier: dict[str, int] = {}
 
     def labels_of(self, job_id: str) -> m.JobLabels | None:
         """What its workflow's search attributes say about the job (None: not known here)."""
@@ -142,6 +145,7 @@ class LeaderState:
         self._adopt = []
         self._dirty_jobs.clear()
         self.lease_cache.clear()
+        self.finished_earlier.clear()
         self.signals.clear()
 
     async def take_over(self, epoch: int) -> None:
@@ -164,6 +168,13 @@ class LeaderState:
             if len(self.lease_cache) > 200_000:
                 self.lease_cache = dict(list(self.lease_cache.items())[-100_000:])
         return {lid: self.lease_cache[lid] for lid in lease_ids if lid in self.lease_cache}
+
+    def hold_finished(self, job_id: str, attempt: int) -> None:
+        """Stop planning a job whose ``attempt`` the store refused to start because an earlier
+        one had finished: report delivery tells its workflow, which ends the job; until its
+        row changes, placing it (or preempting for it) would only be refused again."""
+        self.finished_earlier[job_id] = attempt
+        self.queue.remove(job_id)
 
     def mark_dirty(self, job_id: str) -> None:
         """Re-read this job at the next refresh (a commit found the view stale)."""
@@ -305,6 +316,7 @@ class LeaderState:
             state, attempt = row["state"], row["attempt"]
             known = self.jobs.get(jid)
             running = self.cluster.is_running(jid)
+            held = self.finished_earlier.pop(jid, None)
             if state in TERMINAL:
                 self.queue.remove(jid)
                 if running:
@@ -316,7 +328,10 @@ class LeaderState:
             if state == JobState.QUEUED:
                 if running:
                     engine.apply_event(self.cluster, engine.JobEnded(jid, keep_spares=spec.front), now)
-                self.queue.push(spec)
+                if held == attempt:
+                    self.finished_earlier[jid] = attempt  # still the refused attempt: not planned
+                else:
+                    self.queue.push(spec)
                 self.signals.forget(jid)
             else:
                 self.queue.remove(jid)
