@@ -9,9 +9,13 @@ import pytest
 from activities.job_activities import JobActivities
 from common.aio import cancel_and_wait
 from common.temporal import ensure_search_attributes, make_worker
+from control.leader.state import policy_from_settings
 from control.report_delivery import ReportDelivery
+from store import leadership
+from tests.foundation.builders import small_cluster, team
 from tests.workflows.fake_agent import FakeAgent
 from tests.workflows.harness import Stand, scaled_settings, seed
+from tests.workflows.test_hot_spares import leader_cycles
 from workflows import search_attributes
 from workflows.job import JobWorkflow
 
@@ -40,3 +44,17 @@ async def stand(pool, temporal_env, tmp_path, settings_overrides):
         await agent.kill_all()
         await cancel_and_wait(delivery)
         await reports.close()
+
+
+@pytest.fixture
+async def leader(pool, tmp_path):
+    """A leader's state and cycles without Temporal over one block of 4 nodes, team "alpha"
+    guaranteed 8 GPUs; (cycles, epoch). tests/workflows/test_hot_spares.py has its own."""
+    settings = scaled_settings(tmp_path)
+    async with pool.acquire() as conn:
+        await small_cluster(conn, blocks=1, nodes_per_block=4)
+        await team(conn, "alpha", guaranteed=8, borrow_limit=0)
+    epoch = await leadership.acquire_leadership(
+        pool, scope=settings.leader_scope, holder="test", grpc_addr="-", ttl_s=3600
+    )
+    return await leader_cycles(pool, settings, epoch, policy_from_settings(settings)), epoch

@@ -5,26 +5,9 @@ paths: finished work is not run again)."""
 
 from __future__ import annotations
 
-import pytest
-
-from control.leader.state import policy_from_settings
-from store import leadership, task_reports
+from store import task_reports
 from tests.faults.test_report_store import report
-from tests.foundation.builders import queued_job, small_cluster, team
-from tests.workflows.harness import scaled_settings
-from tests.workflows.test_hot_spares import leader_cycles
-
-
-@pytest.fixture
-async def leader(pool, tmp_path):
-    settings = scaled_settings(tmp_path)
-    async with pool.acquire() as conn:
-        await small_cluster(conn, blocks=1, nodes_per_block=2)
-        await team(conn, "alpha", guaranteed=16, borrow_limit=0)
-    epoch = await leadership.acquire_leadership(
-        pool, scope=settings.leader_scope, holder="test", grpc_addr="-", ttl_s=3600
-    )
-    return await leader_cycles(pool, settings, epoch, policy_from_settings(settings)), epoch
+from tests.foundation.builders import queued_job
 
 
 async def test_a_job_refused_for_an_earlier_success_is_planned_no_more_until_its_row_changes(pool, leader):
