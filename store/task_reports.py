@@ -10,11 +10,11 @@
 
 A report stored twice (the agent sent it again) is one row: unique on (lease, epoch, state,
 checkpoint). An exit 0 is stored under a share lock on its job's row, so it serializes with
-the writes that lock that row to start or re-queue an attempt (``store.allocations.commit_gang``,
-``store.job_states.requeue_job``): each either sees the exit or commits before it is on record.
-A terminal report carries the rank's cause (signal, stderr tail: migration
-0013); the newest attempt's ends that were not exit 0 are kept after delivery, so a failed
-job says why long after its node is gone.
+the writes that lock that row to start or re-queue an attempt
+(``store.allocations.commit_gang``, ``store.job_states.requeue_job``): each either sees the
+exit or commits before it is on record. A terminal report carries the rank's cause (signal,
+stderr tail: migration 0013); the newest attempt's ends that were not exit 0 are kept after
+delivery, so a failed job says why long after its node is gone.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ class StoredReport:
 
 
 async def store(db: Db, report: dict[str, Any]) -> bool:
-    """Record a report (committed when this returns); False when it was already on record. ``report``: a TaskStatus as JSON (lease_id, job_id, attempt,
-    epoch, rank, node_id, state, exit_code, checkpoint_uri, ...)."""
+    """Record a report (committed when this returns); False when it was already on record.
+    ``report``: a TaskStatus as JSON (lease_id, job_id, attempt, epoch, rank, node_id,
+    state, exit_code, checkpoint_uri, ...)."""
     report = dict(report)
     tail = _bounded_tail(report.pop("stderr_tail", None))  # its own column, not twice
     sig = report.get("signal")
