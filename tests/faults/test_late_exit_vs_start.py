@@ -112,5 +112,4 @@ async def test_a_late_last_exit_racing_the_start_of_the_next_attempt_never_follo
         assert placed < on_record, (job_id, placed, on_record)
         outcomes.append("placed first")
         await allocations.release_job(pool, job_id, 2, reason="test", actor="test")
-    print(outcomes)
     assert len(outcomes) == 40
