@@ -42,7 +42,7 @@ from control.leader.state import LeaderState, policy_from_settings
 from placement import Placement, Plan, Policy, iter_order
 from placement.forecast import DemandForecast, demand_of
 from placement.lifecycle import JobState
-from store import allocations, job_states, publications
+from store import allocations, job_states, publications, task_reports
 from store.allocations import GangPlacement
 from store.errors import AllocationConflict, EarlierAttemptSucceeded, StaleEpoch, StoreError, UnknownSubject
 from workflows import messages as m
@@ -215,6 +215,7 @@ class PlacementCycles:
             backfill = {p.job_id: p.backfill for p in plan.placements}
             for a in allocated:
                 self.metrics.placed(state.jobs[a.job_id].spec, backfill.get(a.job_id, False), now)
+        finished.update(await self._finished_beneficiaries(plan, finished))
         preempts: list[m.PreemptRequest] = []
         for pr in plan.preemptions:
             job = state.jobs.get(pr.victim)
@@ -260,6 +261,24 @@ class PlacementCycles:
             self._next_prune = mono + PRUNE_EVERY_S
             await state.feed.prune(self.pool, kept_s=CHANGES_KEPT_S)
         return stats
+
+    async def _finished_beneficiaries(self, plan: Plan, known: dict[str, int]) -> dict[str, int]:
+        """The re-runs this plan preempts for, without placing them yet, whose earlier attempt
+        had exited 0 on every rank (job -> attempt): no work is stopped for them. A placed
+        one learns it from its refused commit; these would learn it only when the victims
+        had gone."""
+        placed = {p.job_id for p in plan.placements}
+        found: dict[str, int] = {}
+        for job_id in sorted({pr.beneficiary for pr in plan.preemptions} - placed - known.keys()):
+            job = self.state.jobs.get(job_id)
+            if job is None or job.attempt <= 1:
+                continue
+            done = await task_reports.succeeded_attempt(
+                self.pool, job_id, before=job.attempt, replicas=job.spec.replicas
+            )
+            if done is not None:
+                found[job_id] = job.attempt
+        return found
 
     async def _commit(self, epoch: int, p: Placement) -> m.Allocation | None:
         state = self.state
