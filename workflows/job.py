@@ -243,6 +243,8 @@ class JobWorkflow:
                 self._shown = (shown_state, shown_attempt)
         if inp.cancel is not None and self._cancel is None:
             self._cancel = inp.cancel
+        if inp.earlier_success is not None and self._earlier_success is None:
+            self._earlier_success = inp.earlier_success
         if inp.allocation is not None:
             self._allocs.setdefault(inp.allocation.attempt, inp.allocation)
         if inp.carry is not None:  # answer queries sensibly while the snapshot loads
@@ -806,6 +808,36 @@ class JobWorkflow:
             ),
         )
         self._state = res.state
+        if (
+            not res.applied
+            and res.state == JobState.QUEUED
+            and res.attempt > self._attempt
+            and allowed_change(JobState.QUEUED, state)
+            and workflow.patched("finish-ends-a-requeue-lost-from-history")
+        ):
+            # A re-queue of this run's went through in a workflow task that then failed (a
+            # signal came in as it completed), so its result is not in the history and the
+            # retried task took another path here. The later attempt never started: end it.
+            self._attempt = res.attempt
+            return await self._finish(state, reason, exit_code=exit_code, actor=actor)
+        if (
+            not res.applied
+            and res.state not in TERMINAL
+            and res.attempt > self._attempt
+            and workflow.patched("finish-ends-a-requeue-lost-from-history")
+        ):
+            # the same, and the later attempt was placed meanwhile: a run of its own ends it
+            # for what this one was ending the job for (a cancel, an earlier success)
+            workflow.continue_as_new(
+                m.JobInput(
+                    self._job_id,
+                    res.attempt,
+                    cancel=self._cancel,
+                    earlier_success=self._earlier_success,
+                    allocation=self._allocs.get(res.attempt),
+                    labels=self._labels,
+                )
+            )
         self._show(res.state)
         return m.JobResult(self._job_id, res.state, res.attempt, exit_code=exit_code, reason=reason)
 

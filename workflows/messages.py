@@ -62,6 +62,7 @@ class JobInput:
     carry: RunCarry | None = None
     # signals the previous run received but did not act on, handed to the next run
     cancel: CancelRequest | None = None
+    earlier_success: EarlierAttemptSucceeded | None = None
     allocation: Allocation | None = None
     # set by a starter that registered gpufleet's search attributes and set them at start:
     # this run keeps their state and attempt current (runs recorded without it never upsert)

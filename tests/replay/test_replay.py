@@ -7,7 +7,10 @@ fails here; such changes go through ``workflow.patched``. The histories under
     GPUFLEET_RECORD_HISTORIES=1 .venv/bin/python -m pytest tests/replay -k record
 
 (success, preemption and resume, cancel while running, gang failure). Re-record only for an
-intended, patched change.
+intended, patched change. ``job_requeue_lost_from_history-v5-1.json`` was not recorded so: it
+is the history `gpufleet chaos` caught ending with its job left QUEUED (docs/design.md,
+Failure paths), exported with ``temporal workflow show --output json``; it must keep
+replaying on the path it took.
 """
 
 from __future__ import annotations
