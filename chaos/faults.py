@@ -4,6 +4,9 @@ harness undid it, what it hit):
 
 * ``agent_kill``: SIGKILL an agent process (its ranks live on under their supervisors),
   start it again after ``down_s``;
+* ``agent_stop``: SIGSTOP an agent process (a hung agent: its ranks run on under their
+  supervisors, unconfirmed), SIGCONT after ``down_s``; it resumes with what it held in
+  memory, which the control plane may have re-placed meanwhile;
 * ``leader_stop``: SIGSTOP the leading control process past its lease, then SIGCONT;
 * ``leader_kill``: SIGKILL the leading control process, start it again after ``down_s``;
 * ``temporal_restart``: stop the Temporal dev server (SIGTERM, or SIGKILL when ``hard``) while
@@ -66,6 +69,7 @@ class FaultInjector:
     async def inject(self, pf: PlannedFault) -> Fault:
         kinds: dict[str, Callable[[PlannedFault], Awaitable[Fault]]] = {
             "agent_kill": self.agent_kill,
+            "agent_stop": self.agent_stop,
             "leader_stop": self.leader_stop,
             "leader_kill": self.leader_kill,
             "temporal_restart": self.temporal_restart,
@@ -86,6 +90,17 @@ class FaultInjector:
         await asyncio.sleep(pf.down_s)
         self.stack.spawn(name)
         return Fault("agent_kill", t, time.time(), name, tuple(self.stack.agent_nodes[name]), {"down_s": pf.down_s})
+
+    async def agent_stop(self, pf: PlannedFault) -> Fault:
+        agents = sorted(self.stack.agent_nodes)
+        name = agents[pf.pick % len(agents)]
+        t = time.time()
+        self.stack.signal(name, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(pf.down_s)
+        finally:
+            self.stack.signal(name, signal.SIGCONT)
+        return Fault("agent_stop", t, time.time(), name, tuple(self.stack.agent_nodes[name]), {"stopped_s": pf.down_s})
 
     async def _leader(self, pf: PlannedFault) -> tuple[str, bool]:
         """The leading control (True), or one picked when no one leads now (False)."""

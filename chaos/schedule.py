@@ -40,6 +40,8 @@ class Timings:
 def _down_s(rng: random.Random, kind: str, t: Timings) -> float:
     if kind == "agent_kill":
         return rng.uniform(2.0, t.down_after_s + 2.0)  # sometimes long enough for the node to go down
+    if kind == "agent_stop":
+        return rng.uniform(2.0, t.down_after_s + 4.0)  # often past the node's down timeout
     if kind == "leader_stop":
         return t.leader_ttl_s + rng.uniform(1.5, 4.0)  # past the lease: the other control takes over
     if kind == "leader_kill":

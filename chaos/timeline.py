@@ -13,6 +13,7 @@ from typing import Any
 # every fault kind a run injects, in the order reports list them
 FAULT_KINDS = (
     "agent_kill",
+    "agent_stop",
     "leader_stop",
     "leader_kill",
     "temporal_restart",
@@ -24,7 +25,7 @@ FAULT_KINDS = (
 HA_FAULT_KINDS = ("postgres_failover",)
 ALL_FAULT_KINDS = FAULT_KINDS + HA_FAULT_KINDS
 # faults that hit nodes (their agent or their GPUs): a rank may die of these
-NODE_FAULTS = frozenset({"agent_kill", "xid", "rank_hang"})
+NODE_FAULTS = frozenset({"agent_kill", "agent_stop", "xid", "rank_hang"})
 # faults of the control plane alone: no running rank may die of these
 CONTROL_FAULTS = frozenset({"leader_stop", "leader_kill", "temporal_restart", "postgres_restart", "postgres_failover"})
 
