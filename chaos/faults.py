@@ -82,9 +82,20 @@ class FaultInjector:
 
     # ------------------------------------------------------------------ processes
 
-    async def agent_kill(self, pf: PlannedFault) -> Fault:
+    def _agent(self, pf: PlannedFault) -> str:
         agents = sorted(self.stack.agent_nodes)
-        name = agents[pf.pick % len(agents)]
+        return agents[pf.pick % len(agents)]
+
+    async def _frozen(self, name: str, seconds: float) -> None:
+        """SIGSTOP ``name``'s process group for ``seconds``, then SIGCONT (whatever happens)."""
+        self.stack.signal(name, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self.stack.signal(name, signal.SIGCONT)
+
+    async def agent_kill(self, pf: PlannedFault) -> Fault:
+        name = self._agent(pf)
         t = time.time()
         self.stack.kill(name)
         await asyncio.sleep(pf.down_s)
@@ -92,14 +103,9 @@ class FaultInjector:
         return Fault("agent_kill", t, time.time(), name, tuple(self.stack.agent_nodes[name]), {"down_s": pf.down_s})
 
     async def agent_stop(self, pf: PlannedFault) -> Fault:
-        agents = sorted(self.stack.agent_nodes)
-        name = agents[pf.pick % len(agents)]
+        name = self._agent(pf)
         t = time.time()
-        self.stack.signal(name, signal.SIGSTOP)
-        try:
-            await asyncio.sleep(pf.down_s)
-        finally:
-            self.stack.signal(name, signal.SIGCONT)
+        await self._frozen(name, pf.down_s)
         return Fault("agent_stop", t, time.time(), name, tuple(self.stack.agent_nodes[name]), {"stopped_s": pf.down_s})
 
     async def _leader(self, pf: PlannedFault) -> tuple[str, bool]:
@@ -116,11 +122,7 @@ class FaultInjector:
     async def leader_stop(self, pf: PlannedFault) -> Fault:
         name, leading = await self._leader(pf)
         t = time.time()
-        self.stack.signal(name, signal.SIGSTOP)
-        try:
-            await asyncio.sleep(pf.down_s)
-        finally:
-            self.stack.signal(name, signal.SIGCONT)
+        await self._frozen(name, pf.down_s)
         return Fault("leader_stop", t, time.time(), name, (), {"stopped_s": pf.down_s, "was_leading": leading})
 
     async def leader_kill(self, pf: PlannedFault) -> Fault:
