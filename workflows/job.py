@@ -810,24 +810,18 @@ class JobWorkflow:
         self._state = res.state
         if (
             not res.applied
-            and res.state == JobState.QUEUED
-            and res.attempt > self._attempt
-            and allowed_change(JobState.QUEUED, state)
-            and workflow.patched("finish-ends-a-requeue-lost-from-history")
-        ):
-            # A re-queue of this run's went through in a workflow task that then failed (a
-            # signal came in as it completed), so its result is not in the history and the
-            # retried task took another path here. The later attempt never started: end it.
-            self._attempt = res.attempt
-            return await self._finish(state, reason, exit_code=exit_code, actor=actor)
-        if (
-            not res.applied
             and res.state not in TERMINAL
             and res.attempt > self._attempt
             and workflow.patched("finish-ends-a-requeue-lost-from-history")
         ):
-            # the same, and the later attempt was placed meanwhile: a run of its own ends it
-            # for what this one was ending the job for (a cancel, an earlier success)
+            # A re-queue of this run's went through in a workflow task that then failed (a
+            # signal came in as it completed), so its result is not in the history and the
+            # retried task took another path here.
+            if res.state == JobState.QUEUED and allowed_change(JobState.QUEUED, state):
+                self._attempt = res.attempt  # the later attempt never started: end it
+                return await self._finish(state, reason, exit_code=exit_code, actor=actor)
+            # placed meanwhile (or no edge from QUEUED): a run of its own ends it for what this
+            # one was ending the job for (a cancel, an earlier success)
             workflow.continue_as_new(
                 m.JobInput(
                     self._job_id,
