@@ -14,8 +14,7 @@ from control.report_delivery import ReportDelivery
 from store import leadership
 from tests.foundation.builders import small_cluster, team
 from tests.workflows.fake_agent import FakeAgent
-from tests.workflows.harness import Stand, scaled_settings, seed
-from tests.workflows.test_hot_spares import leader_cycles
+from tests.workflows.harness import Stand, leader_cycles, scaled_settings, seed
 from workflows import search_attributes
 from workflows.job import JobWorkflow
 

@@ -20,6 +20,8 @@ from temporalio.client import Client
 
 from common.settings import Settings
 from control.leader import signals
+from control.leader.cycle import PlacementCycles
+from control.leader.state import LeaderState
 from store import allocations, audit, job_states, leadership
 from store.allocations import GangPlacement
 from store.seed import ensure_cluster
@@ -208,3 +210,19 @@ def read_json(path: str | Path) -> dict:
     if p.startswith("file://"):
         p = p[len("file://") :]
     return json.loads(Path(p).read_text())
+
+
+class NoTemporal:
+    """Stands in for the Temporal client: every use fails (the leader logs it and re-signals later)."""
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"no Temporal in this test ({name})")
+
+
+async def leader_cycles(pool, settings, epoch: int, policy) -> PlacementCycles:
+    """The leader's state and cycles without Temporal, taken over under ``epoch``."""
+    client = NoTemporal()
+    sig = signals.JobSignals(pool, client, settings)  # type: ignore[arg-type]
+    state = LeaderState(pool, settings, sig)
+    await state.take_over(epoch)
+    return PlacementCycles(state, sig, client, policy=policy, actor="placement:test")  # type: ignore[arg-type]

@@ -9,30 +9,12 @@ import dataclasses
 
 import pytest
 
-from control.leader.cycle import PlacementCycles
-from control.leader.signals import JobSignals
-from control.leader.state import LeaderState, policy_from_settings
+from control.leader.state import policy_from_settings
 from store import allocations, leadership, publications
 from store.errors import StaleEpoch
 from tests.foundation.builders import queued_job, small_cluster, team
 from tests.support import force_job_state
-from tests.workflows.harness import scaled_settings
-
-
-class NoTemporal:
-    """Stands in for the Temporal client: every use fails (the leader logs it and re-signals later)."""
-
-    def __getattr__(self, name: str):
-        raise RuntimeError(f"no Temporal in this test ({name})")
-
-
-async def leader_cycles(pool, settings, epoch: int, policy) -> PlacementCycles:
-    """The leader's state and cycles without Temporal, taken over under ``epoch``."""
-    client = NoTemporal()
-    signals = JobSignals(pool, client, settings)  # type: ignore[arg-type]
-    state = LeaderState(pool, settings, signals)
-    await state.take_over(epoch)
-    return PlacementCycles(state, signals, client, policy=policy, actor="placement:test")  # type: ignore[arg-type]
+from tests.workflows.harness import leader_cycles, scaled_settings
 
 
 @pytest.fixture
