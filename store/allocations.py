@@ -7,7 +7,8 @@
 * ``release_lease`` / ``release_job`` - free GPUs, keyed by lease id (and optionally
   epoch), never by GPU, so a stale "task exited" cannot free a newer lease on the
   same GPU.
-* ``relabel_job`` - the leader re-marks a running job borrowed or guaranteed.
+* ``relabel_jobs`` - the leader re-marks running jobs borrowed or guaranteed, a cycle's
+  relabels in one transaction.
 * reads of live leases: the gang of one attempt (``live_gang``), which of a set of
   leases are still live (``live_lease_ids``).
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from store import task_reports
-from store.audit import write_audit, write_job_event
+from store.audit import write_audit, write_audits, write_job_event
 from store.errors import (
     AllocationConflict,
     EarlierAttemptSucceeded,
@@ -227,28 +228,39 @@ async def release_job(
         return len(rows)
 
 
-async def relabel_job(
-    db: Db,
-    *,
-    scope: str,
-    epoch: int,
-    job_id: str,
-    borrowed: bool,
-    actor: str = "placement",
-) -> int:
-    """Invariant 4: re-mark a running job's allocations borrowed (or guaranteed) under the
-    leader's epoch, audited. Returns the rows changed."""
+async def relabel_jobs(
+    db: Db, *, scope: str, epoch: int, relabels: Sequence[tuple[str, bool]], actor: str = "placement"
+) -> list[int]:
+    """Invariant 4: re-mark running jobs' allocations borrowed (or guaranteed), each relabel
+    (job, borrowed), in one transaction under the leader's epoch: one statement re-marks
+    every job's rows, one round trip writes an audit row per job that changed. Returns the rows changed per relabel, in order (a job named twice: the
+    last one applies, the first reports 0)."""
+    if not relabels:
+        return []
+    last = {job_id: i for i, (job_id, _) in enumerate(relabels)}
+    applied = [(job_id, b) for i, (job_id, b) in enumerate(relabels) if last[job_id] == i]
     async with transaction(db) as conn:
         await check_epoch(conn, scope, epoch)
-        status = await conn.execute(
-            "UPDATE allocations SET borrowed = $2 WHERE job_id = $1 AND borrowed <> $2", job_id, borrowed
+        rows = await conn.fetch(
+            "UPDATE allocations a SET borrowed = u.borrowed"
+            " FROM unnest($1::text[], $2::bool[]) AS u(job_id, borrowed)"
+            " WHERE a.job_id = u.job_id AND a.borrowed <> u.borrowed"
+            " RETURNING a.job_id",
+            [j for j, _ in applied],
+            [b for _, b in applied],
         )
-        n = int(status.split()[-1])
-        if n:
-            await write_audit(
-                conn, actor, "relabel", job_id, "quota re-check", {"borrowed": borrowed, "gpus": n, "epoch": epoch}
-            )
-        return n
+        changed: dict[str, int] = {}
+        for r in rows:
+            changed[r["job_id"]] = changed.get(r["job_id"], 0) + 1
+        await write_audits(
+            conn,
+            [
+                (actor, "relabel", j, "quota re-check", {"borrowed": b, "gpus": changed[j], "epoch": epoch})
+                for j, b in applied
+                if j in changed
+            ],
+        )
+    return [changed.get(j, 0) if last[j] == i else 0 for i, (j, _) in enumerate(relabels)]
 
 
 @dataclass(frozen=True)

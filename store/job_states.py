@@ -10,7 +10,7 @@ or a duplicate signal never applies twice.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -20,7 +20,7 @@ import asyncpg
 from placement.lifecycle import TERMINAL, JobState
 from store import task_reports
 from store.allocations import lease_id_for, release_job
-from store.audit import write_audit, write_job_event
+from store.audit import JobEvent, write_audit, write_audits, write_job_event, write_job_events
 from store.errors import UnknownSubject
 from store.leadership import check_epoch
 from store.tx import Db, transaction
@@ -457,6 +457,16 @@ async def restart_replica(
         )
 
 
+@dataclass(frozen=True, slots=True)
+class PreemptMark:
+    """One victim for ``mark_preempting_many``: its attempt, why, and for which job."""
+
+    job_id: str
+    attempt: int
+    reason: str
+    by_job: str | None
+
+
 async def mark_preempting(
     db: Db,
     *,
@@ -470,23 +480,57 @@ async def mark_preempting(
 ) -> Outcome:
     """STARTING / RUNNING -> PREEMPTING under the leader's epoch, audited as a preemption.
     Already PREEMPTING for this attempt: a no-op (applied=True so the caller re-signals)."""
+    (out,) = await mark_preempting_many(
+        db, scope=scope, epoch=epoch, marks=[PreemptMark(job_id, attempt, reason, by_job)], actor=actor
+    )
+    return out
+
+
+async def mark_preempting_many(
+    db: Db, *, scope: str, epoch: int, marks: Sequence[PreemptMark], actor: str = "placement"
+) -> list[Outcome]:
+    """``mark_preempting`` for a cycle's victims in one transaction under the epoch (one
+    outcome per mark, in order): the rows locked in id order in one statement, the changes,
+    job events and audit rows written in one round trip each, so a cycle that stops a hundred
+    jobs waits on a handful of round trips, not a hundred transactions. A stale epoch writes
+    nothing; an unknown job raises ``UnknownSubject`` and writes nothing."""
+    if not marks:
+        return []
     async with transaction(db) as conn:
         await check_epoch(conn, scope, epoch)
-        job = await _lock(conn, job_id)
-        if job["attempt"] != attempt:
-            return Outcome(False, job["state"], job["attempt"])
-        if job["state"] == JobState.PREEMPTING:
-            return Outcome(True, JobState.PREEMPTING, attempt)
-        if job["state"] not in (JobState.STARTING, JobState.RUNNING):
-            return Outcome(False, job["state"], job["attempt"])
-        await conn.execute(
-            "UPDATE jobs SET state = 'PREEMPTING', preemptions = preemptions + 1,"
-            " preempted_at = preempted_at || now(), updated_at = now() WHERE job_id = $1",
-            job_id,
+        rows = await conn.fetch(
+            "SELECT job_id, state, attempt FROM jobs WHERE job_id = ANY($1::text[]) ORDER BY job_id FOR UPDATE",
+            sorted({mk.job_id for mk in marks}),
         )
-        detail = {"attempt": attempt, "epoch": epoch, "by_job": by_job}
-        await write_job_event(
-            conn, job_id, attempt, "preempting", job["state"], JobState.PREEMPTING, actor, reason, detail
-        )
-        await write_audit(conn, actor, "preempt", job_id, reason, detail)
-        return Outcome(True, JobState.PREEMPTING, attempt)
+        now = {r["job_id"]: (r["state"], r["attempt"]) for r in rows}
+        out: list[Outcome] = []
+        events: list[JobEvent] = []
+        audits: list[tuple[str, str, str, str | None, dict[str, Any] | None]] = []
+        for mk in marks:
+            got = now.get(mk.job_id)
+            if got is None:
+                raise UnknownSubject(f"no job {mk.job_id}")
+            state, attempt = got
+            if attempt != mk.attempt:
+                out.append(Outcome(False, state, attempt))
+            elif state == JobState.PREEMPTING:
+                out.append(Outcome(True, JobState.PREEMPTING, attempt))  # (a mark repeated: a no-op)
+            elif state not in (JobState.STARTING, JobState.RUNNING):
+                out.append(Outcome(False, state, attempt))
+            else:
+                now[mk.job_id] = (JobState.PREEMPTING, attempt)
+                detail = {"attempt": attempt, "epoch": epoch, "by_job": mk.by_job}
+                events.append(
+                    JobEvent(mk.job_id, attempt, "preempting", state, JobState.PREEMPTING, actor, mk.reason, detail)
+                )
+                audits.append((actor, "preempt", mk.job_id, mk.reason, detail))
+                out.append(Outcome(True, JobState.PREEMPTING, attempt))
+        if events:
+            await conn.execute(
+                "UPDATE jobs SET state = 'PREEMPTING', preemptions = preemptions + 1,"
+                " preempted_at = preempted_at || now(), updated_at = now() WHERE job_id = ANY($1::text[])",
+                [e.job_id for e in events],
+            )
+            await write_job_events(conn, events)
+            await write_audits(conn, audits)
+        return out

@@ -38,8 +38,8 @@ import placement as engine
 from common.gc_hold import cyclic_gc_held
 from control.leader.metrics import ControlMetrics
 from control.leader.signals import JobSignals
-from control.leader.state import LeaderState, policy_from_settings
-from placement import Placement, Plan, Policy, iter_order
+from control.leader.state import KnownJob, LeaderState, policy_from_settings
+from placement import Placement, Plan, Policy, Preemption, iter_order
 from placement.forecast import DemandForecast, demand_of
 from placement.lifecycle import JobState
 from store import allocations, job_states, publications, task_reports
@@ -187,10 +187,9 @@ class PlacementCycles:
         with cyclic_gc_held():
             plan = engine.plan(cluster, state.queue, self.policy, now)
 
-        for rl in plan.relabels:
-            await allocations.relabel_job(
-                self.pool, scope=self.scope, epoch=epoch, job_id=rl.job_id, borrowed=rl.borrowed
-            )
+        await allocations.relabel_jobs(
+            self.pool, scope=self.scope, epoch=epoch, relabels=[(rl.job_id, rl.borrowed) for rl in plan.relabels]
+        )
 
         committed: set[str] = set()
         allocated: list[m.Allocation] = []
@@ -216,22 +215,29 @@ class PlacementCycles:
             for a in allocated:
                 self.metrics.placed(state.jobs[a.job_id].spec, backfill.get(a.job_id, False), now)
         finished.update(await self._finished_beneficiaries(plan, finished))
-        preempts: list[m.PreemptRequest] = []
+        # the cycle's victims are marked in one transaction (one round trip per statement, not
+        # per victim): a cycle that stops a hundred jobs does not wait on a hundred transactions
+        marked: list[tuple[Preemption, KnownJob, float]] = []
         for pr in plan.preemptions:
             job = state.jobs.get(pr.victim)
             if job is None or pr.beneficiary in finished:
                 continue
             victim = cluster.get_running(pr.victim)
             lost_gpu_s = victim.charge * max(0.0, now - victim.lost_since) if victim is not None else 0.0
-            o = await job_states.mark_preempting(
-                self.pool,
-                scope=self.scope,
-                epoch=epoch,
-                job_id=pr.victim,
-                attempt=job.attempt,
-                reason=f"{pr.reason.value}: for {pr.beneficiary}",
-                by_job=pr.beneficiary,
-            )
+            marked.append((pr, job, lost_gpu_s))
+        outcomes = await job_states.mark_preempting_many(
+            self.pool,
+            scope=self.scope,
+            epoch=epoch,
+            marks=[
+                job_states.PreemptMark(
+                    pr.victim, job.attempt, f"{pr.reason.value}: for {pr.beneficiary}", pr.beneficiary
+                )
+                for pr, job, _ in marked
+            ],
+        )
+        preempts: list[m.PreemptRequest] = []
+        for (pr, job, lost_gpu_s), o in zip(marked, outcomes, strict=True):
             if o.applied:
                 committed.add(pr.victim)
                 job.state = JobState.PREEMPTING
