@@ -6,6 +6,7 @@
     await exits_for(pool, lease_ids)                 # leases whose end is on record
     await rank_ends(pool, job_id)                    # each rank's end in the newest attempt that has one
     await succeeded_attempt(conn, job_id, before=2, replicas=4)   # an earlier attempt whose every rank exited 0
+    await succeeded_attempts(pool, [(job_id, 2, 4), ...])         # the same for many jobs, one query
     failing(ends)                                    # the rank whose end failed the attempt
 
 A report stored twice (the agent sent it again) is one row: unique on (lease, epoch, state,
@@ -163,13 +164,24 @@ async def ranks_exited_ok(db: Db, job_id: str, attempt: int) -> int:
 async def succeeded_attempt(db: Db, job_id: str, *, before: int, replicas: int) -> int | None:
     """The newest attempt earlier than ``before`` whose every one of ``replicas`` ranks
     exited 0 (on record), or None: the job's work is done, whatever attempt it is on."""
-    return await db.fetchval(
-        "SELECT attempt FROM task_reports WHERE job_id = $1 AND attempt < $2 AND state = 'EXITED' AND exit_code = 0"
-        " GROUP BY attempt HAVING count(DISTINCT rank) >= $3 ORDER BY attempt DESC LIMIT 1",
-        job_id,
-        before,
-        replicas,
+    return (await succeeded_attempts(db, [(job_id, before, replicas)])).get(job_id)
+
+
+async def succeeded_attempts(db: Db, asks: Sequence[tuple[str, int, int]]) -> dict[str, int]:
+    """``succeeded_attempt`` for many jobs in one query, each ask (job, before, replicas):
+    the jobs that have such an attempt, with the newest."""
+    if not asks:
+        return {}
+    rows = await db.fetch(
+        "SELECT q.job_id, done.attempt FROM unnest($1::text[], $2::int[], $3::int[]) AS q(job_id, before, replicas)"
+        " CROSS JOIN LATERAL (SELECT attempt FROM task_reports t WHERE t.job_id = q.job_id AND t.attempt < q.before"
+        "  AND t.state = 'EXITED' AND t.exit_code = 0 GROUP BY attempt HAVING count(DISTINCT rank) >= q.replicas"
+        "  ORDER BY attempt DESC LIMIT 1) AS done",
+        [a[0] for a in asks],
+        [a[1] for a in asks],
+        [a[2] for a in asks],
     )
+    return {r["job_id"]: r["attempt"] for r in rows}
 
 
 async def rank_ends(db: Db, job_id: str, attempt: int | None = None) -> list[RankEnd]:

@@ -274,17 +274,13 @@ class PlacementCycles:
         one learns it from its refused commit; these would learn it only when the victims
         had gone."""
         placed = {p.job_id for p in plan.placements}
-        found: dict[str, int] = {}
+        asks: list[tuple[str, int, int]] = []
         for job_id in sorted({pr.beneficiary for pr in plan.preemptions} - placed - known.keys()):
             job = self.state.jobs.get(job_id)
-            if job is None or job.attempt <= 1:
-                continue
-            done = await task_reports.succeeded_attempt(
-                self.pool, job_id, before=job.attempt, replicas=job.spec.replicas
-            )
-            if done is not None:
-                found[job_id] = job.attempt
-        return found
+            if job is not None and job.attempt > 1:
+                asks.append((job_id, job.attempt, job.spec.replicas))
+        done = await task_reports.succeeded_attempts(self.pool, asks)  # one query for them all
+        return {job_id: attempt for job_id, attempt, _ in asks if job_id in done}
 
     async def _commit(self, epoch: int, p: Placement) -> m.Allocation | None:
         state = self.state

@@ -126,3 +126,24 @@ async def test_prune_keeps_why_the_newest_failed_attempt_ended(pool):
     assert [(e.attempt, e.rank, e.stderr_tail) for e in ends] == [(2, 0, "boom 2"), (2, 1, "")]
     assert await task_reports.rank_ends(pool, "j-ok") == []
     assert await task_reports.prune(pool, older_than_s=0.0) == 0
+
+
+async def test_finished_attempts_of_many_jobs_are_one_query_with_each_jobs_rule(pool):
+    """``succeeded_attempts``: per job, the newest earlier attempt whose every rank exited 0."""
+    for job, attempt, rank, state in [
+        ("done", 1, 0, "EXITED"),
+        ("done", 1, 1, "EXITED"),
+        ("half", 1, 0, "EXITED"),  # one rank of two
+        ("half", 1, 1, "LOST"),
+        ("twice", 1, 0, "EXITED"),
+        ("twice", 2, 0, "EXITED"),
+        ("now", 3, 0, "EXITED"),  # the attempt asked about itself: not earlier
+    ]:
+        await task_reports.store(pool, report(f"{job}.a{attempt}.r{rank}", state, job=job, attempt=attempt, rank=rank))
+    await task_reports.store(pool, report("failed.a1.r0", job="failed", exit_code=3))
+    asks = [("done", 2, 2), ("half", 2, 2), ("twice", 3, 1), ("now", 3, 1), ("failed", 2, 1), ("none", 2, 1)]
+    assert await task_reports.succeeded_attempts(pool, asks) == {"done": 1, "twice": 2}
+    for job, before, replicas in asks:
+        single = await task_reports.succeeded_attempt(pool, job, before=before, replicas=replicas)
+        assert single == {"done": 1, "twice": 2}.get(job)
+    assert await task_reports.succeeded_attempts(pool, []) == {}
