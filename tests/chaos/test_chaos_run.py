@@ -1,8 +1,11 @@
 """A short chaos run is part of the suite (issue 19, "Must show"): its own stack, the mixed
 workload, every fault kind at least once, the independent checker, and nothing left behind.
 
-2.5 minutes of workload with the faults 15 s apart (8 slots: every one of the 7 kinds,
-then one more), so the whole run, start to teardown, stays near 3 minutes on a 2-core box.
+2.5 minutes of workload with the faults 15 s apart (8 slots: one per kind), so the whole
+run, start to teardown, stays near 3 minutes on a 2-core box. Four agents of two nodes each:
+an agent fault silences two of the eight nodes, fewer than the mass-silence guard's three,
+so they are marked down and their gangs restarted elsewhere (with two agents, half the fleet
+went silent at once and the guard, rightly, marked none down: CI never took that path).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import psutil
 import pytest
 
 from chaos.run import ChaosOptions, run_chaos
+from chaos.stack import Layout
 from chaos.timeline import FAULT_KINDS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -40,7 +44,9 @@ async def test_a_chaos_run_injects_every_fault_and_every_invariant_holds() -> No
     try:
         # the state dir is kept (its processes are gone) so a failure leaves its evidence
         rep = await run_chaos(
-            ChaosOptions(minutes=2.5, seed=SEED, min_gap_s=15.0, settle_s=90.0, workdir=work, keep=True),
+            ChaosOptions(
+                minutes=2.5, seed=SEED, min_gap_s=15.0, settle_s=90.0, workdir=work, keep=True, layout=Layout(agents=4)
+            ),
             log=lines.append,
         )
         summary = {k: rep[k] for k in ("faults", "jobs", "invariants", "counterexamples", "durations_s", "state_dir")}
