@@ -150,21 +150,28 @@ class Recoveries:
             self.recovering = {k: v for k, v in self.recovering.items() if not v.measured}
 
     async def evict_drained(self, epoch: int, node_id: str, leases: Iterable[LeaseRow]) -> None:
-        """Preempt the jobs of a node drained with ``evict`` (once per attempt)."""
+        """Preempt the jobs of a node drained with ``evict`` (once per attempt), marked in one
+        transaction."""
+        keys: list[tuple[str, int]] = []
         for lz in leases:
             key = (lz.job_id, lz.attempt)
-            if key in self.evicted:
-                continue
-            o = await job_states.mark_preempting(
-                self.pool, scope=self.settings.leader_scope, epoch=epoch, job_id=lz.job_id, attempt=lz.attempt,
-                reason=f"node {node_id} drained (evict)", by_job=None, actor=self.actor,
-            )  # fmt: skip
-            self.evicted.add(key)
+            if key not in self.evicted and key not in keys:
+                keys.append(key)
+        reason = f"node {node_id} drained (evict)"
+        outcomes = await job_states.mark_preempting_many(
+            self.pool,
+            scope=self.settings.leader_scope,
+            epoch=epoch,
+            marks=[job_states.PreemptMark(job_id, attempt, reason, None) for job_id, attempt in keys],
+            actor=self.actor,
+        )
+        self.evicted.update(keys)
+        for (job_id, attempt), o in zip(keys, outcomes, strict=True):
             if o.applied:
                 await signal_preempt(
                     self.client,
                     self.settings,
-                    m.PreemptRequest(lz.job_id, lz.attempt, epoch, f"node {node_id} drained", None),
+                    m.PreemptRequest(job_id, attempt, epoch, f"node {node_id} drained", None),
                 )
 
 
