@@ -467,32 +467,15 @@ class PreemptMark:
     by_job: str | None
 
 
-async def mark_preempting(
-    db: Db,
-    *,
-    scope: str,
-    epoch: int,
-    job_id: str,
-    attempt: int,
-    reason: str,
-    by_job: str | None,
-    actor: str = "placement",
-) -> Outcome:
-    """STARTING / RUNNING -> PREEMPTING under the leader's epoch, audited as a preemption.
-    Already PREEMPTING for this attempt: a no-op (applied=True so the caller re-signals)."""
-    (out,) = await mark_preempting_many(
-        db, scope=scope, epoch=epoch, marks=[PreemptMark(job_id, attempt, reason, by_job)], actor=actor
-    )
-    return out
-
-
 async def mark_preempting_many(
     db: Db, *, scope: str, epoch: int, marks: Sequence[PreemptMark], actor: str = "placement"
 ) -> list[Outcome]:
-    """``mark_preempting`` for a cycle's victims in one transaction under the epoch (one
-    outcome per mark, in order): the rows locked in id order in one statement, the changes,
-    job events and audit rows written in one round trip each, so a cycle that stops a hundred
-    jobs waits on a handful of round trips, not a hundred transactions. A stale epoch writes
+    """STARTING / RUNNING -> PREEMPTING under the leader's epoch, audited as a preemption, for
+    a cycle's victims in one transaction (one outcome per mark, in order). Already PREEMPTING
+    for the attempt: a no-op (applied=True so the caller re-signals). The rows are locked in
+    id order by one statement, each mark decided as it would be alone, and the changes, job
+    events and audit rows written in one round trip each, so a cycle that stops a hundred jobs
+    waits on a handful of round trips, not a hundred transactions. A stale epoch writes
     nothing; an unknown job raises ``UnknownSubject`` and writes nothing."""
     if not marks:
         return []

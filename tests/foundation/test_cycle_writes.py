@@ -1,6 +1,6 @@
 """A placement cycle's batched writes, against the real embedded Postgres: its victims are
 marked PREEMPTING in one transaction (``job_states.mark_preempting_many``), each mark decided
-as ``mark_preempting`` decides it alone, every change with its job event and audit row, and
+as it would be alone, every change with its job event and audit row, and
 nothing written when the epoch is stale or a job is unknown; its relabels likewise
 (``allocations.relabel_jobs``)."""
 
@@ -49,8 +49,9 @@ async def stage(pool):
     await _placed(pool, epoch, "run-b", "b0-n0", 1, running=True)
     await _placed(pool, epoch, "starting", "b0-n1", 0, running=False)
     await _placed(pool, epoch, "already", "b0-n1", 1, running=True)
-    await job_states.mark_preempting(
-        pool, scope=SCOPE, epoch=epoch, job_id="already", attempt=1, reason="earlier", by_job="x"
+    # an earlier cycle's victim
+    await job_states.mark_preempting_many(
+        pool, scope=SCOPE, epoch=epoch, marks=[PreemptMark("already", 1, "earlier", "x")]
     )
     async with pool.acquire() as conn:
         await queued_job(conn, "waiting", "alpha")

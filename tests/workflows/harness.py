@@ -138,14 +138,11 @@ class Stand:
 
     async def preempt(self, job_id: str, *, by_job: str | None = None) -> None:
         attempt = await self.pool.fetchval("SELECT attempt FROM jobs WHERE job_id = $1", job_id)
-        o = await job_states.mark_preempting(
+        (o,) = await job_states.mark_preempting_many(
             self.pool,
             scope=self.settings.leader_scope,
             epoch=self.epoch,
-            job_id=job_id,
-            attempt=attempt,
-            reason="priority",
-            by_job=by_job,
+            marks=[job_states.PreemptMark(job_id, attempt, "priority", by_job)],
         )
         assert o.applied, o
         await signals.signal_preempt(
