@@ -233,8 +233,9 @@ async def relabel_jobs(
 ) -> list[int]:
     """Invariant 4: re-mark running jobs' allocations borrowed (or guaranteed), each relabel
     (job, borrowed), in one transaction under the leader's epoch: one statement re-marks
-    every job's rows, one round trip writes an audit row per job that changed. Returns the rows changed per relabel, in order (a job named twice: the
-    last one applies, the first reports 0)."""
+    every job's rows, one round trip writes an audit row per job that changed. Returns the
+    rows changed per relabel, in order (a job named twice: the last one applies, the first
+    reports 0)."""
     if not relabels:
         return []
     last = {job_id: i for i, (job_id, _) in enumerate(relabels)}
