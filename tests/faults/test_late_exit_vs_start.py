@@ -11,10 +11,10 @@ import asyncio
 
 import pytest
 
-from store import allocations, leadership, task_reports
+from store import allocations, task_reports
 from store.errors import EarlierAttemptSucceeded
 from tests.faults.test_report_store import report
-from tests.foundation.builders import gang, queued_job, small_cluster, team
+from tests.foundation.builders import gang, leader, queued_job, small_cluster, team
 
 SCOPE = "placement"
 
@@ -24,9 +24,7 @@ async def epoch(pool) -> int:
     async with pool.acquire() as conn:
         await small_cluster(conn, nodes_per_block=2)
         await team(conn, "alpha", guaranteed=16, borrow_limit=0)
-    e = await leadership.acquire_leadership(pool, scope=SCOPE, holder="c1", grpc_addr="127.0.0.1:1", ttl_s=30)
-    assert e is not None
-    return e
+    return await leader(pool)
 
 
 async def second_attempt(pool, job_id: str, replicas: int = 2) -> None:

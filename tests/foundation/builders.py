@@ -6,9 +6,17 @@ import json
 
 import asyncpg
 
+from store import leadership
 from store.allocations import GangPlacement
 from store.seed import ensure_cluster
 from store.teams import TeamQuota, set_quota
+
+
+async def leader(pool: asyncpg.Pool, holder: str = "c1", scope: str = "placement") -> int:
+    """Take the leader row for ``holder`` (free or expired); its epoch."""
+    epoch = await leadership.acquire_leadership(pool, scope=scope, holder=holder, grpc_addr="127.0.0.1:1", ttl_s=30)
+    assert epoch is not None
+    return epoch
 
 
 async def small_cluster(

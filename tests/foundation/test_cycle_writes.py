@@ -8,18 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from store import allocations, job_states, leadership
+from store import allocations, job_states
 from store.errors import StaleEpoch, UnknownSubject
 from store.job_states import PreemptMark
-from tests.foundation.builders import gang, queued_job, small_cluster, team
+from tests.foundation.builders import gang, leader, queued_job, small_cluster, team
 
 SCOPE = "placement"
-
-
-async def _leader(pool, holder: str = "c1") -> int:
-    epoch = await leadership.acquire_leadership(pool, scope=SCOPE, holder=holder, grpc_addr="127.0.0.1:1", ttl_s=30)
-    assert epoch is not None
-    return epoch
 
 
 async def _placed(pool, epoch: int, job_id: str, node: str, gpu: int, *, running: bool) -> None:
@@ -44,7 +38,7 @@ async def stage(pool):
     async with pool.acquire() as conn:
         await small_cluster(conn, nodes_per_block=2)
         await team(conn, "alpha", guaranteed=16)
-    epoch = await _leader(pool)
+    epoch = await leader(pool)
     await _placed(pool, epoch, "run-a", "b0-n0", 0, running=True)
     await _placed(pool, epoch, "run-b", "b0-n0", 1, running=True)
     await _placed(pool, epoch, "starting", "b0-n1", 0, running=False)
@@ -102,7 +96,7 @@ async def test_each_victim_is_marked_as_alone_with_its_event_and_audit_row(pool,
 async def test_a_stale_epoch_marks_nothing(pool, stage):
     old = stage
     await pool.execute("UPDATE leader SET expires_at = now() - interval '1 s'")
-    new = await _leader(pool, "c2")
+    new = await leader(pool, "c2")
     assert new > old
     with pytest.raises(StaleEpoch):
         await job_states.mark_preempting_many(
@@ -159,7 +153,7 @@ async def test_a_cycles_relabels_are_one_transaction_each_audited_where_it_chang
 async def test_a_stale_epoch_relabels_nothing(pool, stage):
     old = stage
     await pool.execute("UPDATE leader SET expires_at = now() - interval '1 s'")
-    await _leader(pool, "c2")
+    await leader(pool, "c2")
     with pytest.raises(StaleEpoch):
         await allocations.relabel_jobs(pool, scope=SCOPE, epoch=old, relabels=[("run-a", True), ("run-b", True)])
     assert await _borrowed(pool, "run-a") == [False] and await _borrowed(pool, "run-b") == [False]

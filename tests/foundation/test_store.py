@@ -8,15 +8,9 @@ import pytest
 
 from store import allocations, leadership
 from store.errors import AllocationConflict, QuotaExceeded, StaleEpoch
-from tests.foundation.builders import gang, queued_job, small_cluster, team
+from tests.foundation.builders import gang, leader, queued_job, small_cluster, team
 
 SCOPE = "placement"
-
-
-async def leader(pool, holder="c1") -> int:
-    epoch = await leadership.acquire_leadership(pool, scope=SCOPE, holder=holder, grpc_addr="127.0.0.1:1", ttl_s=30)
-    assert epoch is not None
-    return epoch
 
 
 @pytest.fixture
