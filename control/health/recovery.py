@@ -2,9 +2,10 @@
 Health).
 
 * ``recover``: every job with a live lease on a lost / faulty node (or the hung gangs)
-  gets the ``node_failed`` signal: its workflow stops all ranks, releases the attempt and
-  re-queues it ahead of its class (its hot spares kept). Re-sent every
-  ``recovery_resignal_s`` while the lease is still live (a lost signal).
+  gets the ``node_failed`` signal naming that node, once per failed node it has a lease on:
+  its workflow stops all ranks, releases the attempt and re-queues it ahead of its class
+  (its hot spares kept). Re-sent every ``recovery_resignal_s`` while the lease on that
+  node is still live (a lost signal).
 * failure -> restart time per recovered job (failure: the last heartbeat of a lost node,
   or the heartbeat that reported the fault; restart: the next attempt RUNNING), exported
   as ``gpufleet_failure_to_restart_seconds`` and kept in ``restarts`` (tests).
@@ -17,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from temporalio.client import Client
 
@@ -38,10 +39,13 @@ log = logging.getLogger("gpufleet.control.health")
 class _Recovery:
     job_id: str
     attempt: int
-    node_id: str
+    node_id: str  # the first failed node (the restart sample's)
     cause: str
     failed_at: float  # wall clock
-    next_signal: float = 0.0  # monotonic
+    # every failed node of the attempt -> (its cause, when its signal may be sent again
+    # (monotonic)). A gang on several failed nodes is told of each: a rank on a node it was
+    # not told of is stopped as if alive, and its workflow waits out the stop's pickup timeout.
+    nodes: dict[str, tuple[str, float]] = field(default_factory=dict)
     measured: bool = False
 
 
@@ -85,8 +89,12 @@ class Recoveries:
     async def recover(self, node_id: str, d: Decision, leases: Iterable[LeaseRow], failed_at: float) -> None:
         """Tell every job of ``leases`` (live on ``node_id``) that the node failed."""
         cause = {Event.LOST: "node_down", Event.FATAL: "fatal_fault", Event.HANG: "hang"}.get(d.event, d.event.value)
+        seen: set[tuple[str, int]] = set()
         for lz in leases:
             key = (lz.job_id, lz.attempt)
+            if key in seen:
+                continue  # another rank of the gang on this node: one signal names the node
+            seen.add(key)
             rec = self.recovering.get(key)
             if rec is None:
                 rec = _Recovery(lz.job_id, lz.attempt, node_id, cause, failed_at)
@@ -96,13 +104,18 @@ class Recoveries:
                 log.warning(
                     "recovering job %s attempt %d: node %s %s (%s)", lz.job_id, lz.attempt, node_id, cause, d.detail
                 )
-            await self._signal_failed(rec, f"node {node_id}: {cause}: {d.detail}"[:300])
+            elif node_id not in rec.nodes:
+                log.warning("recovering job %s attempt %d: node %s %s too", lz.job_id, lz.attempt, node_id, cause)
+            if node_id not in rec.nodes:
+                rec.nodes[node_id] = (cause, 0.0)
+            await self._signal_failed(rec, node_id, f"node {node_id}: {cause}: {d.detail}"[:300])
 
-    async def _signal_failed(self, rec: _Recovery, reason: str) -> None:
+    async def _signal_failed(self, rec: _Recovery, node_id: str, reason: str) -> None:
+        cause, next_signal = rec.nodes[node_id]
         now = time.monotonic()
-        if now < rec.next_signal:
+        if now < next_signal:
             return
-        rec.next_signal = now + self.settings.recovery_resignal_s
+        rec.nodes[node_id] = (cause, now + self.settings.recovery_resignal_s)
         try:
             # signal-with-start: a job whose workflow is missing still gets its gang stopped
             await start_with_signal(
@@ -110,21 +123,22 @@ class Recoveries:
                 self.settings,
                 rec.job_id,
                 m.SIGNAL_NODE_FAILED,
-                m.NodeFailed(rec.job_id, rec.attempt, rec.node_id, reason),
+                m.NodeFailed(rec.job_id, rec.attempt, node_id, reason),
             )
         except Exception as e:  # re-sent every recovery_resignal_s while the lease is live
             log.warning("node_failed to %s not delivered: %s", rec.job_id, e)
 
     async def resignal(self, still_live: Iterable[LeaseRow]) -> None:
-        """Keep telling jobs whose lease on a failed node is still live (a lost signal).
-        ``still_live``: the live leases on the nodes being recovered."""
-        live = {(lz.job_id, lz.attempt) for lz in still_live}
+        """Keep telling jobs whose lease on a failed node is still live (a lost signal), once
+        per such node. ``still_live``: the live leases on the nodes being recovered."""
+        live = {(lz.job_id, lz.attempt, lz.node_id) for lz in still_live}
         for r in [r for r in self.recovering.values() if not r.measured]:
-            if (r.job_id, r.attempt) in live:
-                await self._signal_failed(r, f"node {r.node_id}: {r.cause} (re-sent)")
+            for node_id, (cause, _) in list(r.nodes.items()):
+                if (r.job_id, r.attempt, node_id) in live:
+                    await self._signal_failed(r, node_id, f"node {node_id}: {cause} (re-sent)")
 
     def nodes_recovering(self) -> set[str]:
-        return {r.node_id for r in self.recovering.values() if not r.measured}
+        return {n for r in self.recovering.values() if not r.measured for n in r.nodes}
 
     async def measure_restarts(self) -> None:
         pending = [r for r in self.recovering.values() if not r.measured]
