@@ -583,26 +583,43 @@ class JobWorkflow:
         # A rank never seen started may sit on a silent node: do not wait long for its agent.
         pickup = snap.start_task_timeout_s if r.started else min(5.0, snap.start_task_timeout_s)
         async with self._sem:
+            lost_skip = workflow.patched("stop-skips-lost-ranks")
+            if lost_skip and r.outcome == TaskState.LOST:
+                return  # its node failed while this stop waited for a slot: no agent will take it
+            act = workflow.start_activity(
+                stop_task,
+                StopTask(
+                    lease_id=r.placement.lease_id,
+                    epoch=self._alloc.epoch if self._alloc else 0,
+                    node_id=r.placement.node_id,
+                    grace_seconds=grace,
+                    reason=reason,
+                ),
+                task_queue=r.placement.task_queue,
+                schedule_to_start_timeout=timedelta(seconds=pickup),
+                start_to_close_timeout=timedelta(seconds=grace + snap.start_task_timeout_s),
+                schedule_to_close_timeout=timedelta(seconds=grace + 3 * snap.start_task_timeout_s),
+                retry_policy=RetryPolicy(
+                    initial_interval=timedelta(milliseconds=500),
+                    maximum_interval=timedelta(seconds=5),
+                    maximum_attempts=3,
+                ),
+            )
+            if lost_skip:
+                # The rank's node is declared failed (``node_failed``) while the stop waits: its
+                # agent will not pick the stop up, and waiting out the pickup timeout only delays
+                # the gang's restart. The leases are released with the attempt; an agent that
+                # comes back kills every rank whose lease it cannot confirm (worker_agent).
+                await workflow.wait_condition(lambda: act.done() or r.outcome == TaskState.LOST)
+                if not act.done():
+                    act.cancel()
+                    try:
+                        await act
+                    except (ActivityError, asyncio.CancelledError):
+                        pass
+                    return
             try:
-                res: StopTaskResult = await workflow.execute_activity(
-                    stop_task,
-                    StopTask(
-                        lease_id=r.placement.lease_id,
-                        epoch=self._alloc.epoch if self._alloc else 0,
-                        node_id=r.placement.node_id,
-                        grace_seconds=grace,
-                        reason=reason,
-                    ),
-                    task_queue=r.placement.task_queue,
-                    schedule_to_start_timeout=timedelta(seconds=pickup),
-                    start_to_close_timeout=timedelta(seconds=grace + snap.start_task_timeout_s),
-                    schedule_to_close_timeout=timedelta(seconds=grace + 3 * snap.start_task_timeout_s),
-                    retry_policy=RetryPolicy(
-                        initial_interval=timedelta(milliseconds=500),
-                        maximum_interval=timedelta(seconds=5),
-                        maximum_attempts=3,
-                    ),
-                )
+                res: StopTaskResult = await act
             except ActivityError as e:
                 workflow.logger.warning("stop of %s failed: %s", r.placement.lease_id, e.cause or e)
                 return

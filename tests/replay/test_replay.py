@@ -6,7 +6,8 @@ fails here; such changes go through ``workflow.patched``. The histories under
 
     GPUFLEET_RECORD_HISTORIES=1 .venv/bin/python -m pytest tests/replay -k record
 
-(success, preemption and resume, cancel while running, gang failure). Re-record only for an
+(success, preemption and resume, cancel while running, gang failure; from v6, a gang whose two
+nodes fail one after the other). Re-record only for an
 intended, patched change. ``job_requeue_lost_from_history-v5-1.json`` was not recorded so: it
 is the history `gpufleet chaos` caught ending with its job left QUEUED (docs/design.md,
 Failure paths), exported with ``temporal workflow show --output json``; it must keep
@@ -29,7 +30,7 @@ HISTORIES = Path(__file__).parent / "histories"
 RECORD = os.environ.get("GPUFLEET_RECORD_HISTORIES") == "1"
 # histories are kept per workflow-code version (<name>-<version>-<run>.json): older versions
 # stay committed so patched branches keep replaying; recording writes this version only
-VERSION = "v5"
+VERSION = "v6"
 
 
 def _histories() -> list[Path]:
@@ -54,13 +55,15 @@ def test_the_representative_histories_are_committed():
 # ---------------------------------------------------------------------------- recording
 
 
-async def _save(client, workflow_id: str, name: str) -> list[Path]:
-    """Every run of ``workflow_id`` (continue-as-new chains) as name-<n>.json."""
+async def _save(client, workflow_id: str, name: str, max_runs: int | None = None) -> list[Path]:
+    """Every run of ``workflow_id`` (continue-as-new chains), or the first ``max_runs``, as
+    name-<n>.json."""
     out: list[Path] = []
     runs = []
     async for wf in client.list_workflows(f"WorkflowId = '{workflow_id}'"):
         runs.append(wf)
     runs.sort(key=lambda w: w.start_time)
+    runs = runs[:max_runs]
     HISTORIES.mkdir(exist_ok=True)
     for i, wf in enumerate(runs):
         history = await client.get_workflow_handle(workflow_id, run_id=wf.run_id).fetch_history()
@@ -74,6 +77,7 @@ async def _save(client, workflow_id: str, name: str) -> list[Path]:
 async def test_record_histories(stand):
     from tests.support import eventually
     from tests.workflows.harness import PY, TRAIN, read_json
+    from workflows import messages as m
 
     for old in HISTORIES.glob(f"job_*-{VERSION}-*.json"):
         old.unlink()
@@ -118,5 +122,19 @@ async def test_record_histories(stand):
     await stand.wait_state(g, "QUEUED", attempt=2)
     await stand.allocate(g, *[(n, tuple(range(8))) for n in stand.nodes[:4]])
     assert (await stand.result(g)).state == "SUCCEEDED"
+    # a gang on two nodes that fail one after the other (the agent's worker shut down: no stop
+    # is picked up); told of the second while its stop waits, the workflow cancels that stop
+    nf = await stand.submit("rec-nodes-failed", command=[PY, "-c", "import time; time.sleep(60)"], replicas=2,
+                            gpus_per_replica=8, grace_s=1.0, start=False)  # fmt: skip
+    await stand.allocate(nf, *[(n, tuple(range(8))) for n in stand.nodes[:2]])
+    await stand.wait_state(nf, "RUNNING")
+    await stand.node_worker.shutdown()
+    handle = c.get_workflow_handle(nf)
+    await handle.signal(m.SIGNAL_NODE_FAILED, m.NodeFailed(nf, 1, stand.nodes[0], "recorded"))
+    await eventually(lambda: stand.scheduled(nf, "stop_task"), timeout=10, what="the stop of rank 1 scheduled")
+    await handle.signal(m.SIGNAL_NODE_FAILED, m.NodeFailed(nf, 1, stand.nodes[1], "recorded"))
+    await stand.wait_state(nf, "QUEUED", attempt=2)
     for wid, name in [(ok, "job_success"), (tr, "job_preempt_resume"), (cx, "job_cancel"), (g, "job_gang_failure")]:
         assert await _save(c, wid, name)
+    # its next run has only just begun (waiting for an allocation): the failed attempt's run only
+    assert await _save(c, nf, "job_gang_nodes_failed", max_runs=1)

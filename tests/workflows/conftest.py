@@ -39,7 +39,9 @@ async def stand(pool, temporal_env, tmp_path, settings_overrides):
     )
     node = make_worker(client, settings.agent_shared_task_queue, activities=agent.activities())
     async with control, node:
-        yield Stand(pool=pool, client=client, settings=settings, agent=agent, epoch=epoch, nodes=nodes)
+        yield Stand(
+            pool=pool, client=client, settings=settings, agent=agent, epoch=epoch, nodes=nodes, node_worker=node
+        )
         await agent.kill_all()
         await cancel_and_wait(delivery)
         await reports.close()

@@ -66,6 +66,7 @@ class Stand:
     agent: Any
     epoch: int
     nodes: list[str]
+    node_worker: Any = None  # the agent's activity worker: shut down, no node picks up a task
 
     async def submit(
         self,
@@ -162,6 +163,14 @@ class Stand:
             return None
 
         return await eventually(probe, timeout=timeout, what=f"{job_id} in {states}")
+
+    async def scheduled(self, job_id: str, activity: str) -> bool:
+        """Has the job's workflow (its current run) scheduled ``activity``?"""
+        async for e in self.client.get_workflow_handle(job_id).fetch_history_events():
+            if e.HasField("activity_task_scheduled_event_attributes"):
+                if e.activity_task_scheduled_event_attributes.activity_type.name == activity:
+                    return True
+        return False
 
     async def events(self, job_id: str) -> list[asyncpg.Record]:
         return await self.pool.fetch("SELECT * FROM job_events WHERE job_id = $1 ORDER BY id", job_id)
