@@ -350,6 +350,50 @@ def bench_takeover(
     """A leader frozen then killed under a loaded cluster: takeover, re-linking, and nothing restarted."""
     from common.temporal import hard_exit
 
+    overrides = _setting_overrides(setting)
+    result = _call(
+        "bench.takeover", "run", blocks=blocks, nodes_per_block=nodes_per_block, jobs=jobs, gang_gpus=gang_gpus,
+        freeze_s=freeze_s, observe_s=observe_s, agent_procs=agent_procs, overrides=overrides, keep=keep,
+        shared_connections=shared_connections,
+    )  # fmt: skip
+    _print_result(result, as_json)
+    hard_exit(0 if result["jobs_restarted"] == 0 and result["nodes_marked_down"] == 0 else 1)
+
+
+@bench_app.command("node-loss")
+def bench_node_loss(
+    blocks: int = typer.Option(94, min=1, help="blocks of simulated nodes"),
+    nodes_per_block: int = typer.Option(32, min=1, help="simulated nodes (8 GPUs each) per block"),
+    jobs: int = typer.Option(300, min=0, help="running jobs besides the gang (1 GPU, 1 node, 2-node gangs)"),
+    gang_gpus: int = typer.Option(1024, min=0, help="GPUs of the one large gang (0: none)"),
+    agent_procs: int = typer.Option(8, min=2, help="agent processes, each hosting a run of whole blocks"),
+    fail_procs: int = typer.Option(1, min=1, help="agent processes killed: those hosting the most running GPUs"),
+    settle_s: float = typer.Option(600.0, min=1, help="wait at most this long (past down_after_s) for the restarts"),
+    setting: list[str] = typer.Option(
+        [], "--setting", help="KEY=VALUE (JSON or text) for a setting of the stack; repeatable"
+    ),
+    keep: bool = typer.Option(False, help="keep the state dir and logs (their path is in the result)"),
+    shared_connections: bool = typer.Option(
+        False, help="the simulated nodes of one agent process share a connection to the control (not one each)"
+    ),
+    as_json: bool = typer.Option(
+        True, "--json/--no-json", help="one JSON object (default), or a table of every figure"
+    ),
+) -> None:
+    """Whole blocks of nodes die under a loaded cluster: their jobs, and only theirs, restart elsewhere."""
+    from common.temporal import hard_exit
+
+    result = _call(
+        "bench.node_loss", "run", blocks=blocks, nodes_per_block=nodes_per_block, jobs=jobs, gang_gpus=gang_gpus,
+        agent_procs=agent_procs, fail_procs=fail_procs, settle_s=settle_s, overrides=_setting_overrides(setting),
+        keep=keep, shared_connections=shared_connections,
+    )  # fmt: skip
+    _print_result(result, as_json)
+    hard_exit(0 if result["ok"] else 1)
+
+
+def _setting_overrides(setting: list[str]) -> dict[str, Any]:
+    """``--setting KEY=VALUE`` pairs: a value that parses as JSON is that, else the text."""
     overrides: dict[str, Any] = {}
     for kv in setting:
         key, sep, value = kv.partition("=")
@@ -359,13 +403,7 @@ def bench_takeover(
             overrides[key.strip()] = json.loads(value)
         except ValueError:
             overrides[key.strip()] = value
-    result = _call(
-        "bench.takeover", "run", blocks=blocks, nodes_per_block=nodes_per_block, jobs=jobs, gang_gpus=gang_gpus,
-        freeze_s=freeze_s, observe_s=observe_s, agent_procs=agent_procs, overrides=overrides, keep=keep,
-        shared_connections=shared_connections,
-    )  # fmt: skip
-    _print_result(result, as_json)
-    hard_exit(0 if result["jobs_restarted"] == 0 and result["nodes_marked_down"] == 0 else 1)
+    return overrides
 
 
 def main() -> None:
