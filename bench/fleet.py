@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -201,102 +203,91 @@ class Fleet:
     ) -> None:
         """Bring the stack up until every node streams to c1 and is ready; on failure, ``stop``."""
         try:
-            await self._start(blocks, nodes_per_block, agent_procs, group, overrides, links, standby, max_queued)
+            import httpx
+
+            from api.main import create_app
+            from common.db import create_pool, migrate
+            from common.embedded import EmbeddedPostgres, EmbeddedTemporal
+            from common.settings import Principal, Settings
+            from common.temporal import connect
+            from store.seed import ensure_cluster
+            from store.teams import TeamQuota, set_quota
+
+            self._pg = EmbeddedPostgres(self.root / "pgdata")
+            dsn = self._pg.start()
+            self._temporal = EmbeddedTemporal(
+                self.root / "temporal" / "temporal.db", port=any_free_port(), ui=False,
+                log_file=self.log_dir / "temporal.log",
+            )  # fmt: skip
+            address = self._temporal.start()
+            ports = [any_free_port(), any_free_port()]
+            values: dict[str, Any] = dict(
+                env="dev",
+                state_dir=self.root / "state",
+                database_url=dsn,
+                temporal_address=address,
+                # simulated ranks have no exits or progress files to look at: the agents' per-node
+                # watch loop would only cost the CPU the links need (heartbeats keep their interval)
+                agent_poll_s=2.0,
+                agent_shared_secret="bench-" + uuid.uuid4().hex,
+                control_addresses=[f"127.0.0.1:{p}" for p in ports],
+                api_tokens={self.token: Principal(name="bench", team="bench")},
+                max_queued_per_team=max_queued,
+                db_pool_max=20,
+            )
+            values.update(overrides)
+            self.settings = settings = Settings(**values)
+            self.pool = pool = await create_pool(dsn, min_size=2, max_size=20)
+            async with pool.acquire() as conn:
+                await migrate(conn)
+                self.nodes = await ensure_cluster(
+                    conn, gpu_type="h100", blocks=blocks, nodes_per_block=nodes_per_block,
+                    task_queue_prefix=settings.agent_task_queue_prefix,
+                )  # fmt: skip
+                # one task queue per agent process, recorded per node (module docstring)
+                run_id = uuid.uuid4().hex[:6]
+                self.groups = [g for g in group(self.nodes, agent_procs) if g]
+                queues = [f"bench-agents-{run_id}-{k}" for k in range(len(self.groups))]
+                for nodes, queue in zip(self.groups, queues, strict=True):
+                    await conn.execute("UPDATE nodes SET task_queue = $1 WHERE node_id = ANY($2)", queue, nodes)
+                await set_quota(conn, TeamQuota("bench", "h100", self.gpus, 0), actor="bench", reason="bench fleet")
+
+            # c1 first, so it leads; the agents start meanwhile (their links retry until it serves),
+            # so the new leader hears them well within its first suspect window; c2 once c1 leads
+            c1 = ControlProcess(settings, "c1", ports[0], self.log_dir)
+            self.controls.append(c1)
+            for k, (nodes, queue) in enumerate(zip(self.groups, queues, strict=True)):
+                nodes_file = self.root / f"nodes-{k}.txt"
+                nodes_file.write_text("\n".join(nodes))
+                await self.agents.start(settings, nodes_file, queue, self.log_dir, links)
+            await until(self.leader, 180, "c1 leads")  # the agent processes start meanwhile
+            if standby:
+                self.controls.append(ControlProcess(settings, "c2", ports[1], self.log_dir))
+
+            async def agents_ready() -> bool:
+                return self.agents.ready == len(self.groups)
+
+            await until(agents_ready, 120 + len(self.nodes) / 10, "the agent processes up")
+            seen = {"linked": 0, "ready": 0}
+
+            async def all_ready() -> bool:
+                seen["linked"] = len(self.agents.linked_to(c1.addr))
+                seen["ready"] = await pool.fetchval("SELECT count(*) FROM nodes WHERE state = 'ready'")
+                return seen["linked"] == seen["ready"] == len(self.nodes)
+
+            try:
+                await until(all_ready, 120 + len(self.nodes) / 5, "every node streaming to c1 and ready")
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"{e} ({seen['linked']} linked, {seen['ready']} ready of {len(self.nodes)})"
+                ) from None
+
+            client = await connect(settings)
+            app = create_app(settings, pool=pool, temporal_client=client)
+            self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api", timeout=120)
         except BaseException:
             await self.stop()
             raise
-
-    async def _start(
-        self,
-        blocks: int,
-        nodes_per_block: int,
-        agent_procs: int,
-        group: Callable[[list[str], int], list[list[str]]],
-        overrides: dict[str, Any],
-        links: str,
-        standby: bool,
-        max_queued: int,
-    ) -> None:
-        import httpx
-
-        from api.main import create_app
-        from common.db import create_pool, migrate
-        from common.embedded import EmbeddedPostgres, EmbeddedTemporal
-        from common.settings import Principal, Settings
-        from common.temporal import connect
-        from store.seed import ensure_cluster
-        from store.teams import TeamQuota, set_quota
-
-        self._pg = EmbeddedPostgres(self.root / "pgdata")
-        dsn = self._pg.start()
-        self._temporal = EmbeddedTemporal(
-            self.root / "temporal" / "temporal.db", port=any_free_port(), ui=False,
-            log_file=self.log_dir / "temporal.log",
-        )  # fmt: skip
-        address = self._temporal.start()
-        ports = [any_free_port(), any_free_port()]
-        values: dict[str, Any] = dict(
-            env="dev",
-            state_dir=self.root / "state",
-            database_url=dsn,
-            temporal_address=address,
-            # simulated ranks have no exits or progress files to look at: the agents' per-node
-            # watch loop would only cost the CPU the links need (heartbeats keep their interval)
-            agent_poll_s=2.0,
-            agent_shared_secret="bench-" + uuid.uuid4().hex,
-            control_addresses=[f"127.0.0.1:{p}" for p in ports],
-            api_tokens={self.token: Principal(name="bench", team="bench")},
-            max_queued_per_team=max_queued,
-            db_pool_max=20,
-        )
-        values.update(overrides)
-        self.settings = settings = Settings(**values)
-        self.pool = pool = await create_pool(dsn, min_size=2, max_size=20)
-        async with pool.acquire() as conn:
-            await migrate(conn)
-            self.nodes = await ensure_cluster(
-                conn, gpu_type="h100", blocks=blocks, nodes_per_block=nodes_per_block,
-                task_queue_prefix=settings.agent_task_queue_prefix,
-            )  # fmt: skip
-            # one task queue per agent process, recorded per node (module docstring)
-            run_id = uuid.uuid4().hex[:6]
-            self.groups = [g for g in group(self.nodes, agent_procs) if g]
-            queues = [f"bench-agents-{run_id}-{k}" for k in range(len(self.groups))]
-            for nodes, queue in zip(self.groups, queues, strict=True):
-                await conn.execute("UPDATE nodes SET task_queue = $1 WHERE node_id = ANY($2)", queue, nodes)
-            await set_quota(conn, TeamQuota("bench", "h100", self.gpus, 0), actor="bench", reason="bench fleet")
-
-        # c1 first, so it leads; the agents start meanwhile (their links retry until it serves),
-        # so the new leader hears them well within its first suspect window; c2 once c1 leads
-        c1 = ControlProcess(settings, "c1", ports[0], self.log_dir)
-        self.controls.append(c1)
-        for k, (nodes, queue) in enumerate(zip(self.groups, queues, strict=True)):
-            nodes_file = self.root / f"nodes-{k}.txt"
-            nodes_file.write_text("\n".join(nodes))
-            await self.agents.start(settings, nodes_file, queue, self.log_dir, links)
-        await until(self.leader, 180, "c1 leads")  # the agent processes start meanwhile
-        if standby:
-            self.controls.append(ControlProcess(settings, "c2", ports[1], self.log_dir))
-
-        async def agents_ready() -> bool:
-            return self.agents.ready == len(self.groups)
-
-        await until(agents_ready, 120 + len(self.nodes) / 10, "the agent processes up")
-        seen = {"linked": 0, "ready": 0}
-
-        async def all_ready() -> bool:
-            seen["linked"] = len(self.agents.linked_to(c1.addr))
-            seen["ready"] = await pool.fetchval("SELECT count(*) FROM nodes WHERE state = 'ready'")
-            return seen["linked"] == seen["ready"] == len(self.nodes)
-
-        try:
-            await until(all_ready, 120 + len(self.nodes) / 5, "every node streaming to c1 and ready")
-        except RuntimeError as e:
-            raise RuntimeError(f"{e} ({seen['linked']} linked, {seen['ready']} ready of {len(self.nodes)})") from None
-
-        client = await connect(settings)
-        app = create_app(settings, pool=pool, temporal_client=client)
-        self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api", timeout=120)
 
     async def leader(self) -> Any:
         return await self.pool.fetchrow(
@@ -353,6 +344,31 @@ class Fleet:
             self._temporal.stop()
         if self._pg is not None:
             self._pg.stop()
+
+
+def run_bench(
+    prefix: str, keep: bool, bench: Callable[[Path, Path], Coroutine[Any, Any, dict[str, Any]]]
+) -> dict[str, Any]:
+    """Run ``bench(root, log_dir)`` once in a fresh state dir (kept with ``keep``, its logs'
+    path then in the result's ``logs``)."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    log_dir = root / "logs"
+    log_dir.mkdir(parents=True)
+    try:
+        result = asyncio.run(bench(root, log_dir))
+        result["logs"] = str(log_dir) if keep else None
+        return result
+    finally:
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def check_gang(gang_gpus: int, blocks: int, nodes_per_block: int) -> None:
+    if gang_gpus % 8 or gang_gpus > blocks * nodes_per_block * 8:
+        raise ValueError(f"gang_gpus={gang_gpus}: whole nodes of 8 GPUs, and no more than the cluster has")
 
 
 # ---------------------------------------------------------------------- the agent process

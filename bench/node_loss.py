@@ -30,14 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.fleet import Fleet, by_blocks, median, quantile, until
+from bench.fleet import Fleet, by_blocks, check_gang, median, quantile, run_bench, until
 
 # what the report quotes from the settings the stack ran with
 REPORTED_SETTINGS = (
@@ -237,28 +235,17 @@ def run(
 ) -> dict[str, Any]:
     """Run the benchmark once on a fresh stack (see the module docstring); ``overrides`` are
     settings (tests scale the timings down); ``keep`` keeps the logs and state dir."""
-    import logging
-
-    logging.basicConfig(level=logging.WARNING)
-    if gang_gpus % 8 or gang_gpus > blocks * nodes_per_block * 8:
-        raise ValueError(f"gang_gpus={gang_gpus}: whole nodes of 8 GPUs, and no more than the cluster has")
+    check_gang(gang_gpus, blocks, nodes_per_block)
     procs = max(1, min(agent_procs, blocks * nodes_per_block))
     if not 1 <= fail_procs < procs:
         raise ValueError(f"fail_procs={fail_procs}: at least one agent process, and fewer than all {procs}")
-    root = Path(tempfile.mkdtemp(prefix="gpufleet-bench-node-loss-"))
-    log_dir = root / "logs"
-    log_dir.mkdir(parents=True)
-    try:
-        result = asyncio.run(
-            _bench(
-                root, log_dir, blocks=blocks, nodes_per_block=nodes_per_block, jobs=jobs, gang_gpus=gang_gpus,
-                agent_procs=procs, fail_procs=fail_procs, settle_s=settle_s, overrides=dict(overrides or {}),
-                links="shared" if shared_connections else "own",
-            )
-        )  # fmt: skip
-        result["ok"] = ok(result)
-        result["logs"] = str(log_dir) if keep else None
-        return result
-    finally:
-        if not keep:
-            shutil.rmtree(root, ignore_errors=True)
+    result = run_bench(
+        "gpufleet-bench-node-loss-", keep,
+        lambda root, log_dir: _bench(
+            root, log_dir, blocks=blocks, nodes_per_block=nodes_per_block, jobs=jobs, gang_gpus=gang_gpus,
+            agent_procs=procs, fail_procs=fail_procs, settle_s=settle_s, overrides=dict(overrides or {}),
+            links="shared" if shared_connections else "own",
+        ),
+    )  # fmt: skip
+    result["ok"] = ok(result)
+    return result

@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import signal
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.fleet import Fleet, median, quantile, spread, until
+from bench.fleet import Fleet, check_gang, median, quantile, run_bench, spread, until
 
 # what the report quotes from the settings the stack ran with
 REPORTED_SETTINGS = (
@@ -233,24 +231,13 @@ def run(
 ) -> dict[str, Any]:
     """Run the benchmark once on a fresh stack (see the module docstring); ``overrides`` are
     settings (tests scale the timings down); ``keep`` keeps the logs and state dir."""
-    import logging
-
-    logging.basicConfig(level=logging.WARNING)
-    if gang_gpus % 8 or gang_gpus > blocks * nodes_per_block * 8:
-        raise ValueError(f"gang_gpus={gang_gpus}: whole nodes of 8 GPUs, and no more than the cluster has")
-    root = Path(tempfile.mkdtemp(prefix="gpufleet-bench-takeover-"))
-    log_dir = root / "logs"
-    log_dir.mkdir(parents=True)
-    try:
-        result = asyncio.run(
-            _bench(
-                root, log_dir, blocks=blocks, nodes_per_block=nodes_per_block, jobs=jobs, gang_gpus=gang_gpus,
-                freeze_s=freeze_s, observe_s=observe_s, settle_s=settle_s, agent_procs=max(1, min(agent_procs, blocks * nodes_per_block)),
-                overrides=dict(overrides or {}), links="shared" if shared_connections else "own",
-            )
-        )  # fmt: skip
-        result["logs"] = str(log_dir) if keep else None
-        return result
-    finally:
-        if not keep:
-            shutil.rmtree(root, ignore_errors=True)
+    check_gang(gang_gpus, blocks, nodes_per_block)
+    return run_bench(
+        "gpufleet-bench-takeover-", keep,
+        lambda root, log_dir: _bench(
+            root, log_dir, blocks=blocks, nodes_per_block=nodes_per_block, jobs=jobs, gang_gpus=gang_gpus,
+            freeze_s=freeze_s, observe_s=observe_s, settle_s=settle_s,
+            agent_procs=max(1, min(agent_procs, blocks * nodes_per_block)), overrides=dict(overrides or {}),
+            links="shared" if shared_connections else "own",
+        ),
+    )  # fmt: skip
