@@ -177,8 +177,9 @@ class JobWorkflow:
             return
         if req.attempt != self._attempt:
             return
+        failed = {req.node_id, *req.more_nodes}  # more_nodes: empty in signals sent before it
         for r in self._ranks.values():
-            if r.placement.node_id == req.node_id and not r.exited:
+            if r.placement.node_id in failed and not r.exited:
                 r.exited, r.outcome, r.start_error = True, TaskState.LOST, None
                 r.restarting = False
 

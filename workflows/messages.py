@@ -293,12 +293,15 @@ class EarlierAttemptSucceeded:
 @dataclass(frozen=True)
 class NodeFailed:
     """Signal ``node_failed``: the node is lost (down, fatal Xid, hang). The attempt is
-    ended as a failure that does not count against the job (front of its class)."""
+    ended as a failure that does not count against the job (front of its class).
+    ``more_nodes``: other nodes of the attempt found failed at the same time (a block's,
+    judged in one pass of the health monitor): one signal for all of them."""
 
     job_id: str
     attempt: int
     node_id: str
     reason: str = "node failed"
+    more_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -236,10 +236,13 @@ class HealthMonitor:
         else:
             todo = set(self._dirty)
         self._dirty.clear()
-        for node_id in sorted(todo):
-            if node_id not in self.states:
-                continue
-            await self._node(epoch, node_id, time.monotonic())
+        try:
+            for node_id in sorted(todo):
+                if node_id not in self.states:
+                    continue
+                await self._node(epoch, node_id, time.monotonic())
+        finally:
+            self.recoveries.flush()  # one node_failed per job for the nodes this pass found
         if sweep:
             await self._resignal_recoveries()
             await self.recoveries.measure_restarts()

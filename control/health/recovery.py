@@ -2,7 +2,8 @@
 Health).
 
 * ``recover``: every job with a live lease on a lost / faulty node (or the hung gangs)
-  gets the ``node_failed`` signal naming that node, once per failed node it has a lease on:
+  gets the ``node_failed`` signal naming that node, and every other node of its attempt
+  found failed in the same pass of the monitor (``flush``):
   its workflow stops all ranks, releases the attempt and re-queues it ahead of its class
   (its hot spares kept). Re-sent every ``recovery_resignal_s`` while the lease on that
   node is still live (a lost signal).
@@ -49,6 +50,7 @@ class _Recovery:
     # (monotonic)). A gang on several failed nodes is told of each: a rank on a node it was
     # not told of is stopped as if alive, and its workflow waits out the stop's pickup timeout.
     nodes: dict[str, tuple[str, float]] = field(default_factory=dict)
+    due: dict[str, str] = field(default_factory=dict)  # nodes (-> reason) for the next send
     measured: bool = False
 
 
@@ -86,6 +88,7 @@ class Recoveries:
         # later nodes down only after the earlier nodes' signals (seconds, at 3,008 nodes)
         self._slots = asyncio.Semaphore(SIGNALS_IN_FLIGHT)
         self._sending: set[asyncio.Task] = set()
+        self._due: set[tuple[str, int]] = set()  # recoveries with nodes to name (``flush``)
 
     def drop(self) -> None:
         self.recovering.clear()
@@ -93,6 +96,7 @@ class Recoveries:
         for t in list(self._sending):
             t.cancel()  # a new leadership re-derives what to tell from the store
         self._sending.clear()
+        self._due.clear()
 
     async def sent(self) -> None:
         """Wait for the node_failed sends in flight (tests, and a clean stop)."""
@@ -103,7 +107,9 @@ class Recoveries:
         return sum(1 for r in self.recovering.values() if not r.measured)
 
     async def recover(self, node_id: str, d: Decision, leases: Iterable[LeaseRow], failed_at: float) -> None:
-        """Tell every job of ``leases`` (live on ``node_id``) that the node failed."""
+        """Tell every job of ``leases`` (live on ``node_id``) that the node failed, at the next
+        ``flush``: the monitor flushes once a pass, so a gang on several nodes found failed in
+        one pass (a block's) gets one signal naming all of them."""
         cause = {Event.LOST: "node_down", Event.FATAL: "fatal_fault", Event.HANG: "hang"}.get(d.event, d.event.value)
         seen: set[tuple[str, int]] = set()
         for lz in leases:
@@ -132,9 +138,25 @@ class Recoveries:
         if now < next_signal:
             return
         rec.nodes[node_id] = (cause, now + self.settings.recovery_resignal_s)
-        task = asyncio.create_task(self._send(m.NodeFailed(rec.job_id, rec.attempt, node_id, reason)))
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
+        rec.due[node_id] = reason
+        self._due.add((rec.job_id, rec.attempt))
+
+    def flush(self) -> None:
+        """Send what ``recover`` and ``resignal`` found: one ``node_failed`` per job's attempt,
+        naming every node due (the first, and ``more_nodes``)."""
+        for key in sorted(self._due):
+            rec = self.recovering.get(key)
+            if rec is None or not rec.due:
+                continue
+            (first, reason), *more = rec.due.items()
+            if more:
+                reason = f"{reason} (and {len(more)} more node(s))"[:300]
+            req = m.NodeFailed(rec.job_id, rec.attempt, first, reason, tuple(n for n, _ in more))
+            rec.due.clear()
+            task = asyncio.create_task(self._send(req))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+        self._due.clear()
 
     async def _send(self, req: m.NodeFailed) -> None:
         async with self._slots:
@@ -152,6 +174,7 @@ class Recoveries:
             for node_id, (cause, _) in list(r.nodes.items()):
                 if (r.job_id, r.attempt, node_id) in live:
                     self._signal_failed(r, node_id, f"node {node_id}: {cause} (re-sent)")
+        self.flush()
 
     def nodes_recovering(self) -> set[str]:
         return {n for r in self.recovering.values() if not r.measured for n in r.nodes}

@@ -3,7 +3,8 @@
 The monitor judges a block's silent nodes one by one and calls ``Recoveries.recover`` per node.
 The recovery of a job's attempt was kept once, with the first node only: a later node of the
 same gang was never named to its workflow (nor in the re-sends), which then stopped that rank
-as if alive and waited out the stop's pickup timeout. Here against the real Temporal dev server,
+as if alive and waited out the stop's pickup timeout. Now the nodes a pass finds are named in
+one signal per job (``flush``), and each is re-sent while its lease is live. Here against the real Temporal dev server,
 each job's workflow started by the signal itself (signal-with-start) on a task queue no worker
 polls, so its history holds exactly what the monitor sent."""
 
@@ -18,7 +19,6 @@ from common.temporal import DATA_CONVERTER
 from control.health.node_states import Decision, Event, NodeState, transition
 from control.health.recovery import Recoveries
 from store.allocations import LeaseRow
-from tests.support import eventually
 from workflows import messages as m
 
 
@@ -26,15 +26,15 @@ def _lease(job: str, rank: int, node: str) -> LeaseRow:
     return LeaseRow(f"{job}.a1.r{rank}", job, 1, rank, node, tuple(range(8)), 1, True)
 
 
-async def _told(client, job: str) -> list[str]:
-    """The nodes named by the ``node_failed`` signals in the job's history, in order."""
+async def _told(client, job: str) -> list[tuple[str, ...]]:
+    """The nodes named by each ``node_failed`` signal in the job's history, in order."""
     out = []
     async for e in client.get_workflow_handle(job).fetch_history_events():
         if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED:
             attrs = e.workflow_execution_signaled_event_attributes
             if attrs.signal_name == m.SIGNAL_NODE_FAILED:
                 (req,) = await DATA_CONVERTER.decode(attrs.input.payloads, [m.NodeFailed])
-                out.append(req.node_id)
+                out.append((req.node_id, *req.more_nodes))
     return out
 
 
@@ -50,21 +50,18 @@ async def test_each_failed_node_of_a_gang_is_named_to_its_workflow_and_in_the_re
     await rec.recover("n0", lost, [_lease(gang, 0, "n0"), _lease(gang, 1, "n0")], failed_at=100.0)
     await rec.recover("n1", lost, [_lease(gang, 2, "n1"), _lease(single, 0, "n1")], failed_at=101.0)
 
+    rec.flush()  # the monitor's pass ends: one signal per job for the nodes it found
     await rec.sent()  # the sends run beside the monitor's pass, a few at a time
-
-    async def both_told() -> bool:
-        return sorted(await _told(temporal_env.client, gang)) == ["n0", "n1"]  # once per node
-
-    await eventually(both_told, what="the gang told of n0 and n1")
-    assert await _told(temporal_env.client, single) == ["n1"]
+    assert await _told(temporal_env.client, gang) == [("n0", "n1")]
+    assert await _told(temporal_env.client, single) == [("n1",)]
     # the work lost is counted once per job's attempt, the restart measured from the first node
     assert failures == [("node_down", gang), ("node_down", single)]
     assert rec.nodes_recovering() == {"n0", "n1"} and rec.pending() == 2
     # re-sent while a lease on the node is live: only n1's is (n0's ranks were released)
     await rec.resignal([_lease(gang, 2, "n1")])
     await rec.sent()
-
-    async def resent() -> bool:
-        return sorted(await _told(temporal_env.client, gang)) == ["n0", "n1", "n1"]
-
-    await eventually(resent, what="the gang told of n1 again")
+    assert await _told(temporal_env.client, gang) == [("n0", "n1"), ("n1",)]
+    # a flush with nothing due sends nothing
+    rec.flush()
+    await rec.sent()
+    assert len(await _told(temporal_env.client, single)) == 1

@@ -164,9 +164,9 @@ class Stand:
 
         return await eventually(probe, timeout=timeout, what=f"{job_id} in {states}")
 
-    async def scheduled(self, job_id: str, activity: str) -> bool:
-        """Has the job's workflow (its current run) scheduled ``activity``?"""
-        async for e in self.client.get_workflow_handle(job_id).fetch_history_events():
+    async def scheduled(self, job_id: str, activity: str, run_id: str | None = None) -> bool:
+        """Has the job's workflow (its current run, or ``run_id``) scheduled ``activity``?"""
+        async for e in self.client.get_workflow_handle(job_id, run_id=run_id).fetch_history_events():
             if e.HasField("activity_task_scheduled_event_attributes"):
                 if e.activity_task_scheduled_event_attributes.activity_type.name == activity:
                     return True

@@ -44,3 +44,24 @@ async def test_a_gang_told_of_its_second_failed_node_requeues_without_waiting_fo
     waited = time.monotonic() - told
     assert waited < PICKUP_S / 3, f"re-queued {waited:.1f}s after its second node's failure"
     assert await stand.live_gpus(job) == 0
+
+
+async def test_one_signal_naming_both_nodes_requeues_the_gang_without_stopping_either(stand):
+    # the monitor names every failed node of a gang found in one pass in one signal
+    job = await stand.submit(
+        "j-two-dead-nodes-at-once", command=[PY, "-c", "import time; time.sleep(120)"], replicas=2,
+        gpus_per_replica=8, grace_s=1.0, start=False,
+    )  # fmt: skip
+    await stand.allocate(job, (stand.nodes[0], tuple(range(8))), (stand.nodes[1], tuple(range(8))))
+    await stand.wait_state(job, "RUNNING")
+    await stand.node_worker.shutdown()
+    handle = stand.client.get_workflow_handle(job)
+    run_id = (await handle.describe()).run_id  # the failed attempt's run
+    told = time.monotonic()
+    req = m.NodeFailed(job, 1, stand.nodes[0], "node b0-n0: node_down", more_nodes=(stand.nodes[1],))
+    await handle.signal(m.SIGNAL_NODE_FAILED, req)
+    await stand.wait_state(job, "QUEUED", attempt=2, timeout=2 * PICKUP_S)
+    waited = time.monotonic() - told
+    assert waited < PICKUP_S / 3, f"re-queued {waited:.1f}s after its nodes' failure"
+    assert not await stand.scheduled(job, "stop_task", run_id=run_id)  # nothing left alive to stop
+    assert await stand.live_gpus(job) == 0
