@@ -99,7 +99,7 @@ class Recoveries:
         self._due.clear()
 
     async def sent(self) -> None:
-        """Wait for the node_failed sends in flight (tests, and a clean stop)."""
+        """Wait for the node_failed sends in flight (tests: the monitor never waits on them)."""
         while self._sending:
             await asyncio.gather(*list(self._sending), return_exceptions=True)
 
