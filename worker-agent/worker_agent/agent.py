@@ -22,7 +22,7 @@ Temporal being unreachable never stops the node: ranks keep running, heartbeats
 and reports keep flowing over gRPC, and the workers are rebuilt when it is back.
 
 ``simulated_ranks=True`` (benchmarks and tests only; no setting turns it on) hosts ranks
-without processes (``worker_agent.node``, "Simulated ranks"): how ``bench/takeover.py`` runs
+without processes (``worker_agent.node``, "Simulated ranks"): how ``bench/fleet.py`` runs
 hundreds of jobs on thousands of simulated nodes on one machine.
 """
 

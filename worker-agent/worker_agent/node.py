@@ -31,7 +31,7 @@ code 143) or until its lease has gone unconfirmed for ``unconfirmed_kill_s`` (FE
 supervisor would kill it); heartbeats report it as running, so the leader confirms its lease
 and reconciliation sees it. It reports no steps (never a hang), writes no logs, and is not
 re-adopted by a restarted agent. It lets one machine host hundreds of running jobs on
-thousands of simulated nodes (``bench/takeover.py``), where a Python supervisor per rank
+thousands of simulated nodes (``bench/fleet.py``), where a Python supervisor per rank
 would not fit.
 """
 
