@@ -132,7 +132,12 @@ class PlacementCycles:
                 return
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as e:
+                if not self.state.is_leader(epoch):
+                    # leadership ended under it (a stop closes the pool while a cycle runs):
+                    # the stop's doing, not a fault; its writes were epoch-fenced
+                    log.info("placement cycle under epoch %d ended with the leadership: %s", epoch, e)
+                    return
                 log.exception("placement cycle under epoch %d failed", epoch)
                 stats = None
             if stats is None or not stats.more:
