@@ -386,7 +386,7 @@ class HealthMonitor:
         else:  # the heartbeat that reported the fault
             entry = self._entry(node_id)
             failed_at = entry.received_wall if entry is not None else time.time()
-        await self.recoveries.recover(node_id, d, rows.values(), failed_at)
+        self.recoveries.recover(node_id, d, rows.values(), failed_at)
 
     async def _resignal_recoveries(self) -> None:
         live: set[str] = set()
@@ -394,7 +394,7 @@ class HealthMonitor:
             live |= self._live(node_id)
         if live:
             rows = await self.state.lease_rows(live)
-            await self.recoveries.resignal(rows.values())
+            self.recoveries.resignal(rows.values())
 
     async def _evict_drained(self, epoch: int) -> None:
         for node_id, st in self.states.items():

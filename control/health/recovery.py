@@ -106,7 +106,7 @@ class Recoveries:
     def pending(self) -> int:
         return sum(1 for r in self.recovering.values() if not r.measured)
 
-    async def recover(self, node_id: str, d: Decision, leases: Iterable[LeaseRow], failed_at: float) -> None:
+    def recover(self, node_id: str, d: Decision, leases: Iterable[LeaseRow], failed_at: float) -> None:
         """Tell every job of ``leases`` (live on ``node_id``) that the node failed, at the next
         ``flush``: the monitor flushes once a pass, so a gang on several nodes found failed in
         one pass (a block's) gets one signal naming all of them."""
@@ -166,7 +166,7 @@ class Recoveries:
             except Exception as e:  # re-sent every recovery_resignal_s while the lease is live
                 log.warning("node_failed to %s not delivered: %s", req.job_id, e)
 
-    async def resignal(self, still_live: Iterable[LeaseRow]) -> None:
+    def resignal(self, still_live: Iterable[LeaseRow]) -> None:
         """Keep telling jobs whose lease on a failed node is still live (a lost signal), once
         per such node. ``still_live``: the live leases on the nodes being recovered."""
         live = {(lz.job_id, lz.attempt, lz.node_id) for lz in still_live}

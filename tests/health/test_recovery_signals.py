@@ -47,8 +47,8 @@ async def test_each_failed_node_of_a_gang_is_named_to_its_workflow_and_in_the_re
     gang, single = f"j-gang-{uid}", f"j-one-{uid}"
     lost = Decision(NodeState.READY, Event.LOST, transition(NodeState.READY, Event.LOST), "no heartbeat for 91s")
     # the gang has ranks 0 and 1 on n0, rank 2 on n1; another job is alone on n1
-    await rec.recover("n0", lost, [_lease(gang, 0, "n0"), _lease(gang, 1, "n0")], failed_at=100.0)
-    await rec.recover("n1", lost, [_lease(gang, 2, "n1"), _lease(single, 0, "n1")], failed_at=101.0)
+    rec.recover("n0", lost, [_lease(gang, 0, "n0"), _lease(gang, 1, "n0")], failed_at=100.0)
+    rec.recover("n1", lost, [_lease(gang, 2, "n1"), _lease(single, 0, "n1")], failed_at=101.0)
 
     rec.flush()  # the monitor's pass ends: one signal per job for the nodes it found
     await rec.sent()  # the sends run beside the monitor's pass, a few at a time
@@ -58,7 +58,7 @@ async def test_each_failed_node_of_a_gang_is_named_to_its_workflow_and_in_the_re
     assert failures == [("node_down", gang), ("node_down", single)]
     assert rec.nodes_recovering() == {"n0", "n1"} and rec.pending() == 2
     # re-sent while a lease on the node is live: only n1's is (n0's ranks were released)
-    await rec.resignal([_lease(gang, 2, "n1")])
+    rec.resignal([_lease(gang, 2, "n1")])
     await rec.sent()
     assert await _told(temporal_env.client, gang) == [("n0", "n1"), ("n1",)]
     # a flush with nothing due sends nothing
