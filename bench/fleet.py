@@ -13,7 +13,7 @@ Node activities reach the right agent process through the task queue recorded fo
 process, served by one worker for all its nodes (``worker_agent.node.FleetActivities``). Several
 processes, because one Python process hosting 3,008 nodes is CPU-bound on its own event loop.
 Which nodes share a process is the caller's choice (``groups``): spread over the blocks, or a
-process per run of whole blocks, so that killing one process fails those blocks, as a
+process per run of consecutive blocks (``by_blocks``), so that killing one process fails those nodes, as a
 switch or power failure would.
 """
 

@@ -5,11 +5,12 @@ and only theirs, restart elsewhere.
 
 Runs a simulated fleet on its own embedded stack (``bench.fleet``): ``blocks x nodes_per_block``
 nodes of 8 GPUs, one real ``gpufleet control`` process, and ``agent_procs`` agent processes each
-hosting a run of whole blocks (``bench.fleet.by_blocks``). It submits a ``gang_gpus`` gang and
-``jobs`` more (1 GPU, one node of 8, gangs of 2 nodes), waits until all run, then SIGKILLs
-``fail_procs`` agent processes (those hosting part of the gang first, then those with the most
-running GPUs): their nodes fall silent at once, as when a row loses power or its switches. With the defaults one
-process of 8 holds 12 blocks (376 nodes, 12.5% of the fleet): below the mass-silence guard's
+hosting a run of consecutive nodes, block after block (``bench.fleet.by_blocks``; whole blocks
+when the processes divide the blocks). It submits a ``gang_gpus`` gang and ``jobs`` more (1 GPU,
+one node of 8, gangs of 2 nodes), waits until all run, then SIGKILLs ``fail_procs`` agent
+processes (those hosting part of the gang first, then those with the most running GPUs): their
+nodes fall silent at once, as when a row loses power or its switches. With the defaults one
+process of 8 holds 376 nodes (11.75 blocks, 12.5% of the fleet): below the mass-silence guard's
 share (``health_mass_silence_fraction``, 0.2), so the leader must mark them down and restart
 their jobs. What it reports:
 
@@ -201,7 +202,7 @@ async def _bench(
             "setup_s": round(setup_s, 1),
             "settings": {k: getattr(settings, k, None) for k in REPORTED_SETTINGS},
             "stack": "embedded Postgres + Temporal dev server, one control process, "
-            f"{len(fleet.groups)} agent processes hosting runs of whole blocks with simulated ranks, API in-process",
+            f"{len(fleet.groups)} agent processes hosting runs of consecutive nodes with simulated ranks, API in-process",
             "measured": "from the SIGKILL of the agent processes: each failed node's audited down, each hit"
             " job's next attempt's started_at; restarts of other jobs, leases and GPUs at the end",
         }

@@ -366,7 +366,9 @@ def bench_node_loss(
     nodes_per_block: int = typer.Option(32, min=1, help="simulated nodes (8 GPUs each) per block"),
     jobs: int = typer.Option(300, min=0, help="running jobs besides the gang (1 GPU, 1 node, 2-node gangs)"),
     gang_gpus: int = typer.Option(1024, min=0, help="GPUs of the one large gang (0: none)"),
-    agent_procs: int = typer.Option(8, min=2, help="agent processes, each hosting a run of whole blocks"),
+    agent_procs: int = typer.Option(
+        8, min=2, help="agent processes, each hosting a run of consecutive nodes, block after block"
+    ),
     fail_procs: int = typer.Option(1, min=1, help="agent processes killed: those hosting the most running GPUs"),
     settle_s: float = typer.Option(600.0, min=1, help="wait at most this long (past down_after_s) for the restarts"),
     setting: list[str] = typer.Option(
