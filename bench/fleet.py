@@ -123,13 +123,20 @@ class AgentProcesses:
         self.linked: list[tuple[str, str, float]] = []  # (node, control address, wall time of its first ack)
         self.ready = 0
         self._readers: list[asyncio.Task] = []
+        self._launch: list[Callable[[], Awaitable[asyncio.subprocess.Process]]] = []
 
     async def start(self, settings: Any, nodes_file: Path, queue: str, log_dir: Path, links: str = "own") -> None:
-        with open(log_dir / f"agent-{len(self.procs)}.log", "ab") as log:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "bench.fleet", "agent", str(nodes_file), queue, links,
-                env=settings.to_env(), stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True,
-            )  # fmt: skip
+        log_file = log_dir / f"agent-{len(self.procs)}.log"
+
+        async def launch() -> asyncio.subprocess.Process:
+            with open(log_file, "ab") as log:
+                return await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "bench.fleet", "agent", str(nodes_file), queue, links,
+                    env=settings.to_env(), stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True,
+                )  # fmt: skip
+
+        proc = await launch()
+        self._launch.append(launch)
         self.procs.append(proc)
         self._readers.append(asyncio.create_task(self._read(proc)))
 
@@ -159,6 +166,28 @@ class AgentProcesses:
             except ProcessLookupError:
                 pass
             await proc.wait()
+
+    def freeze(self, k: int) -> None:
+        """SIGSTOP agent process ``k``'s group: its nodes fall silent, and its simulated ranks
+        stay in its memory, as under a network partition (it resumes with them on ``thaw``)."""
+        self._signal(k, signal.SIGSTOP)
+
+    def thaw(self, k: int) -> None:
+        self._signal(k, signal.SIGCONT)
+
+    def _signal(self, k: int, sig: int) -> None:
+        if self.procs[k].returncode is None:
+            try:
+                os.killpg(self.procs[k].pid, sig)
+            except ProcessLookupError:
+                pass
+
+    async def restart(self, k: int) -> None:
+        """Start agent process ``k`` again (after ``kill``): its nodes come back empty, as after a reboot."""
+        await self.kill(k)
+        proc = await self._launch[k]()
+        self.procs[k] = proc
+        self._readers.append(asyncio.create_task(self._read(proc)))
 
     async def stop(self) -> None:
         for k in range(len(self.procs)):

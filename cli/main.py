@@ -378,17 +378,30 @@ def bench_node_loss(
     shared_connections: bool = typer.Option(
         False, help="the simulated nodes of one agent process share a connection to the control (not one each)"
     ),
+    fault: str = typer.Option(
+        "kill", help="kill: SIGKILL the processes (power lost); freeze: SIGSTOP them (cut off, ranks kept in memory)"
+    ),
+    back: str = typer.Option(
+        "never",
+        help="bring the processes back (thawed, or started again): never; down (once their nodes are marked"
+        " down, while their jobs restart); restarted (once every hit job runs again)",
+    ),
     as_json: bool = typer.Option(
         True, "--json/--no-json", help="one JSON object (default), or a table of every figure"
     ),
 ) -> None:
     """Whole blocks of nodes die under a loaded cluster: their jobs, and only theirs, restart elsewhere."""
+    from bench.node_loss import BACK, FAULTS
     from common.temporal import hard_exit
 
+    if fault not in FAULTS:
+        raise typer.BadParameter(f"{fault!r}: one of {', '.join(FAULTS)}", param_hint="--fault")
+    if back not in BACK:
+        raise typer.BadParameter(f"{back!r}: one of {', '.join(BACK)}", param_hint="--back")
     result = _call(
         "bench.node_loss", "run", blocks=blocks, nodes_per_block=nodes_per_block, jobs=jobs, gang_gpus=gang_gpus,
         agent_procs=agent_procs, fail_procs=fail_procs, settle_s=settle_s, overrides=_setting_overrides(setting),
-        keep=keep, shared_connections=shared_connections,
+        keep=keep, shared_connections=shared_connections, fault=fault, back=back,
     )  # fmt: skip
     _print_result(result, as_json)
     hard_exit(0 if result["ok"] else 1)
