@@ -229,3 +229,57 @@ async def test_a_follower_asked_again_and_again_is_asked_over_one_connection(set
         await agent.stop()
         await follower.stop()
     assert not link._channels, "closed with the link"
+
+
+async def test_a_stream_whose_status_grpc_lost_is_no_strike_against_the_address(settings):
+    """A control that cannot check credentials (Postgres down) ends each stream CONTROL_BUSY;
+    when that races one of the agent's writes, gRPC's asyncio client reports INTERNAL "Internal
+    error from Core" instead (grpc/grpc#36066). Counted as the address failing, an outage's
+    worth of them kept nodes from following a redirect to the new leader for up to 8 ack
+    timeouts afterwards. Neither that nor CONTROL_BUSY is a strike; a dead connection still is."""
+    from types import SimpleNamespace
+
+    import grpc
+
+    from proto.auth import CONTROL_BUSY
+    from worker_agent.link import ControlLink
+
+    def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+    link = ControlLink(settings, SimpleNamespace(node_id="node-s"), ["a:1", "b:2"])  # type: ignore[arg-type]
+    lost = rpc_error(grpc.StatusCode.INTERNAL, "Internal error from Core")
+    busy = rpc_error(grpc.StatusCode.UNAVAILABLE, f"{CONTROL_BUSY}: FileNotFoundError")
+    dead = rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
+    script = [lost, lost, busy, lost, lost, lost]
+    tried: list[str] = []
+    done = asyncio.Event()
+
+    async def session(addr: str) -> None:
+        tried.append(addr)
+        if script:
+            raise script.pop(0)
+        done.set()
+        await asyncio.Event().wait()  # then streams on
+
+    link._session = session  # type: ignore[method-assign]
+    running = asyncio.create_task(link._loop())
+    try:
+        await asyncio.wait_for(done.wait(), 30)
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    assert link.failures == 6 and link.strikes == {} and link.failed_at == {}, (link.strikes, tried)
+    assert not link.recently_failed("a:1") and not link.recently_failed("b:2")
+    # both addresses stayed in the rotation: each was asked in turn
+    assert tried[:4] == ["a:1", "b:2", "a:1", "b:2"]
+
+    script[:] = [dead]
+    done.clear()
+    running = asyncio.create_task(link._loop())
+    try:
+        await asyncio.wait_for(done.wait(), 30)
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    assert link.strikes == {tried[-2]: 1} and link.recently_failed(tried[-2]), (link.strikes, tried)
