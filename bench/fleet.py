@@ -73,6 +73,25 @@ def by_blocks(nodes: list[str], procs: int) -> list[list[str]]:
     return out
 
 
+class TwoLeaseWatch:
+    """GPUs under two live leases, read from the leases (not from the allocations' key, which
+    would forbid it): ``sample`` counts them now, ``most`` is the most any sample saw."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.most = 0
+
+    async def sample(self) -> int:
+        n = int(
+            await self.pool.fetchval(
+                "SELECT count(*) FROM (SELECT node_id, g FROM leases, unnest(gpu_indices) AS g"
+                " WHERE state = 'live' GROUP BY 1, 2 HAVING count(*) > 1) AS d"
+            )
+        )
+        self.most = max(self.most, n)
+        return n
+
+
 async def until(probe: Callable[[], Awaitable[Any]], timeout: float, what: str, interval: float = 0.2) -> Any:
     """Poll ``probe`` until it returns something truthy (returned), or fail after ``timeout``."""
     deadline = time.monotonic() + timeout

@@ -49,7 +49,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.fleet import Fleet, by_blocks, check_gang, median, quantile, run_bench, until
+from bench.fleet import Fleet, TwoLeaseWatch, by_blocks, check_gang, median, quantile, run_bench, until
 
 # kill: SIGKILL (the nodes lose power); freeze: SIGSTOP (cut off: the ranks stay in the agent's memory)
 FAULTS = ("kill", "freeze")
@@ -145,11 +145,10 @@ async def _bench(
             n = await pool.fetchval("SELECT count(*) FROM nodes WHERE state = 'down' AND node_id = ANY($1)", failed)
             return n == len(failed)
 
-        most_doubled = 0
+        doubles = TwoLeaseWatch(pool)  # sampled all through the restarts and the return
 
         async def running_again() -> bool:
-            nonlocal most_doubled
-            most_doubled = max(most_doubled, await _doubled(pool))  # sampled all through the restarts
+            await doubles.sample()
             return await restarted()
 
         back_at: float | None = None
@@ -169,8 +168,7 @@ async def _bench(
         expected = {j: ("RUNNING", before[j] + (j in hit)) for j in job_ids}
         returned = None
         if back_at is not None:
-            returned = await _returned(fleet, sorted(failed), expected, back_at, fault, settle_s)
-            most_doubled = max(most_doubled, returned["most_gpus_with_two_live_leases"])
+            returned = await _returned(fleet, sorted(failed), expected, back_at, fault, settle_s, doubles)
 
         # ---------------------------------------------------------------- the figures
         downs = await pool.fetch(
@@ -194,8 +192,7 @@ async def _bench(
         live_on_failed = await pool.fetchval(
             "SELECT count(*) FROM leases WHERE state = 'live' AND node_id = ANY($1)", sorted(failed)
         )
-        doubled = await _doubled(pool)
-        most_doubled = max(most_doubled, doubled)
+        doubled = await doubles.sample()
         guard = [
             {
                 "at_s": round(r["at"].timestamp() - killed_at, 2),
@@ -239,7 +236,7 @@ async def _bench(
             "live_leases_on_failed_nodes": live_on_failed,
             "jobs_restarted_more_than_once": sorted(j for j in hit if after[j][1] > before[j] + 1),
             "gpus_with_two_live_leases": doubled,
-            "most_gpus_with_two_live_leases": most_doubled,
+            "most_gpus_with_two_live_leases": doubles.most,
             "health_guard_changes": guard,
             "fault": fault,
             "returned": returned,
@@ -253,16 +250,6 @@ async def _bench(
         }
     finally:
         await fleet.stop()
-
-
-async def _doubled(pool: Any) -> int:
-    """GPUs under two live leases, read from the leases (not from the allocations' key)."""
-    return int(
-        await pool.fetchval(
-            "SELECT count(*) FROM (SELECT node_id, g FROM leases, unnest(gpu_indices) AS g WHERE state = 'live'"
-            " GROUP BY 1, 2 HAVING count(*) > 1) AS d"
-        )
-    )
 
 
 async def _bring_back(fleet: Fleet, doomed: list[int], fault: str) -> float:
@@ -285,6 +272,7 @@ async def _returned(
     back_at: float,
     fault: str,
     settle_s: float,
+    doubles: TwoLeaseWatch,
 ) -> dict[str, Any]:
     """After ``_bring_back``: each returned node must have the ranks of replaced attempts stopped
     and be cleared for burn-in (``down -> burn_in``: no live lease, its agent reports no rank
@@ -306,11 +294,8 @@ async def _returned(
         )
         return {r["subject"]: r["at"].timestamp() - back_at for r in rows}
 
-    most_doubled = 0
-
     async def all_cleared() -> bool:
-        nonlocal most_doubled
-        most_doubled = max(most_doubled, await _doubled(pool))  # sampled all through the return
+        await doubles.sample()
         return len(await cleared()) == len(failed)
 
     async def reports_delivered() -> bool:
@@ -326,7 +311,6 @@ async def _returned(
             await until(probe, max(1.0, deadline - time.monotonic()), what, interval=0.5)
         except RuntimeError:
             pass  # reported below
-    most_doubled = max(most_doubled, await _doubled(pool))
     after = {
         r["job_id"]: (r["state"], r["attempt"])
         for r in await pool.fetch("SELECT job_id, state, attempt FROM jobs WHERE job_id = ANY($1)", job_ids)
@@ -349,7 +333,6 @@ async def _returned(
         "late_reports": {r["state"]: r["n"] for r in reports},
         "late_reports_undelivered": sum(r["pending"] for r in reports),
         "jobs_changed": sorted(j for j in job_ids if after.get(j) != expected[j]),
-        "most_gpus_with_two_live_leases": most_doubled,
         "observed_s": round(time.time() - back_at, 1),
     }
 

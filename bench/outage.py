@@ -43,7 +43,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.fleet import Fleet, check_gang, median, quantile, run_bench, spread, until
+from bench.fleet import Fleet, TwoLeaseWatch, check_gang, median, quantile, run_bench, spread, until
 
 SERVICES = ("postgres", "temporal")
 # what the report quotes from the settings the stack ran with
@@ -109,20 +109,13 @@ async def _bench(
         setup_s = time.monotonic() - t_setup
 
         epochs: dict[int, dict[str, Any]] = {}
-        most_doubled = 0
+        doubles = TwoLeaseWatch(pool)
 
         async def sample() -> None:
-            nonlocal most_doubled
             row = await _or_none(fleet.leader())
             if row is not None:
                 epochs.setdefault(row["epoch"], {"holder": row["holder"], "acquired_at": row["acquired_at"]})
-            doubled = await _or_none(
-                pool.fetchval(
-                    "SELECT count(*) FROM (SELECT node_id, g FROM leases, unnest(gpu_indices) AS g"
-                    " WHERE state = 'live' GROUP BY 1, 2 HAVING count(*) > 1) AS d"
-                )
-            )
-            most_doubled = max(most_doubled, doubled or 0)
+            await _or_none(doubles.sample())
 
         async def watch() -> None:
             while True:
@@ -244,7 +237,7 @@ async def _bench(
                 "max": quantile(to_running, 1.0),
             },
             "burst_not_running": len(burst_ids) - len(to_running),
-            "most_gpus_with_two_live_leases": most_doubled,
+            "most_gpus_with_two_live_leases": doubles.most,
             "observed_after_back_s": round(time.time() - back_at, 1),
             "setup_s": round(setup_s, 1),
             "settings": {k: getattr(settings, k, None) for k in REPORTED_SETTINGS},

@@ -262,24 +262,23 @@ async def test_a_stream_whose_status_grpc_lost_is_no_strike_against_the_address(
         done.set()
         await asyncio.Event().wait()  # then streams on
 
+    async def until_streaming() -> None:
+        """Run the link's loop through the scripted errors, until a session streams."""
+        done.clear()
+        running = asyncio.create_task(link._loop())
+        try:
+            await asyncio.wait_for(done.wait(), 30)
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
     link._session = session  # type: ignore[method-assign]
-    running = asyncio.create_task(link._loop())
-    try:
-        await asyncio.wait_for(done.wait(), 30)
-    finally:
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
+    await until_streaming()
     assert link.failures == 6 and link.strikes == {} and link.failed_at == {}, (link.strikes, tried)
     assert not link.recently_failed("a:1") and not link.recently_failed("b:2")
     # both addresses stayed in the rotation: each was asked in turn
     assert tried[:4] == ["a:1", "b:2", "a:1", "b:2"]
 
     script[:] = [dead]
-    done.clear()
-    running = asyncio.create_task(link._loop())
-    try:
-        await asyncio.wait_for(done.wait(), 30)
-    finally:
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
+    await until_streaming()
     assert link.strikes == {tried[-2]: 1} and link.recently_failed(tried[-2]), (link.strikes, tried)
