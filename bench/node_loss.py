@@ -245,7 +245,8 @@ async def _bench(
             "settings": {k: getattr(settings, k, None) for k in REPORTED_SETTINGS},
             "stack": "embedded Postgres + Temporal dev server, one control process, "
             f"{len(fleet.groups)} agent processes hosting runs of consecutive nodes with simulated ranks, API in-process",
-            "measured": "from the SIGKILL of the agent processes: each failed node's audited down, each hit"
+            "measured": f"from the {'SIGSTOP' if fault == 'freeze' else 'SIGKILL'} of the agent processes:"
+            " each failed node's audited down, each hit"
             " job's next attempt's started_at; restarts of other jobs, leases and GPUs at the end",
         }
     finally:

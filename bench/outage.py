@@ -123,11 +123,21 @@ async def _bench(
                 await asyncio.sleep(0.5)
 
         async def submit(i: int) -> str:
+            """Submit burst job ``i`` as a client would: retried with the same key while the API
+            answers 503 (or 5xx, 429) or cannot be reached, for at most ``settle_s``."""
+            import httpx
+
             key = f"burst-{i}-{down_at}"
-            while True:  # a client retries a refused submission (503 while Postgres is down)
+            give_up = time.monotonic() + settle_s
+            while True:
                 try:
                     return await fleet.submit(f"burst-{i}", 1, 1, key=key)
-                except Exception:  # any refusal or transport error: try again, same key
+                except (RuntimeError, httpx.TransportError) as e:
+                    retry = isinstance(e, httpx.TransportError) or any(
+                        f"HTTP {c}" in str(e) for c in ("429", "500", "502", "503", "504")
+                    )
+                    if not retry or time.monotonic() > give_up:
+                        raise
                     await asyncio.sleep(1.0)
 
         # ---------------------------------------------------------------- the outage
