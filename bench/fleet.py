@@ -356,6 +356,26 @@ class Fleet:
             self.settings.leader_scope,
         )
 
+    async def attempts(self, job_ids: list[str]) -> dict[str, int]:
+        """Each job's current attempt."""
+        rows = await self.pool.fetch("SELECT job_id, attempt FROM jobs WHERE job_id = ANY($1)", job_ids)
+        return {r["job_id"]: r["attempt"] for r in rows}
+
+    async def past_takeover_quiet(self) -> Any:
+        """Wait out the leader's quiet period (it judges no silence within ``takeover_quiet_s`` of
+        taking over, docs/design.md, Leadership); returns the leader row."""
+        took = await self.leader()
+        await asyncio.sleep(max(0.0, took["acquired_at"].timestamp() + self.settings.takeover_quiet_s - time.time()))
+        return took
+
+    async def nodes_audited_into(self, state: str, since: Any) -> list[str]:
+        """Nodes whose state was audited into ``state`` at or after ``since`` (a datetime)."""
+        rows = await self.pool.fetch(
+            "SELECT DISTINCT subject FROM audit WHERE action = 'node_state' AND detail->>'to' = $1 AND at >= $2",
+            state, since,
+        )  # fmt: skip
+        return sorted(r["subject"] for r in rows)
+
     async def submit(self, name: str, replicas: int, gpus: int, key: str | None = None) -> str:
         """Submit a research job of ``replicas x gpus``; ``key``: its Idempotency-Key (a retry
         passes the same one), new by default."""

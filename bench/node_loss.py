@@ -42,7 +42,6 @@ their jobs. What it reports:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from datetime import datetime
@@ -115,16 +114,12 @@ async def _bench(
         order = sorted(range(len(fleet.groups)), key=lambda k: (k not in gang_procs, -gpus_by_proc[k], k))
         doomed = sorted(order[:fail_procs])
         failed = {node for k in doomed for node in fleet.groups[k]}
-        before = {
-            r["job_id"]: r["attempt"]
-            for r in await pool.fetch("SELECT job_id, attempt FROM jobs WHERE job_id = ANY($1)", job_ids)
-        }
+        before = await fleet.attempts(job_ids)
         hit = sorted({r["job_id"] for r in live if r["node_id"] in failed})
 
         # a leader judges no silence within takeover_quiet_s of taking over (docs/design.md,
         # Leadership): a small fleet is up sooner than that, and would measure the window
-        took = await fleet.leader()
-        await asyncio.sleep(max(0.0, took["acquired_at"].timestamp() + settings.takeover_quiet_s - time.time()))
+        await fleet.past_takeover_quiet()
 
         # ---------------------------------------------------------------- the failure
         killed_at = time.time()

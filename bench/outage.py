@@ -99,13 +99,9 @@ async def _bench(
         pool, settings = fleet.pool, fleet.settings
         gang_id, job_ids = await fleet.submit_workload(jobs, gang_gpus)
         await fleet.all_running(job_ids, settle_s)
-        before = {
-            r["job_id"]: r["attempt"]
-            for r in await pool.fetch("SELECT job_id, attempt FROM jobs WHERE job_id = ANY($1)", job_ids)
-        }
+        before = await fleet.attempts(job_ids)
         live_before = {r["lease_id"] for r in await pool.fetch("SELECT lease_id FROM leases WHERE state = 'live'")}
-        took = await fleet.leader()
-        await asyncio.sleep(max(0.0, took["acquired_at"].timestamp() + settings.takeover_quiet_s - time.time()))
+        took = await fleet.past_takeover_quiet()
         setup_s = time.monotonic() - t_setup
 
         epochs: dict[int, dict[str, Any]] = {}
@@ -183,13 +179,6 @@ async def _bench(
         restarted = sorted(j for j, a in before.items() if after.get(j) != ("RUNNING", a))
         live_after = {r["lease_id"] for r in await pool.fetch("SELECT lease_id FROM leases WHERE state = 'live'")}
 
-        async def audited_into(state: str) -> list[str]:
-            rows = await pool.fetch(
-                "SELECT DISTINCT subject FROM audit WHERE action = 'node_state' AND detail->>'to' = $1 AND at >= $2",
-                state, since,
-            )  # fmt: skip
-            return sorted(r["subject"] for r in rows)
-
         started = {
             r["job_id"]: r["started_at"]
             for r in await pool.fetch(
@@ -237,8 +226,8 @@ async def _bench(
             "relinked": relinked,
             "jobs_restarted": restarted,
             "leases_ended": len(live_before - live_after),
-            "nodes_marked_suspect": await audited_into("suspect"),
-            "nodes_marked_down": await audited_into("down"),
+            "nodes_marked_suspect": await fleet.nodes_audited_into("suspect", since),
+            "nodes_marked_down": await fleet.nodes_audited_into("down", since),
             "burst_jobs": len(burst_ids),
             "burst_submitted": "during the outage" if service == "temporal" else "once Postgres was back",
             "back_to_burst_running_s": {

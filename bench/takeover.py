@@ -80,10 +80,7 @@ async def _bench(
         leader, submit = fleet.leader, fleet.submit
         gang_id, job_ids = await fleet.submit_workload(jobs, gang_gpus)
         await fleet.all_running(job_ids, settle_s)
-        before = {
-            r["job_id"]: r["attempt"]
-            for r in await pool.fetch("SELECT job_id, attempt FROM jobs WHERE job_id = ANY($1)", job_ids)
-        }
+        before = await fleet.attempts(job_ids)
         first = await leader()
         assert first is not None and first["holder"] == "c1", first
         setup_s = time.monotonic() - t_setup
@@ -129,15 +126,8 @@ async def _bench(
         restarted = sorted(j for j, a in before.items() if after.get(j) != ("RUNNING", a))
         since = datetime.fromtimestamp(frozen_at).astimezone()
 
-        async def audited_into(state: str) -> list[str]:
-            rows = await pool.fetch(
-                "SELECT DISTINCT subject FROM audit WHERE action = 'node_state' AND detail->>'to' = $1 AND at >= $2",
-                state, since,
-            )  # fmt: skip
-            return sorted(r["subject"] for r in rows)
-
-        down = await audited_into("down")
-        suspect = await audited_into("suspect")
+        down = await fleet.nodes_audited_into("down", since)
+        suspect = await fleet.nodes_audited_into("suspect", since)
         first_alloc = await pool.fetchval(
             "SELECT min(at) FROM audit WHERE action = 'allocate' AND (detail->>'epoch')::bigint = $1", took["epoch"]
         )
