@@ -181,7 +181,7 @@ class _Cycle:
             # before any placement moves a team's use: check_plan reads the same from the
             # state and queue it is given
             self.fitting_since = quota_mod.within_guarantee_since(state, self.queue)
-        state.promote(now, self.policy.preemption_protect_s)
+        state.promote(now, self.policy.preemption_protect_s, self.policy.first_runs_unprotected_min_gpus is not None)
         checked = state.quota_dirty()
         for team, gpu_type in checked:
             self.relabels.extend(quota_mod.relabel(state, team, gpu_type))
@@ -784,7 +784,15 @@ class _Cycle:
                 mode = Mode(job.rank, True, job.team)
         elif not borrowed:
             due = self._small_reclaim_due(job)
-            mode = Mode(job.rank, False, job.team, due, self._higher_gangs_upto(job, shape) if due else 0)
+            first = policy.first_runs_unprotected_min_gpus
+            mode = Mode(
+                job.rank,
+                False,
+                job.team,
+                due,
+                self._higher_gangs_upto(job, shape) if due else 0,
+                first is not None and job.total_gpus >= first,
+            )
         elif serving or (
             policy.borrowed_gangs_reclaim_lower and shape.whole and shape.charge >= policy.reserve_min_gpus
         ):
@@ -1101,7 +1109,7 @@ class _Cycle:
         limit = max(self.victims_left, shape.nodes if shape.whole else 8) if reclaim else self.victims_left
         # shared by every team: built without the own-team rule (a superset of the victims this
         # job may take; the searches drop its team's own borrowed work)
-        shared = Mode(mode.rank, mode.borrowed_only, "", mode.higher_small, mode.higher_gangs)
+        shared = Mode(mode.rank, mode.borrowed_only, "", mode.higher_small, mode.higher_gangs, mode.first_runs)
         ckey = (job.gpu_type, shared)
         index = self.victim_index.get(ckey)
         if index is None:

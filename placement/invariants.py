@@ -399,7 +399,14 @@ def check_plan(
                 errs.append(f"{pr.victim}: prod-serving chosen as a victim")
             if rj.preempting_for is not None:
                 errs.append(f"{pr.victim}: already being preempted")
-            if not rj.borrowed and now - rj.started_at < policy.preemption_protect_s:
+            if (
+                rj.spec.start_protected(
+                    rj.borrowed,
+                    policy.first_runs_unprotected_min_gpus is not None
+                    and ben.total_gpus >= policy.first_runs_unprotected_min_gpus,
+                )
+                and now - rj.started_at < policy.preemption_protect_s
+            ):
                 errs.append(f"{pr.victim}: guaranteed, preempted {now - rj.started_at:.0f}s after its start")
             if (
                 not rj.borrowed

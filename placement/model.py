@@ -212,6 +212,13 @@ class JobSpec:
     def rank(self) -> int:
         return _CLASS_RANK[self.priority]
 
+    def start_protected(self, borrowed: bool, first_runs: bool) -> bool:
+        """Does the start protection (``Policy.preemption_protect_s``) cover this job, when
+        running, against a preemptor? Borrowed work never (always reclaimable); for a
+        preemptor that may take ``first_runs`` (``Policy.first_runs_unprotected_min_gpus``),
+        only a job that was preempted before."""
+        return not borrowed and (not first_runs or bool(self.preemption_times))
+
     def preemptions_since(self, since: float) -> int:
         return sum(1 for t in self.preemption_times if t > since)
 
@@ -239,6 +246,13 @@ class Policy:
       the expected start; False keeps reserved blocks closed to everyone else.
     * ``preemption``: victims may be chosen; ``borrowing``: teams may exceed their
       guarantee on idle capacity (up to the borrow limit).
+    * ``first_runs_unprotected_min_gpus``: a preemptor of at least this many GPUs may stop a
+      guaranteed job within its ``preemption_protect_s`` if that job was never preempted:
+      the requirements protect a job from being "preempted *again* within 30 minutes of
+      starting", so a first run is fair game, and a young one loses little work. A gang
+      that must clear many nodes otherwise waits up to 30 minutes for the youngest job on
+      them while its team starves (seed 3's rl, sim/README.md). A job started again after a
+      preemption keeps its protection. None: every guaranteed job is protected.
     * ``preemption_hold_s``: nodes cleared by preemption stay held for the beneficiary
       this long after its victims' grace ended (then released if it still cannot use them).
     * ``lookahead`` counts jobs evaluated for placement; jobs stopped by quota alone do
@@ -513,6 +527,7 @@ class Policy:
     hot_spare_fraction: float = 0.015
     hot_spare_min_gpus: int = 1024
     preemption_protect_s: float = 1800.0
+    first_runs_unprotected_min_gpus: int | None = None
     daily_preemption_budget: int = 3
     preemption_window_s: float = 86_400.0
     preemption_hold_s: float = 300.0
@@ -616,6 +631,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "returning_demand_less_reserved": False,
     "guarantees_before_classes": False,
     "borrowed_guard_min_gpus": None,
+    "first_runs_unprotected_min_gpus": None,
 }
 
 PRESETS: dict[str, Policy] = {

@@ -282,6 +282,7 @@ class ClusterState:
         self._young_seq = 0
         self._clock = float("-inf")  # latest ``now`` seen by promote
         self._protect_s = 1800.0
+        self._first_runs_listed = False
 
     # ------------------------------------------------------------------ journal
 
@@ -743,7 +744,10 @@ class ClusterState:
         cat = (rj.rank, rj.borrowed)
         rj.vcat = cat
         ti.cat_gpus[cat] = ti.cat_gpus.get(cat, 0) + rj.charge
-        if not rj.borrowed and rj.started_at > self._clock - self._protect_s:
+        if (
+            rj.spec.start_protected(rj.borrowed, self._first_runs_listed)
+            and rj.started_at > self._clock - self._protect_s
+        ):
             rj.young = True
             self._young_seq += 1
             heapq.heappush(self._young, (rj.started_at, self._young_seq, rj))
@@ -763,13 +767,23 @@ class ClusterState:
         rj.young = False
         rj.vcat = None
 
-    def promote(self, now: float, protect_s: float) -> None:
+    def promote(self, now: float, protect_s: float, first_runs: bool = False) -> None:
         """List jobs whose protection (``protect_s`` after start) has passed by ``now`` as
-        victim candidates. Index upkeep only: it changes no decision (eligibility is
-        always re-checked), so ``plan`` calls it without journaling."""
+        victim candidates; with ``first_runs`` (some preemptors may stop a guaranteed job on
+        its first run, ``Policy.first_runs_unprotected_min_gpus``) such jobs are listed at
+        once. Index upkeep only: it changes no decision (eligibility is always re-checked),
+        so ``plan`` calls it without journaling."""
         self._protect_s = protect_s
         if now > self._clock:
             self._clock = now
+        if first_runs != self._first_runs_listed:
+            # who is listed changed (a state built before its first plan): list again
+            self._first_runs_listed = first_runs
+            for rj in list(self._running.values()):
+                if rj.vcat is not None:
+                    self._victim_remove(rj)
+                    self._victim_add(rj)
+                    self._bump_held(rj)
         young = self._young
         limit = now - protect_s
         while young and young[0][0] <= limit:

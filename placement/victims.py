@@ -5,7 +5,8 @@ Eligible victims (``eligible``) for a preemptor of class rank ``r``:
 * never prod-serving; never a job already being preempted;
 * never within ``preemption_protect_s`` of its start, unless it is borrowed (borrowed
   capacity is always reclaimable: docs/design.md invariant 4 and the reclaim bound of
-  grace + 2 cycles; the protection is against priority churn of guaranteed work);
+  grace + 2 cycles; the protection is against priority churn of guaranteed work) or, for
+  a preemptor of ``Policy.first_runs_unprotected_min_gpus`` or more, on its first run;
 * normal mode (the preemptor is within its team's guarantee): jobs of a lower class
   (rank > r), or borrowed jobs of the same class of *another* team (a team never
   reclaims its own borrowed work: it would only trade its work for its work);
@@ -72,6 +73,9 @@ class Mode:
     # ... and, for a gang (Policy.reclaim_higher_borrowed_gangs), borrowed gangs of higher classes
     # of at most this many GPUs (its own size: no gang is stopped for a smaller one); 0: none
     higher_gangs: int = 0
+    # the preemptor may stop guaranteed jobs on their first run within their protection
+    # (Policy.first_runs_unprotected_min_gpus)
+    first_runs: bool = False
 
 
 _CATS: dict[tuple[int, bool, bool], list[tuple[int, bool]]] = {}
@@ -116,7 +120,7 @@ def eligible(rj: RunningJob, mode: Mode, now: float, policy: Policy) -> bool:
         return False
     if rj.started_at >= now:
         return False  # placed by this very cycle
-    if not rj.borrowed and now - rj.started_at < policy.preemption_protect_s:
+    if rj.spec.start_protected(rj.borrowed, mode.first_runs) and now - rj.started_at < policy.preemption_protect_s:
         return False
     if mode.borrowed_only:
         if not rj.borrowed or rj.rank <= mode.rank:

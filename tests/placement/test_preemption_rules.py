@@ -417,6 +417,28 @@ def test_guaranteed_job_just_started_is_still_protected_from_priority_preemption
     assert p.preemptions == ()
 
 
+def test_a_large_enough_preemptor_may_stop_a_first_run_within_its_protection() -> None:
+    """``first_runs_unprotected_min_gpus`` reads "not preempted *again* within 30 minutes of
+    starting": a preemptor of at least that many GPUs may stop a guaranteed job 60 s into its
+    first run; a job started again after a preemption keeps its 30 minutes, and so does
+    every job against a smaller preemptor. Off (the default), all are protected. The state
+    is built before the first plan, so the engine must list the first runs when it starts."""
+    for restarted in (False, True):
+        for min_gpus, expect_first_run_victim in ((None, False), (8, True), (16, False)):
+            st = cluster(blocks=1, nodes=1)
+            st.set_quota("me", "h100", 100)
+            st.set_quota("low", "h100", 8)  # the victim runs guaranteed
+            low = spec("low", team="low", cls="preemptible", gpr=8)
+            if restarted:
+                low = replace(low, preemption_times=(NOW - 4 * HOUR,))
+            occupy(st, low, ["b0n0"], started_at=NOW - 60)
+            pol = replace(RULES, first_runs_unprotected_min_gpus=min_gpus)
+            p = cycle(st, queue_of(spec("x", team="me", cls="prod-batch", gpr=8)), NOW, pol)
+            expected = ["low"] if expect_first_run_victim and not restarted else []
+            assert victims(p) == expected, (restarted, min_gpus)
+    assert Policy().first_runs_unprotected_min_gpus is None  # off in gpufleet (tried, sim/README.md)
+
+
 def test_a_team_never_reclaims_its_own_borrowed_work() -> None:
     # the team's guaranteed 8-GPU job may not take its own borrowed gang's node: it would
     # only trade its work for its work. Another team's borrowed job of the class is fair game.
