@@ -270,6 +270,17 @@ def docs_cmd(check: bool = typer.Option(False, "--check", help="exit 1 when a ge
     print(f"rewrote the generated tables of {DESIGN}")
 
 
+# options several bench commands share (one definition each, so their help stays alike)
+_AS_JSON = typer.Option(True, "--json/--no-json", help="one JSON object (default), or a table of every figure")
+# the simulated fleet of the takeover, node-loss and outage benches
+_FLEET_BLOCKS = typer.Option(94, min=1, help="blocks of simulated nodes")
+_FLEET_NODES_PER_BLOCK = typer.Option(32, min=1, help="simulated nodes (8 GPUs each) per block")
+_FLEET_JOBS = typer.Option(300, min=0, help="running jobs besides the gang (1 GPU, 1 node, 2-node gangs)")
+_FLEET_GANG_GPUS = typer.Option(1024, min=0, help="GPUs of the one large gang (0: none)")
+_SETTING = typer.Option([], "--setting", help="KEY=VALUE (JSON or text) for a setting of the stack; repeatable")
+_KEEP = typer.Option(False, help="keep the state dir and logs (their path is in the result)")
+
+
 @bench_app.command("placement")
 def bench_placement(
     gpus: int = typer.Option(24_000, help="cluster size in GPUs (8 per node, 32 nodes per block)"),
@@ -277,9 +288,7 @@ def bench_placement(
     queue: int = typer.Option(50_000, help="queued jobs at the start"),
     baseline_cycles: int = typer.Option(50, help="cycles of the naive full-rescan baseline"),
     seed: int = typer.Option(1),
-    as_json: bool = typer.Option(
-        True, "--json/--no-json", help="one JSON object (default), or a table of every figure"
-    ),
+    as_json: bool = _AS_JSON,
 ) -> None:
     """Placement cycle time at cluster scale, against a naive full-rescan baseline."""
     result = _call(
@@ -293,9 +302,7 @@ def bench_heartbeat(
     nodes: int = typer.Option(3000, help="simulated nodes, each one authenticated gRPC stream"),
     seconds: float = typer.Option(10.0, help="measurement time per offered rate"),
     rates: str = typer.Option("", help="comma-separated heartbeats/s to offer (default: 600 then faster)"),
-    as_json: bool = typer.Option(
-        True, "--json/--no-json", help="one JSON object (default), or a table of every figure"
-    ),
+    as_json: bool = _AS_JSON,
 ) -> None:
     """Heartbeat ingestion by the control side: sustained rate, p99 handling time, CPU."""
     parsed = [int(r) for r in rates.split(",") if r.strip()] or None
@@ -312,9 +319,7 @@ def bench_e2e(
         True, "--baseline/--no-baseline", help="also run the lean job workflow (a same-run baseline)"
     ),
     repeat: int = typer.Option(1, min=1, max=20, help="runs on fresh stacks; the run with the median p95 is reported"),
-    as_json: bool = typer.Option(
-        True, "--json/--no-json", help="one JSON object (default), or a table of every figure"
-    ),
+    as_json: bool = _AS_JSON,
 ) -> None:
     """Submit -> RUNNING latency on the embedded stack with a simulated fleet that has room."""
     from common.temporal import hard_exit
@@ -329,23 +334,19 @@ def bench_e2e(
 
 @bench_app.command("takeover")
 def bench_takeover(
-    blocks: int = typer.Option(94, min=1, help="blocks of simulated nodes"),
-    nodes_per_block: int = typer.Option(32, min=1, help="simulated nodes (8 GPUs each) per block"),
-    jobs: int = typer.Option(300, min=0, help="running jobs besides the gang (1 GPU, 1 node, 2-node gangs)"),
-    gang_gpus: int = typer.Option(1024, min=0, help="GPUs of the one large gang (0: none)"),
+    blocks: int = _FLEET_BLOCKS,
+    nodes_per_block: int = _FLEET_NODES_PER_BLOCK,
+    jobs: int = _FLEET_JOBS,
+    gang_gpus: int = _FLEET_GANG_GPUS,
     freeze_s: float = typer.Option(30.0, min=0, help="how long the leader is frozen (SIGSTOP) before it is killed"),
     observe_s: float = typer.Option(60.0, min=0, help="look on this long after the takeover"),
     agent_procs: int = typer.Option(4, min=1, help="agent processes the nodes are spread over"),
-    setting: list[str] = typer.Option(
-        [], "--setting", help="KEY=VALUE (JSON or text) for a setting of the stack; repeatable"
-    ),
-    keep: bool = typer.Option(False, help="keep the state dir and logs (their path is in the result)"),
+    setting: list[str] = _SETTING,
+    keep: bool = _KEEP,
     shared_connections: bool = typer.Option(
         False, help="the simulated nodes of one agent process share a connection to each control (not one each)"
     ),
-    as_json: bool = typer.Option(
-        True, "--json/--no-json", help="one JSON object (default), or a table of every figure"
-    ),
+    as_json: bool = _AS_JSON,
 ) -> None:
     """A leader frozen then killed under a loaded cluster: takeover, re-linking, and nothing restarted."""
     from common.temporal import hard_exit
@@ -362,19 +363,17 @@ def bench_takeover(
 
 @bench_app.command("node-loss")
 def bench_node_loss(
-    blocks: int = typer.Option(94, min=1, help="blocks of simulated nodes"),
-    nodes_per_block: int = typer.Option(32, min=1, help="simulated nodes (8 GPUs each) per block"),
-    jobs: int = typer.Option(300, min=0, help="running jobs besides the gang (1 GPU, 1 node, 2-node gangs)"),
-    gang_gpus: int = typer.Option(1024, min=0, help="GPUs of the one large gang (0: none)"),
+    blocks: int = _FLEET_BLOCKS,
+    nodes_per_block: int = _FLEET_NODES_PER_BLOCK,
+    jobs: int = _FLEET_JOBS,
+    gang_gpus: int = _FLEET_GANG_GPUS,
     agent_procs: int = typer.Option(
         8, min=2, help="agent processes, each hosting a run of consecutive nodes, block after block"
     ),
     fail_procs: int = typer.Option(1, min=1, help="agent processes killed: those hosting the most running GPUs"),
     settle_s: float = typer.Option(600.0, min=1, help="wait at most this long (past down_after_s) for the restarts"),
-    setting: list[str] = typer.Option(
-        [], "--setting", help="KEY=VALUE (JSON or text) for a setting of the stack; repeatable"
-    ),
-    keep: bool = typer.Option(False, help="keep the state dir and logs (their path is in the result)"),
+    setting: list[str] = _SETTING,
+    keep: bool = _KEEP,
     shared_connections: bool = typer.Option(
         False, help="the simulated nodes of one agent process share a connection to the control (not one each)"
     ),
@@ -386,9 +385,7 @@ def bench_node_loss(
         help="bring the processes back (thawed, or started again): never; down (once their nodes are marked"
         " down, while their jobs restart); restarted (once every hit job runs again)",
     ),
-    as_json: bool = typer.Option(
-        True, "--json/--no-json", help="one JSON object (default), or a table of every figure"
-    ),
+    as_json: bool = _AS_JSON,
 ) -> None:
     """Whole blocks of nodes die under a loaded cluster: their jobs, and only theirs, restart elsewhere."""
     from bench.node_loss import BACK, FAULTS
@@ -414,23 +411,19 @@ def bench_outage(
     hard: bool = typer.Option(
         True, "--hard/--clean", help="stopped as a crash (SIGKILL, pg_ctl -m immediate), or cleanly"
     ),
-    blocks: int = typer.Option(94, min=1, help="blocks of simulated nodes"),
-    nodes_per_block: int = typer.Option(32, min=1, help="simulated nodes (8 GPUs each) per block"),
-    jobs: int = typer.Option(300, min=0, help="running jobs besides the gang (1 GPU, 1 node, 2-node gangs)"),
-    gang_gpus: int = typer.Option(1024, min=0, help="GPUs of the one large gang (0: none)"),
+    blocks: int = _FLEET_BLOCKS,
+    nodes_per_block: int = _FLEET_NODES_PER_BLOCK,
+    jobs: int = _FLEET_JOBS,
+    gang_gpus: int = _FLEET_GANG_GPUS,
     burst: int = typer.Option(50, min=0, help="1-GPU jobs submitted during the outage (or once Postgres is back)"),
     agent_procs: int = typer.Option(4, min=1, help="agent processes the nodes are spread over"),
     observe_s: float = typer.Option(60.0, min=0, help="look on at least this long after the service is back"),
-    setting: list[str] = typer.Option(
-        [], "--setting", help="KEY=VALUE (JSON or text) for a setting of the stack; repeatable"
-    ),
-    keep: bool = typer.Option(False, help="keep the state dir and logs (their path is in the result)"),
+    setting: list[str] = _SETTING,
+    keep: bool = _KEEP,
     shared_connections: bool = typer.Option(
         False, help="the simulated nodes of one agent process share a connection to each control (not one each)"
     ),
-    as_json: bool = typer.Option(
-        True, "--json/--no-json", help="one JSON object (default), or a table of every figure"
-    ),
+    as_json: bool = _AS_JSON,
 ) -> None:
     """Postgres or Temporal goes away under a loaded cluster: nothing restarts, no node is judged, new work runs."""
     from bench.outage import SERVICES
