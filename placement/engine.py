@@ -772,7 +772,7 @@ class _Cycle:
             own_res is not None
             and own_res.evicts_backfill
             and own_res.kind is ReservationKind.HEAD_OF_LINE
-            and self._evict_backfill(job, ti, shape, own_res)
+            and self._evict_backfill(job, ti, shape, own_res, borrowed)
         ):
             self._pend(job, PendingReason.PREEMPTING, "stopping backfill on its reserved nodes")
             return
@@ -1171,9 +1171,11 @@ class _Cycle:
         idle = sum(state._nodes[nid].nfree for nid in choice.nodes) * (last_due - now)
         return saved > idle
 
-    def _evict_backfill(self, job: JobSpec, ti: _TypeIndex, shape: Shape, res: Reservation) -> bool:
+    def _evict_backfill(self, job: JobSpec, ti: _TypeIndex, shape: Shape, res: Reservation, borrowed: bool) -> bool:
         """The owner of a head-of-line reservation whose nodes are all free or held only by its
-        evictable backfill stops that backfill (a reclaim) and holds the nodes until it is gone."""
+        evictable backfill stops that backfill (a reclaim) and holds the nodes until it is gone.
+        Other teams' borrowed work that was there first (``Reservation.evicts_borrowed``) is
+        reclaimed only while the owner runs within its guarantee."""
         state, now = self.state, self.now
         nodes = res.nodes
         if len(nodes) < shape.nodes:
@@ -1189,6 +1191,8 @@ class _Cycle:
                 rj = running[jid]
                 if not evictable_for(rj, res) or rj.started_at >= now:
                     return False  # still busy (or stopping for another job): wait
+                if borrowed and rj.started_at < res.created_at:
+                    return False  # a reclaim of work there first needs the owner within its guarantee
                 victims.add(jid)
         if not victims:
             return False  # all free: the placement search decides
@@ -1264,18 +1268,24 @@ class _Cycle:
         mkey = (job.gpu_type, shape.nodes, t.pack, t.max_blocks)
         if mkey in self.reserve_memo:
             return False
-        got = plan_head_of_line(state, ti, job, shape.nodes, now)
+        # Policy.drain_reclaims_borrowed: a gang within its guarantee counts other teams' borrowed
+        # work it may reclaim as gone, in choosing its blocks and nodes as after
+        drain = policy.drain_reclaims_borrowed and policy.evictable_backfill and not borrowed
+        proto = make_head_of_line(job, (), shape.nodes, shape.charge, now, now, (), True, True) if drain else None
+        got = plan_head_of_line(state, ti, job, shape.nodes, now, proto)
         if got is None:
             self.reserve_memo.add(mkey)  # no blocks can ever hold it (unhealthy, reserved): same for its shape
             return False
         # exactly the nodes it needs, those that free soonest in those blocks
-        nodes, raw = select_nodes(state, got[0], shape.nodes, job.job_id)
+        nodes, raw = select_nodes(state, got[0], shape.nodes, job.job_id, proto)
         if raw == _INF:
             self.reserve_memo.add(mkey)
             return False
         blocks, start = got[0], max(raw, now)
         state.add_reservation(
-            make_head_of_line(job, blocks, shape.nodes, shape.charge, start, now, nodes, policy.evictable_backfill)
+            make_head_of_line(
+                job, blocks, shape.nodes, shape.charge, start, now, nodes, policy.evictable_backfill, drain
+            )
         )
         return True
 

@@ -418,9 +418,13 @@ def check_plan(
             shape = job_shape(ben, ti.node_gpus)
             charge = shape.charge if not isinstance(shape, str) else 0
             ben_borrowed = quota_mod.classify(state, ben, charge, policy)
-            evicted = evictable_for(rj, state._reservations.get(pr.beneficiary))
+            ben_res = state._reservations.get(pr.beneficiary)
+            evicted = evictable_for(rj, ben_res)
             if evicted:
-                pass  # backfill on the beneficiary's reserved nodes, stopped when it is ready
+                # backfill on the beneficiary's reserved nodes, stopped when it is ready; borrowed
+                # work there before the reservation only for an owner within its guarantee
+                if ben_borrowed and ben_res is not None and rj.started_at < ben_res.created_at:
+                    errs.append(f"{pr.beneficiary}: borrows yet reclaims {pr.victim}, there before its reservation")
             elif ben_borrowed:
                 if ben.rank != SERVING_RANK and not (
                     policy.borrowed_gangs_reclaim_lower and rj.borrowed and rj.rank > ben.rank

@@ -488,6 +488,15 @@ class Policy:
       lost 4.27% to preemption and starved 5 teams; 3.57% and 1 by default; with
       ``reclaim_hold_gang_victims_ratio`` at 8, 3.51% and 3; sim/README.md). False: the
       reserved demand is expected back too.
+    * ``drain_reclaims_borrowed`` (off): a whole-node gang that reserves while within its
+      team's guarantee counts other teams' borrowed work of its class or lower already on
+      candidate nodes as gone (it may reclaim that work), in choosing its blocks and nodes
+      and their expected start, and reclaims it once the rest of its nodes are free, as it
+      does evictable backfill (``Reservation.evicts_borrowed``). Week 1's starved nlp: its
+      1,024-GPU research gang, no victim set able to clear 128 whole nodes in 5 blocks,
+      drained for hours while 1,100-1,600 GPUs of other teams' research work ran borrowed.
+      Tried, left off: seeds 1-5 moved -0.88 to +0.64 points net and seed 5 starved a team
+      (sim/README.md). False: a drain waits for the jobs on its nodes to end.
     * ``spread_before_preempt``: a job that runs guaranteed and has a block limit it would
       outwait (``Topology.max_blocks_wait_s`` set, not yet past) takes free nodes beyond the
       limit at once when enough are free but not within it, instead of preempting or
@@ -576,6 +585,7 @@ class Policy:
     reclaim_hold_small_only: bool = True
     reclaim_hold_gang_victims_ratio: float | None = None
     returning_demand_less_reserved: bool = False
+    drain_reclaims_borrowed: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.ordering, Ordering):
@@ -629,6 +639,7 @@ _NO_REFINEMENTS: dict[str, Any] = {
     "reclaim_max_lost_s": None,
     "reclaim_hold_gang_victims_ratio": None,
     "returning_demand_less_reserved": False,
+    "drain_reclaims_borrowed": False,
     "guarantees_before_classes": False,
     "borrowed_guard_min_gpus": None,
     "first_runs_unprotected_min_gpus": None,
@@ -730,6 +741,9 @@ class Reservation:
     created_at: float
     team: str = ""  # the owner's team
     evicts_backfill: bool = False  # head-of-line: borrowed work may backfill and is evicted when ready
+    # head-of-line, owner within its guarantee (Policy.drain_reclaims_borrowed): other teams'
+    # borrowed work of its class or lower already on its nodes counts as gone and is reclaimed when ready
+    evicts_borrowed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -187,7 +187,8 @@ def evictable_for(rj: RunningJob, res: Reservation | None) -> bool:
     """Is ``rj`` evictable backfill of ``res``: borrowed work of the owner's class or lower
     (the owner's own team's too: the gang comes first in its queue), started while the
     reservation stood, which the owner stops when the rest of its nodes are free
-    (``Policy.evictable_backfill``)?"""
+    (``Policy.evictable_backfill``)? With ``res.evicts_borrowed`` (``Policy.drain_reclaims_borrowed``)
+    other teams' such work that was there first counts too (a team never reclaims its own)."""
     return (
         res is not None
         and res.evicts_backfill
@@ -196,7 +197,7 @@ def evictable_for(rj: RunningJob, res: Reservation | None) -> bool:
         and rj.preempting_for is None
         and rj.rank != SERVING_RANK
         and rj.rank >= res.priority_rank
-        and rj.started_at >= res.created_at
+        and (rj.started_at >= res.created_at or (res.evicts_borrowed and rj.team != res.team))
     )
 
 
@@ -247,24 +248,29 @@ def node_free_time(state: ClusterState, node: _Node, res: Reservation | None = N
     return t
 
 
-def _block_times(state: ClusterState, bid: str, owner: str | None) -> list[float]:
-    return [t for t, _, _ in _block_node_times(state, bid, owner)]
+def _block_times(state: ClusterState, bid: str, owner: str | None, mine: Reservation | None = None) -> list[float]:
+    return [t for t, _, _ in _block_node_times(state, bid, owner, mine)]
 
 
 # entries of ``ClusterState.block_times_cache`` kept at most (then it starts afresh)
 _BLOCK_TIMES_MAX = 4096
 
 
-def _evict_terms(state: ClusterState, owner: str | None) -> tuple[Reservation, tuple[object, ...]] | None:
-    """The owner's reservation if its evictable backfill counts as gone (``node_free_time``),
-    with the fields ``evictable_for`` reads of it."""
-    mine = state._reservations.get(owner) if owner is not None else None
+def _evict_terms(
+    state: ClusterState, owner: str | None, mine: Reservation | None = None
+) -> tuple[Reservation, tuple[object, ...]] | None:
+    """The owner's reservation (or ``mine``, one it would make) if its evictable backfill counts
+    as gone (``node_free_time``), with the fields ``evictable_for`` reads of it."""
+    if mine is None:
+        mine = state._reservations.get(owner) if owner is not None else None
     if mine is None or not mine.evicts_backfill:
         return None
-    return mine, (mine.kind, mine.priority_rank, mine.created_at)
+    return mine, (mine.kind, mine.priority_rank, mine.created_at, mine.evicts_borrowed, mine.team)
 
 
-def _block_node_times(state: ClusterState, bid: str, owner: str | None) -> list[tuple[float, int, str]]:
+def _block_node_times(
+    state: ClusterState, bid: str, owner: str | None, mine: Reservation | None = None
+) -> list[tuple[float, int, str]]:
     """(when the node is free, 1 if it is being cleared for another job else 0, node) for the
     nodes of a block, soonest first; nodes held by another gang's head-of-line reservation
     never are (inf). A node cleared by preemption for another job counts as free at once (it
@@ -276,7 +282,7 @@ def _block_node_times(state: ClusterState, bid: str, owner: str | None) -> list[
     block's version less the owner's own bumps, ``_owner_version``) and the owner's reservation
     terms; never which nodes the owner itself holds. Read-only for callers."""
     blk = state._blocks[bid]
-    ev = _evict_terms(state, owner)
+    ev = _evict_terms(state, owner, mine)
     stamp = (_owner_version(blk, owner), ev[1] if ev is not None else None)
     cache = state.block_times_cache
     got = cache.get((bid, owner))
@@ -318,11 +324,12 @@ def _block_node_times_now(
 
 
 def select_nodes(
-    state: ClusterState, blocks: Iterable[str], k: int, owner: str | None
+    state: ClusterState, blocks: Iterable[str], k: int, owner: str | None, mine: Reservation | None = None
 ) -> tuple[tuple[str, ...], float]:
     """The ``k`` nodes of ``blocks`` that free soonest (free ones first, then by id), and when
-    the last of them frees (inf if fewer than ``k`` ever will)."""
-    lists = [_block_node_times(state, b, owner) for b in blocks if b in state._blocks]
+    the last of them frees (inf if fewer than ``k`` ever will); ``mine``: the reservation the
+    owner would make, if it has none yet."""
+    lists = [_block_node_times(state, b, owner, mine) for b in blocks if b in state._blocks]
     if len(lists) == 1:
         times = lists[0]  # sorted already (and read-only)
     else:
@@ -353,13 +360,13 @@ def refresh_head_of_line(state: ClusterState, res: Reservation, now: float) -> t
 
 
 def plan_head_of_line(
-    state: ClusterState, ti: _TypeIndex, job: JobSpec, nodes_needed: int, now: float
+    state: ClusterState, ti: _TypeIndex, job: JobSpec, nodes_needed: int, now: float, mine: Reservation | None = None
 ) -> tuple[tuple[str, ...], float] | None:
     """Blocks where ``nodes_needed`` nodes are free earliest, and when. Blocks may be shared
     with other reservations (their nodes never count), ``pack=block`` without ``max_blocks``
     is held to the minimum number of blocks, and the fewest blocks reaching the earliest time
     are returned (the caller reserves the nodes in them that free soonest)."""
-    per_block = [(bid, _block_times(state, bid, job.job_id)) for bid in sorted(ti.blocks)]
+    per_block = [(bid, _block_times(state, bid, job.job_id, mine)) for bid in sorted(ti.blocks)]
     if not per_block:
         return None
     pack = job.topology.pack
@@ -415,6 +422,7 @@ def make_head_of_line(
     now: float,
     nodes: tuple[str, ...] = (),
     evicts_backfill: bool = False,
+    evicts_borrowed: bool = False,
 ) -> Reservation:
     return Reservation(
         job_id=job.job_id,
@@ -429,4 +437,5 @@ def make_head_of_line(
         created_at=now,
         team=job.team,
         evicts_backfill=evicts_backfill,
+        evicts_borrowed=evicts_borrowed,
     )

@@ -113,6 +113,9 @@ RESERVATIONS_HOLD = Policy(reserve_min_gpus=16, guaranteed_reservations_hold=Tru
 # evictable backfill only for jobs that save and of a node at most
 # (Policy.evictable_backfill_saving_only, Policy.evictable_backfill_max_gpus)
 EVICTABLE_LIMITS = Policy(reserve_min_gpus=16, evictable_backfill_saving_only=True, evictable_backfill_max_gpus=8)
+# a guaranteed gang's drain counts other teams' borrowed work as gone and reclaims it
+# (Policy.drain_reclaims_borrowed)
+DRAIN_RECLAIMS = Policy(reserve_min_gpus=16, drain_reclaims_borrowed=True)
 # reclaims that would lose much borrowed work wait (Policy.reclaim_max_lost_s): a low cap and
 # a long hold, so most reclaims of a random world are held back, gangs' too (the default holds
 # only jobs within one node: without the explicit False both policies would be that one)
@@ -175,6 +178,12 @@ def test_plan_invariants_with_guaranteed_reservations_holding(data) -> None:
 @given(data=st.data())
 def test_plan_invariants_with_evictable_backfill_limited(data) -> None:
     two_cycles_on_a_random_world(data, EVICTABLE_LIMITS)
+
+
+@PROPS
+@given(data=st.data())
+def test_plan_invariants_with_drains_reclaiming_borrowed_work(data) -> None:
+    two_cycles_on_a_random_world(data, DRAIN_RECLAIMS)
 
 
 @PROPS

@@ -515,3 +515,73 @@ def test_check_plan_flags_borrowed_work_on_a_held_guaranteed_reservation() -> No
     assert not check_plan(st, p, q, off)
     errs = check_plan(st, p, q, on)
     assert errs and all("pb: uses b0n" in e and "reserved for gang" in e for e in errs), errs
+
+
+def _drain_setup(guarantee: int):
+    """b0: n0 runs guaranteed work to 3000, n1-n3 another team's borrowed research work for
+    10 h (there before any gang); b1: guaranteed work to 5000-8000."""
+    st = cluster(blocks=2, nodes=4)
+    st.set_quota("t", "h100", guarantee, 1000)
+    st.set_quota("o", "h100", 0, 1000)
+    fill(st, ["b0n0"], team="run", runtime=3000, prefix="e3000")
+    fill(st, ["b0n1", "b0n2", "b0n3"], team="o", borrowed=True, runtime=10 * HOUR, prefix="bw")
+    for i, n in enumerate(["b1n0", "b1n1", "b1n2", "b1n3"]):
+        fill(st, [n], team="run", runtime=5000 + 1000 * i, prefix=f"e{5000 + 1000 * i}")
+    return st
+
+
+def test_a_guaranteed_gangs_drain_counts_reclaimable_borrowed_work_as_gone() -> None:
+    """``drain_reclaims_borrowed``: (field, the gang's team guarantee) -> the blocks the gang
+    reserves and when it expects to start. Within its guarantee and with the field, the gang
+    counts the other team's borrowed work on b0 as gone: it reserves b0 for 3000, when the
+    guaranteed work there ends, and then reclaims that work. A gang that would borrow itself
+    takes none."""
+    rows = [
+        (False, 1000, ("b1",), 8000.0),  # today: only jobs' ends
+        (True, 1000, ("b0",), 3000.0),
+        (True, 0, ("b1",), 8000.0),  # the gang would borrow: nothing to reclaim for it
+    ]
+    for field, guarantee, blocks, start in rows:
+        pol = Policy(reserve_min_gpus=32, borrowed_gang_guard=None, drain_reclaims_borrowed=field)
+        st = _drain_setup(guarantee)
+        q = queue_of(gang(submit=10))
+        row = (field, guarantee)
+        p = cycle(st, q, 100, pol)
+        assert p.reason("gang") is PendingReason.RESERVED, row
+        [res] = p.reservations
+        assert (res.blocks, res.expected_start) == (blocks, start), row
+        if blocks != ("b0",):
+            continue
+        st.release("e3000-b0n0", 3000)
+        p = cycle(st, q, 3001, pol)
+        # the rest of its nodes are free: the owner reclaims the borrowed work there first
+        assert sorted((pr.victim, pr.reason.value) for pr in p.preemptions) == [
+            (f"bw-b0n{i}", "reclaim") for i in (1, 2, 3)
+        ], row
+        assert p.reason("gang") is PendingReason.PREEMPTING, row
+        for i in (1, 2, 3):
+            st.release(f"bw-b0n{i}", 3031)
+        p = cycle(st, q, 3032, pol)
+        assert blocks_of(p, "gang") == ("b0",), row
+    assert Policy().drain_reclaims_borrowed is False
+
+
+def test_a_drain_reclaims_work_there_first_only_while_its_owner_is_within_its_guarantee() -> None:
+    """The gang reserved b0 within its guarantee; its team's guarantee is then cut, so it would
+    borrow. When b0's guaranteed work ends it reclaims nothing, and the invariant checker
+    refuses a plan in which it does."""
+    from dataclasses import replace
+
+    from placement import Preemption, PreemptReason
+
+    pol = Policy(reserve_min_gpus=32, borrowed_gang_guard=None, drain_reclaims_borrowed=True)
+    st = _drain_setup(1000)
+    q = queue_of(gang(submit=10))
+    cycle(st, q, 100, pol)
+    assert st.reservation("gang").evicts_borrowed
+    st.set_quota("t", "h100", 0, 1000)
+    st.release("e3000-b0n0", 3000)
+    p = plan(st, q, pol, 3001)
+    assert p.preemptions == () and p.reason("gang") is not PendingReason.PREEMPTING
+    forged = replace(p, preemptions=(Preemption("bw-b0n1", "gang", PreemptReason.RECLAIM, 30.0, True),))
+    assert "gang: borrows yet reclaims bw-b0n1, there before its reservation" in check_plan(st, forged, q, pol)
