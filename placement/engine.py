@@ -1269,9 +1269,13 @@ class _Cycle:
         if mkey in self.reserve_memo:
             return False
         # Policy.drain_reclaims_borrowed: a gang within its guarantee counts other teams' borrowed
-        # work it may reclaim as gone, in choosing its blocks and nodes as after
+        # work it may reclaim as gone, both in choosing its blocks and nodes and once it holds them
         drain = policy.drain_reclaims_borrowed and policy.evictable_backfill and not borrowed
-        proto = make_head_of_line(job, (), shape.nodes, shape.charge, now, now, (), True, True) if drain else None
+        proto = (
+            make_head_of_line(job, (), shape.nodes, shape.charge, now, now, evicts_backfill=True, evicts_borrowed=True)
+            if drain
+            else None
+        )
         got = plan_head_of_line(state, ti, job, shape.nodes, now, proto)
         if got is None:
             self.reserve_memo.add(mkey)  # no blocks can ever hold it (unhealthy, reserved): same for its shape
@@ -1284,7 +1288,15 @@ class _Cycle:
         blocks, start = got[0], max(raw, now)
         state.add_reservation(
             make_head_of_line(
-                job, blocks, shape.nodes, shape.charge, start, now, nodes, policy.evictable_backfill, drain
+                job,
+                blocks,
+                shape.nodes,
+                shape.charge,
+                start,
+                now,
+                nodes,
+                evicts_backfill=policy.evictable_backfill,
+                evicts_borrowed=drain,
             )
         )
         return True
