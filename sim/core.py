@@ -171,6 +171,7 @@ class Simulation:
         self.metrics = Metrics(workload, self.state, self.opt.sample_s)
         self.metrics.cycle_interval = self.opt.cycle_interval_s
         self.metrics.recs = self.recs
+        self.metrics.respect_topology = policy.topology
         self.cycle_s: list[float] = []
         self.wall_s = 0.0
         self._node_gpus = {t: workload.cluster.node_gpus(t) for t in workload.cluster.gpu_types()}

@@ -20,7 +20,10 @@
   type (hot spares not counted) plus that reclaimable borrowed capacity add up to the
   team's smallest such job, so that by GPU count alone the rules let it start. Where they
   do not, the wait is bound by the victim rules (capacity held by another team's borrowed
-  work of a higher class), not by a choice the scheduler could have made;
+  work of a higher class), not by a choice the scheduler could have made. Stricter again,
+  beside both: starvation while one such job's shape fits nodes that are free or hold only
+  work it may take back (``sim.placeable``: whole nodes within its block limit, judged once
+  a minute); where the GPUs suffice and the nodes do not, topology keeps the work waiting;
 * GPU-hours lost to preemption (GPUs x time since the last checkpoint, or since start
   for a job that cannot checkpoint, up to the end of the grace period; split by cause,
   victim size and the victim's age at its SIGTERM), to failures, and
@@ -61,11 +64,13 @@ from collections.abc import Callable, Sequence
 from placement import ClusterState, NodeHealth, Policy
 from placement.quota import beyond_guarantee
 from sim.costs import restart_s
+from sim.placeable import NodeRoom
 from sim.records import JobRecord
 from sim.workload import CLASSES, SIZE_BUCKETS, Workload, size_bucket
 
 GPU_HOUR_USD = 2.0
 STARVED_AFTER_S = 600.0
+NODES_JUDGED_EVERY_S = 60.0  # how often starving work's fit on nodes is judged (sim.placeable)
 LARGE_GANG_GPUS = 1024
 _INF = float("inf")
 
@@ -214,6 +219,14 @@ class Metrics:
         self.starving_capacity_since: dict[tuple[str, str], float] = {}
         self.starved_capacity_max: dict[str, float] = {}
         self.starved_capacity_episodes: Counter = Counter()
+        # and only while the job's shape fits nodes free or holding work it may take back
+        # (sim.placeable): the figure above ignores topology
+        self.starving_nodes_since: dict[tuple[str, str], float] = {}
+        self.starved_nodes_max: dict[str, float] = {}
+        self.starved_nodes_episodes: Counter = Counter()
+        self.nodes_judged: dict[tuple[str, str], tuple[float, bool]] = {}
+        self.node_room: dict[str, tuple[float, NodeRoom]] = {}
+        self.respect_topology = True  # the policy's ``topology`` (set by the simulation)
         # the same episodes, job by job: while a team starves, since when its oldest waiting job
         # that fits its guarantee has waited in the episode (the later of its queueing and the
         # episode's start)
@@ -324,6 +337,8 @@ class Metrics:
             self._close_below(key, since, self.end)
         for key, since in list(self.starving_capacity_since.items()):
             self._close_starving_capacity(key, since, self.end)
+        for key, since in list(self.starving_nodes_since.items()):
+            self._close_starving_nodes(key, since, self.end)
         for key, since in list(self.job_starving_since.items()):
             self._close_job_starving(key, since, self.end)
         for rec in recs:
@@ -495,6 +510,8 @@ class Metrics:
         for (team, gt, g), own_b in zip(teams, borrowed, strict=True):
             strict = loose = capacity = False
             oldest = _INF  # when the oldest queued job that fits the guarantee, of a starving class, was queued
+            cap_ranks: list[int] = []  # the classes whose waiting work free + reclaimable GPUs could hold
+            used = 0
             if g > 0:
                 used = st.used(team, gt)
                 if used < g:
@@ -516,10 +533,17 @@ class Metrics:
                                 free[gt] = st.free_gpus(gt)
                             if free[gt] + others >= min(c):
                                 capacity = True
+                                cap_ranks.append(rank)
             key = (team, gt)
             _track(starving_since, key, strict, now, self._close_starving)
             _track(below_since, key, loose, now, self._close_below)
             _track(capacity_since, key, capacity, now, self._close_starving_capacity)
+            if capacity:
+                nodes = self._nodes_suffice(key, used, g, cap_ranks, now)
+            else:
+                nodes = False
+                self.nodes_judged.pop(key, None)
+            _track(self.starving_nodes_since, key, nodes, now, self._close_starving_nodes)
             js = job_since.get(key)
             if strict:
                 start = max(starving_since[key], oldest)
@@ -559,6 +583,42 @@ class Metrics:
     def _close_starving_capacity(self, key: tuple[str, str], since: float, now: float) -> None:
         del self.starving_capacity_since[key]
         _episode(self.starved_capacity_max, self.starved_capacity_episodes, key[0], now - since)
+
+    def _nodes_suffice(self, key: tuple[str, str], used: int, g: int, ranks: list[int], now: float) -> bool:
+        """Could one of the team's waiting jobs that fit its guarantee, of ``ranks``, be placed
+        on nodes free or holding work it may take back (``sim.placeable``)? Judged at most once
+        per ``NODES_JUDGED_EVERY_S`` per team and type (a node census costs a pass over the
+        type's nodes); between judgements the last answer holds."""
+        last = self.nodes_judged.get(key)
+        if last is not None and now - last[0] < NODES_JUDGED_EVERY_S:
+            return last[1]
+        ok = False
+        if self.recs is not None:
+            room = self.node_room.get(key[1])
+            if room is None or room[0] != now:
+                room = self.node_room[key[1]] = (now, NodeRoom(self.state, key[1], self.respect_topology))
+            seen: set[tuple] = set()
+            for rank in ranks:
+                for jid, (_, charge) in self.q_jobs[(key[0], key[1], rank)].items():
+                    if used + charge > g:
+                        continue
+                    spec = self.recs[jid].spec.as_placed_at(now)
+                    t = spec.topology
+                    shape = (spec.gpus_per_replica, spec.replicas, t.pack, t.max_blocks, spec.rank)
+                    if shape in seen:
+                        continue
+                    seen.add(shape)
+                    if room[1].fits(spec, now):
+                        ok = True
+                        break
+                if ok:
+                    break
+        self.nodes_judged[key] = (now, ok)
+        return ok
+
+    def _close_starving_nodes(self, key: tuple[str, str], since: float, now: float) -> None:
+        del self.starving_nodes_since[key]
+        _episode(self.starved_nodes_max, self.starved_nodes_episodes, key[0], now - since)
 
     def _close_job_starving(self, key: tuple[str, str], since: float, now: float) -> None:
         del self.job_starving_since[key]
@@ -684,6 +744,8 @@ class Metrics:
                 "starved": self.starved_episodes.get(name, 0) > 0,
                 "longest_starving_while_capacity_suffices_s": r(self.starved_capacity_max.get(name, 0.0), 1),
                 "starved_while_capacity_suffices": self.starved_capacity_episodes.get(name, 0) > 0,
+                "longest_starving_while_nodes_suffice_s": r(self.starved_nodes_max.get(name, 0.0), 1),
+                "starved_while_nodes_suffice": self.starved_nodes_episodes.get(name, 0) > 0,
                 "longest_job_starving_s": r(self.starved_job_max.get(name, 0.0), 1),
                 "starved_by_one_job": self.starved_job_episodes.get(name, 0) > 0,
             }
@@ -746,6 +808,11 @@ class Metrics:
             # could hold by count (the rest waited on capacity the victim rules keep from them)
             "starved_teams_while_capacity_suffices": sorted(
                 n for n, v in teams.items() if v["starved_while_capacity_suffices"]
+            ),
+            # narrower still: only while the job's shape fits nodes free or holding work it may
+            # take back (sim.placeable); the rest waited on topology or the victim rules
+            "starved_teams_while_nodes_suffice": sorted(
+                n for n, v in teams.items() if v["starved_while_nodes_suffice"]
             ),
             # and the starved teams one of whose jobs itself waited past the line (not a stream of
             # jobs each waiting less, one after another, that keeps the team's span open)

@@ -136,6 +136,10 @@ def rows(report: dict) -> list[tuple[str, list[str]]]:
         lambda p: str(len(p["starved_teams_while_capacity_suffices"])),
     )
     row(
+        "… of them while nodes free or holding reclaimable work could hold it",
+        lambda p: str(len(p["starved_teams_while_nodes_suffice"])),
+    )
+    row(
         "… of them with one job waiting past the line",
         lambda p: str(len(p["starved_teams_by_one_job"])),
     )
@@ -204,6 +208,7 @@ SEED_ROWS: tuple[tuple[str, str, str], ...] = (
     ("allocated GPU-hours", "allocation.allocated_gpu_hours", "num"),
     ("teams starved", "starved_teams_count", "num"),
     ("… while free + reclaimable GPUs could hold the job", "starved_teams_while_capacity_suffices_count", "num"),
+    ("… while nodes free or holding reclaimable work could hold it", "starved_teams_while_nodes_suffice_count", "num"),
     ("… with one job waiting past the line", "starved_teams_by_one_job_count", "num"),
     ("GPU-hours lost to preemption", "lost_gpu_hours.preemption", "num"),
     ("… SIGTERM cost model", "lost_gpu_hours_sigterm_model.preemption", "num"),

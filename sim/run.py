@@ -209,6 +209,13 @@ def checks(report: dict) -> dict:
             not o["starved_teams_while_capacity_suffices"] if guaranteed else None,
             "no team has a guarantee: starvation is defined against one",
         ),
+        # narrower still: only while the job's shape fits nodes free or holding work it may take
+        # back (sim.placeable); the rest of the starving waited on topology or the victim rules
+        "no_team_starved_while_nodes_suffice": judged(
+            "no_team_starved_while_nodes_suffice",
+            not o["starved_teams_while_nodes_suffice"] if guaranteed else None,
+            "no team has a guarantee: starvation is defined against one",
+        ),
         "large_gangs_in_min_blocks_or_max_blocks": judged(
             "large_gangs_in_min_blocks_or_max_blocks",
             lg["in_min_blocks_or_within_max_blocks"] == lg["placements"] if lg["placements"] else None,

@@ -56,7 +56,8 @@ def parse_seeds(text: str) -> list[int]:
 def flatten(d: dict, prefix: str = "") -> dict[str, float]:
     """Numeric leaves of a policy's report by dotted path (booleans and lists left out; the
     lists of starved teams counted: ``starved_teams_count``,
-    ``starved_teams_while_capacity_suffices_count``, ``starved_teams_by_one_job_count``)."""
+    ``starved_teams_while_capacity_suffices_count``, ``starved_teams_while_nodes_suffice_count``,
+    ``starved_teams_by_one_job_count``)."""
     out: dict[str, float] = {}
     for k, v in d.items():
         if not isinstance(k, str) or k.startswith("_") or k in _SKIP:

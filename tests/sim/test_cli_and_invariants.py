@@ -158,6 +158,7 @@ def _policy_report(alloc: float, net: float, large_mean: float | None, large_n: 
         "teams": {"t": {"guaranteed": {"h100": 8}}},
         "starved_teams": [],
         "starved_teams_while_capacity_suffices": [],
+        "starved_teams_while_nodes_suffice": [],
         "starved_teams_by_one_job": [],
     }
 

@@ -129,6 +129,7 @@ def _quiet_policy(alloc_over: float | None = None, *, prod: bool = False, large:
         "teams": {"t": {"guaranteed": {"h100": 0}}},
         "starved_teams": [],
         "starved_teams_while_capacity_suffices": [],
+        "starved_teams_while_nodes_suffice": [],
         "starved_teams_by_one_job": [],
     }
 
@@ -143,6 +144,7 @@ def _quiet_policy(alloc_over: float | None = None, *, prod: bool = False, large:
         ("reclaim_within_grace_plus_2_cycles", "no borrowed capacity was reclaimed in the window"),
         ("no_team_starved", "no team has a guarantee: starvation is defined against one"),
         ("no_team_starved_while_capacity_suffices", "no team has a guarantee: starvation is defined against one"),
+        ("no_team_starved_while_nodes_suffice", "no team has a guarantee: starvation is defined against one"),
         ("large_gangs_in_min_blocks_or_max_blocks", "no gang of >= 1,024 GPUs was placed in the window"),
     ],
 )
@@ -180,6 +182,7 @@ def test_checks_with_something_to_judge_are_true_or_false() -> None:
     assert (c["alloc_floor_90"], c["alloc_target_95"]) == (True, False)
     assert c["prod_p95_wait_le8_target_120s"] is True and c["no_team_starved"] is True
     assert c["no_team_starved_while_capacity_suffices"] is True
+    assert c["no_team_starved_while_nodes_suffice"] is True
     assert c["large_gangs_in_min_blocks_or_max_blocks"] is True
     assert c["reclaim_within_grace_plus_2_cycles"] is None  # still nothing reclaimed
     assert set(c["why_null"]) == {"reclaim_within_grace_plus_2_cycles"}

@@ -292,6 +292,9 @@ def test_starvation_is_detected_when_borrowed_capacity_is_not_reclaimed() -> Non
     # A's 16 borrowed research GPUs could hold B's 8: the stricter figure counts it too
     assert res["starved_teams_while_capacity_suffices"] == ["B"]
     assert res["teams"]["B"]["longest_starving_while_capacity_suffices_s"] == pytest.approx(2 * HOUR, abs=2.0)
+    # and on nodes: any of A's jobs' nodes would hold it
+    assert res["starved_teams_while_nodes_suffice"] == ["B"]
+    assert res["teams"]["B"]["longest_starving_while_nodes_suffice_s"] == pytest.approx(2 * HOUR, abs=2.0)
     # and it was one job's wait
     assert res["starved_teams_by_one_job"] == ["B"]
     assert res["teams"]["B"]["longest_job_starving_s"] == pytest.approx(2 * HOUR, abs=2.0)
@@ -355,6 +358,30 @@ def test_starvation_bound_by_the_victim_rules_is_told_apart() -> None:
     assert res["teams"]["B"]["longest_starving_s"] == pytest.approx(2 * HOUR, abs=2.0)
     assert res["starved_teams_while_capacity_suffices"] == []
     assert res["teams"]["B"]["longest_starving_while_capacity_suffices_s"] == 0.0
+    assert res["starved_teams_while_nodes_suffice"] == []
+
+
+def test_starvation_bound_by_topology_is_told_apart() -> None:
+    # 8 nodes of 8 GPUs. X runs a 5-GPU job on every node within its guarantee (one per node:
+    # two do not fit one); A borrows the 3 GPUs left on each. An hour in, B (research,
+    # guarantee 16) asks for 16 GPUs, two whole nodes. A's 24 borrowed research GPUs could hold
+    # them by count, but every node also holds X's guaranteed research work, which B may not
+    # take: no two nodes can be cleared. Starved by the yardstick and by the GPU count, not on
+    # nodes
+    x_jobs = [job(f"x{i}", "X", float(i), 3 * HOUR, gpus=5) for i in range(8)]
+    a_jobs = [job(f"a{i}", "A", 10.0 + i, 3 * HOUR, gpus=3) for i in range(8)]
+    wl = workload(
+        x_jobs + a_jobs + [job("b", "B", HOUR, HOUR, gpus=16)],
+        {"X": (40, 0), "A": (0, 64), "B": (16, 0)},
+        end=5 * HOUR,
+    )
+    sim, res = simulate(wl, "fifo_first_fit")
+    assert [sim.recs[j.job_id].first_start for j in a_jobs] == pytest.approx([j.submit for j in a_jobs], abs=2.0)
+    assert sim.recs["b"].first_start == pytest.approx(3 * HOUR, abs=20.0)
+    assert res["starved_teams"] == ["B"]
+    assert res["starved_teams_while_capacity_suffices"] == ["B"]
+    assert res["starved_teams_while_nodes_suffice"] == []
+    assert res["teams"]["B"]["longest_starving_while_nodes_suffice_s"] == 0.0
 
 
 def test_borrowed_work_of_a_higher_class_is_not_counted_as_starving_a_lower_class() -> None:
