@@ -256,6 +256,9 @@ class ControlProcess:
         self.metrics.took_over(epoch)
         await self.health.take_over(epoch)  # its quiet period starts now
         self._cycle_task = asyncio.create_task(self.cycles.run(epoch), name="placement-cycles")
+        # among the tasks a stop cancels and awaits: no cycle may outlive the pool it writes through
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(self._cycle_task)
         self._tasks.append(asyncio.create_task(self._retire_placement_workflow(), name="retire-placement-workflow"))
 
     def _lose(self, why: str) -> None:

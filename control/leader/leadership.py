@@ -4,7 +4,9 @@
 every ``leader_renew_s``; a refused renewal, or none that succeeded for ``leader_ttl_s``,
 loses it. It talks to Postgres only: nothing here waits on Temporal, so a Temporal
 outage never costs the lease. ``on_acquire(epoch)`` runs before the epoch is claimed
-(a failure resigns it at once); ``on_lose(why)`` when it goes.
+(a failure resigns it at once); ``on_lose(why)`` when it goes. A stop that comes while
+``on_acquire`` runs waits for it (up to ``leader_ttl_s``) and then resigns, so a process that
+is shutting down never finishes a take-over and leads on, unresigned, after its stop returned.
 
 A follower reads the leader's row as it tries: ``leader_grpc_addr`` is the leader's address
 while its lease looks kept, and "" once the leader has missed two renewals (frozen or gone:
@@ -55,6 +57,9 @@ class Leadership:
         self._leader_expires_at = 0.0  # monotonic: when that leader's lease runs out, as last read
         self._last_renew = 0.0
         self._stopping = asyncio.Event()
+        self._taking_over = asyncio.Lock()  # held while on_acquire runs; a stop waits for it
+        self._resign_on_stop = True
+        self._stop_gave_up = False  # a stop returned while on_acquire still ran: it hands back itself
 
     @property
     def scope(self) -> str:
@@ -96,12 +101,27 @@ class Leadership:
         self._leader_addr = ""
         self._last_renew = time.monotonic()
         log.info("control %s takes leadership with epoch %d", self.holder, epoch)
+        async with self._taking_over:
+            if self._stopping.is_set():  # a stop came while the row was being taken: hand it back unused
+                await self._hand_back(epoch)
+                return
+            try:
+                await self.on_acquire(epoch)
+            except Exception:
+                await rows.resign_leadership(self.pool, scope=self.scope, holder=self.holder, epoch=epoch)
+                raise
+            self.epoch = epoch
+            if self._stop_gave_up:  # that stop has returned without it: hand it back now
+                await self._hand_back(epoch)
+                self.lose("stopped while it took over", expected=True)
+
+    async def _hand_back(self, epoch: int) -> None:
+        if not self._resign_on_stop:
+            return  # a kill: the lease runs out as a crashed leader's would
         try:
-            await self.on_acquire(epoch)
-        except Exception:
             await rows.resign_leadership(self.pool, scope=self.scope, holder=self.holder, epoch=epoch)
-            raise
-        self.epoch = epoch
+        except Exception as e:
+            log.warning("resign failed: %s", e)
 
     @property
     def leader_grpc_addr(self) -> str:
@@ -138,7 +158,17 @@ class Leadership:
 
     async def stop(self, *, resign: bool) -> None:
         """Stop the loop; with ``resign`` give the lease up so a successor need not wait."""
+        self._resign_on_stop = resign
         self._stopping.set()
+        try:  # a take-over in flight finishes (or fails) first, then is resigned below
+            await asyncio.wait_for(self._taking_over.acquire(), self.settings.leader_ttl_s)
+        except TimeoutError:
+            self._stop_gave_up = True
+            log.warning(
+                "stop: a take-over still runs after %ss; it hands back when it ends", self.settings.leader_ttl_s
+            )
+        else:
+            self._taking_over.release()
         epoch = self.epoch
         resigned = False
         if resign and epoch is not None:
