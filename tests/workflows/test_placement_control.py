@@ -13,6 +13,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from common.temporal import connect, make_worker
 from control.leader import signals
+from control.leader.state import LeaderState
 from control.process import ControlProcess
 from store import allocations, errors
 from tests.support import eventually, workflow_status
@@ -320,3 +321,32 @@ async def test_a_change_wakes_the_leader_at_once(cluster):
 
 async def _now(value):
     return value
+
+
+async def test_a_stop_during_the_takeover_leaves_no_leader_and_no_cycle_behind(cluster, monkeypatch):
+    """Stop 61's CI failure, in process: the stop came after the leader row was won but
+    while the takeover ran. Before, the stop found no epoch and returned; the takeover then
+    finished and the process led on, its placement cycles outliving the stop, the row
+    unresigned. Now the stop waits for the takeover, resigns, and awaits the cycle task."""
+    stand, start = cluster
+    entered, release = asyncio.Event(), asyncio.Event()
+    real = LeaderState.take_over
+
+    async def slow(self, epoch: int) -> None:
+        await real(self, epoch)
+        entered.set()
+        await release.wait()
+
+    monkeypatch.setattr(LeaderState, "take_over", slow)
+    c1 = await start("c1")
+    await asyncio.wait_for(entered.wait(), 10)
+    stopping = asyncio.create_task(c1.stop())
+    await asyncio.sleep(0)  # one turn of the loop: the stop has begun
+    release.set()
+    await asyncio.wait_for(stopping, 30)
+    assert not c1.is_leader
+    assert c1._cycle_task is None and all(t.done() for t in c1._tasks)
+    free = await stand.pool.fetchval(
+        "SELECT expires_at < now() FROM leader WHERE scope = $1", stand.settings.leader_scope
+    )
+    assert free, "the row was left to expire: a successor would wait out the lease"
