@@ -105,52 +105,54 @@ async def _row_free(pool, settings) -> bool:
     return bool(await pool.fetchval("SELECT expires_at < now() FROM leader WHERE scope = $1", settings.leader_scope))
 
 
+class _HeldTakeover:
+    """A leadership whose ``on_acquire`` holds the takeover open until ``release`` is set."""
+
+    def __init__(self, pool, settings) -> None:
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+        self.lost: list[str] = []
+        self.lead = Leadership(
+            pool, settings, holder="a", grpc_addr="a:1", on_acquire=self._held, on_lose=self.lost.append
+        )
+        self.task = asyncio.create_task(self.lead.run())
+
+    async def _held(self, _: int) -> None:
+        self.entered.set()
+        await self.release.wait()
+
+    async def close(self) -> None:
+        self.release.set()
+        await self.lead.stop(resign=True)
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
 async def test_a_stop_during_a_takeover_waits_for_it_then_resigns(pool, settings):
     """The CI failure of stop 61: SIGTERM came while on_acquire ran; the stop found no epoch, the
     take-over then finished and the process led on (placement cycles against a closing pool,
     the row unresigned)."""
-    entered, release = asyncio.Event(), asyncio.Event()
-    lost: list[str] = []
-
-    async def slow(_: int) -> None:
-        entered.set()
-        await release.wait()
-
-    lead = Leadership(pool, settings, holder="a", grpc_addr="a:1", on_acquire=slow, on_lose=lost.append)
-    task = asyncio.create_task(lead.run())
+    held = _HeldTakeover(pool, settings)
     try:
-        await asyncio.wait_for(entered.wait(), 5)
-        stopping = asyncio.create_task(lead.stop(resign=True))
+        await asyncio.wait_for(held.entered.wait(), 5)
+        stopping = asyncio.create_task(held.lead.stop(resign=True))
         await asyncio.sleep(0)  # one turn of the loop: the stop has begun and waits for the take-over
         assert not stopping.done()
-        release.set()
+        held.release.set()
         await asyncio.wait_for(stopping, 5)
     finally:
-        release.set()
-        await lead.stop(resign=True)
-        await asyncio.gather(task, return_exceptions=True)
-    assert lead.epoch is None and len(lost) == 1 and "resigned" in lost[0]
+        await held.close()
+    assert held.lead.epoch is None and len(held.lost) == 1 and "resigned" in held.lost[0]
     assert await _row_free(pool, settings)
 
 
 async def test_a_takeover_that_outlasts_the_stop_gives_the_leadership_up_itself(pool, settings):
-    entered, release = asyncio.Event(), asyncio.Event()
-    lost: list[str] = []
-
-    async def slower_than_ttl(_: int) -> None:
-        entered.set()
-        await release.wait()
-
-    lead = Leadership(pool, settings, holder="a", grpc_addr="a:1", on_acquire=slower_than_ttl, on_lose=lost.append)
-    task = asyncio.create_task(lead.run())
+    held = _HeldTakeover(pool, settings)
     try:
-        await asyncio.wait_for(entered.wait(), 5)
-        await lead.stop(resign=True)  # gives up waiting after leader_ttl_s (the lease has run out by then)
-        assert lost == []
-        release.set()
-        await asyncio.wait_for(task, 5)
+        await asyncio.wait_for(held.entered.wait(), 5)
+        await held.lead.stop(resign=True)  # gives up waiting after leader_ttl_s (the lease has run out by then)
+        assert held.lost == []
+        held.release.set()
+        await asyncio.wait_for(held.task, 5)
     finally:
-        release.set()
-        await asyncio.gather(task, return_exceptions=True)
-    assert lead.epoch is None and lost == ["stopped while it took over"]
+        await held.close()
+    assert held.lead.epoch is None and held.lost == ["stopped while it took over"]
     assert await _row_free(pool, settings)
