@@ -115,13 +115,17 @@ class Leadership:
                 await self._hand_back(epoch)
                 self.lose("stopped while it took over", expected=True)
 
-    async def _hand_back(self, epoch: int) -> None:
+    async def _hand_back(self, epoch: int) -> bool:
+        """Resign ``epoch`` on a stop; False for a kill (the lease runs out as a crashed
+        leader's would) or where the resignation failed."""
         if not self._resign_on_stop:
-            return  # a kill: the lease runs out as a crashed leader's would
+            return False
         try:
             await rows.resign_leadership(self.pool, scope=self.scope, holder=self.holder, epoch=epoch)
         except Exception as e:
             log.warning("resign failed: %s", e)
+            return False
+        return True
 
     @property
     def leader_grpc_addr(self) -> str:
@@ -169,13 +173,6 @@ class Leadership:
             )
         else:
             self._taking_over.release()
-        epoch = self.epoch
-        resigned = False
-        if resign and epoch is not None:
-            try:
-                await rows.resign_leadership(self.pool, scope=self.scope, holder=self.holder, epoch=epoch)
-                resigned = True
-            except Exception as e:
-                log.warning("resign failed: %s", e)
+        resigned = self.epoch is not None and await self._hand_back(self.epoch)
         why = "stopping (resigned: a successor takes over at once)" if resigned else "stopping"
         self.lose(why, expected=True)
