@@ -125,6 +125,16 @@ async def admit(conn: asyncpg.Connection, settings: Settings, principal: Princip
             "unknown_priority_class",
             f"priority class {job.priority_class!r} does not exist (one of {', '.join(PRIORITY_CLASSES)})",
         )
+    allowed = await teams.priority_classes(conn, job.team)
+    if allowed is not None and job.priority_class not in allowed:
+        raise reject(
+            "priority_class_not_allowed",
+            f"team {job.team} may submit in {', '.join(allowed)} only, not {job.priority_class}"
+            f" (an admin sets a team's classes: PUT /v1/teams/{job.team}/priority-classes)",
+            status=403,
+            priority_class=job.priority_class,
+            allowed=list(allowed),
+        )
     if not await nodes.gpu_type_exists(conn, job.gpu_type):
         raise reject("unknown_gpu_type", f"this cluster has no GPU type {job.gpu_type!r}", gpu_type=job.gpu_type)
     ref = parse_image_ref(job.image)  # the schema has checked the grammar already

@@ -421,6 +421,36 @@ class TeamQuota(RootModel[dict[str, QuotaEntry]]):
     """GPU type -> quota and usage, e.g. {"h100": {"guaranteed", "in_use", "borrowed", ...}}."""
 
 
+class TeamPriorityClasses(BaseModel):
+    """The priority classes a team may submit in."""
+
+    team: str = Field(examples=["pretrain"])
+    priority_classes: list[PriorityClass] | None = Field(
+        description="the entitlement an admin set, in class order; null: none set, every class allowed",
+        examples=[["research", "preemptible"]],
+    )
+    allowed: list[PriorityClass] = Field(
+        description="the classes admission accepts from this team now", examples=[["research", "preemptible"]]
+    )
+
+
+class PriorityClassesSet(BaseModel):
+    """An entitlement write: the classes a team may submit in (null: every class), and why."""
+
+    model_config = ConfigDict(extra="forbid")
+    priority_classes: Annotated[list[PriorityClass], Field(min_length=1, max_length=4)] | None = Field(
+        description="the classes the team may submit in; null lifts the restriction (every class)",
+        examples=[["research", "preemptible"]],
+    )
+    reason: PlainText1000_1 = Field(description="recorded in the audit row", examples=["research team: no prod work"])
+
+    def classes(self) -> tuple[str, ...] | None:
+        """The set in class order (highest first), duplicates dropped; None: every class."""
+        if self.priority_classes is None:
+            return None
+        return tuple(c.value for c in sorted(set(self.priority_classes), key=lambda c: c.rank))
+
+
 class QuotaSet(BaseModel):
     """One GPU type's quota: {"gpu_type": "h100", "guaranteed": 64, "reason": "..."}."""
 

@@ -1,5 +1,5 @@
 """The user commands of `gpufleet`: submit, status, list, events, logs, cancel, extend,
-explain, queue, quota get|set, nodes, drain, return-node.
+explain, queue, quota get|set, classes get|set, nodes, drain, return-node.
 
 They talk HTTP to the API (never to Temporal or Postgres). The URL and token come
 from ``--url`` / ``--token`` or the settings (``GPUFLEET_API_URL``, ``GPUFLEET_TOKEN``).
@@ -820,6 +820,60 @@ def quota_set(
     _out().print(_quota_table(team, q))
 
 
+classes_app = typer.Typer(help="the priority classes a team may submit in: get, set (admin)", no_args_is_help=True)
+
+
+def _print_classes(c: dict[str, Any]) -> None:
+    restricted = c["priority_classes"] is not None
+    _out().print(
+        _kv_table(
+            f"team {c['team']}",
+            [
+                ("may submit in", ", ".join(c["allowed"])),
+                ("entitlement", "set by an admin" if restricted else "none set: every class"),
+            ],
+        )
+    )
+
+
+@classes_app.command("get")
+def classes_get(
+    team: Annotated[str | None, typer.Argument(help="default: your team")] = None,
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """The priority classes a team may submit in."""
+    api = _client(url, token)
+    team = team or _my_team(api)
+    c = _run(api.request, "GET", f"/v1/teams/{team}/priority-classes")
+    if as_json:
+        return _print_json(c)
+    _print_classes(c)
+
+
+@classes_app.command("set")
+def classes_set(
+    team: str,
+    reason: Annotated[str, typer.Option(help="recorded in the audit row")],
+    allow: Annotated[
+        list[str] | None, typer.Option("--allow", help="a class the team may submit in; repeat for several")
+    ] = None,
+    any_class: Annotated[bool, typer.Option("--any", help="lift the restriction: every class")] = False,
+    url: Url = None,
+    token: Token = None,
+    as_json: AsJson = False,
+) -> None:
+    """Set the priority classes a team may submit in (admin): --allow research --allow preemptible, or --any."""
+    if any_class == bool(allow):
+        raise typer.BadParameter("give --allow CLASS (one or more) or --any, not both")
+    body = {"priority_classes": None if any_class else allow, "reason": reason}
+    c = _run(_client(url, token).request, "PUT", f"/v1/teams/{team}/priority-classes", json_body=body, write=True)
+    if as_json:
+        return _print_json(c)
+    _print_classes(c)
+
+
 def nodes(
     node_id: Annotated[str | None, typer.Argument(help="one node in detail")] = None,
     state: Annotated[str | None, typer.Option(help="only nodes in this state")] = None,
@@ -984,6 +1038,7 @@ def register(app: typer.Typer) -> None:
     app.command("explain")(explain)
     app.command("queue")(queue)
     app.add_typer(quota_app, name="quota")
+    app.add_typer(classes_app, name="classes")
     app.command("nodes")(nodes)
     app.command("drain")(drain)
     app.command("return-node")(return_node)

@@ -72,6 +72,37 @@ async def set_quotas(conn: asyncpg.Connection, changes: list[tuple[TeamQuota, st
             await set_quota(conn, quota, actor=actor, reason=reason)
 
 
+async def priority_classes(db: Db, team: str) -> tuple[str, ...] | None:
+    """The classes ``team`` may submit in, in class order; None: every class (no entitlement set)."""
+    classes = await db.fetchval("SELECT priority_classes FROM teams WHERE name = $1", team)
+    return None if classes is None else tuple(classes)
+
+
+async def set_priority_classes(
+    conn: asyncpg.Connection, team: str, classes: tuple[str, ...] | None, *, actor: str, reason: str
+) -> bool:
+    """Set the classes an existing team may submit in (None: every class), audited with the
+    old and new sets; False: no such team. Jobs already queued keep their class; admission
+    checks new submissions."""
+    async with conn.transaction():
+        old = await conn.fetchrow("SELECT priority_classes FROM teams WHERE name = $1 FOR UPDATE", team)
+        if old is None:
+            return False
+        await conn.execute("UPDATE teams SET priority_classes = $2 WHERE name = $1", team, classes)
+        await write_audit(
+            conn,
+            actor,
+            "priority_classes_change",
+            team,
+            reason,
+            {
+                "old": None if old["priority_classes"] is None else list(old["priority_classes"]),
+                "new": None if classes is None else list(classes),
+            },
+        )
+    return True
+
+
 # the states a team's jobs are counted in (every state that is not terminal)
 LIVE_STATES = tuple(s.value for s in JobState if s not in TERMINAL)
 

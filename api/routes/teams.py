@@ -1,4 +1,4 @@
-"""/v1/teams/{team}: quota (read; admin write), queue."""
+"""/v1/teams/{team}: quota (read; admin write), priority classes (read; admin write), queue."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from api import idempotency
 from api.auth import current_principal, require_admin, require_team_access
 from api.deps import TeamName, decode_cursor, encode_cursor, page_size, pool_of
 from api.errors import ERROR_RESPONSES, ApiError
-from api.schemas import QuotaBody, TeamQueue, TeamQuota
+from api.schemas import PRIORITY_CLASSES, PriorityClassesSet, QuotaBody, TeamPriorityClasses, TeamQueue, TeamQuota
 from common.settings import Principal
 from store import nodes, teams, tx
 
@@ -83,6 +83,68 @@ async def put_quota(
             changes.append((teams.TeamQuota(team, gpu_type, guaranteed, borrow_limit), reason))
         await teams.set_quotas(conn, changes, actor=principal.name)
         return idempotency.Outcome(200, await teams.team_usage(conn, team))
+
+    return await idempotency.run(request, principal, idempotency_key, work)
+
+
+def _classes_view(team: str, classes: tuple[str, ...] | None) -> dict[str, Any]:
+    return {
+        "team": team,
+        "priority_classes": None if classes is None else list(classes),
+        "allowed": list(PRIORITY_CLASSES if classes is None else classes),
+    }
+
+
+@router.get(
+    "/teams/{team}/priority-classes",
+    response_model=TeamPriorityClasses,
+    summary="The priority classes the team may submit in",
+)
+async def get_priority_classes(
+    request: Request, team: TeamName, principal: Principal = Depends(current_principal)
+) -> Any:
+    require_team_access(principal, team)
+    pool = pool_of(request)
+    await _known_team(pool, team)
+    return _classes_view(team, await teams.priority_classes(pool, team))
+
+
+@router.put(
+    "/teams/{team}/priority-classes",
+    response_model=TeamPriorityClasses,
+    summary="Set the priority classes the team may submit in (admin)",
+)
+async def put_priority_classes(
+    request: Request,
+    team: TeamName,
+    body: Annotated[
+        PriorityClassesSet,
+        Body(
+            openapi_examples={
+                "restrict": {
+                    "summary": "a research team: no production classes",
+                    "value": {"priority_classes": ["research", "preemptible"], "reason": "research team"},
+                },
+                "lift": {
+                    "summary": "every class again",
+                    "value": {"priority_classes": None, "reason": "now also runs production"},
+                },
+            }
+        ),
+    ],
+    idempotency_key: IdempotencyKey,
+    principal: Principal = Depends(require_admin),
+) -> Any:
+    """prod-serving is never preempted and preempts every other class, so which team may submit
+    in which class is the operator's call. A team with no entitlement set may submit in every
+    class. Audited with the admin, the reason and the old and new sets. Applies to submissions
+    from now on: jobs already queued or running keep their class."""
+    classes = body.classes()
+
+    async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
+        if not await teams.set_priority_classes(conn, team, classes, actor=principal.name, reason=body.reason):
+            raise ApiError(404, "unknown_team", f"there is no team {team!r}")
+        return idempotency.Outcome(200, _classes_view(team, classes))
 
     return await idempotency.run(request, principal, idempotency_key, work)
 

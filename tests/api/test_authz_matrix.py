@@ -47,6 +47,8 @@ MATRIX: dict[tuple[str, str], dict[str, int]] = {
     ("POST", "/v1/jobs/{job_id}:extend"): expect(),
     ("GET", "/v1/teams/{team}/quota"): TEAM_READ,
     ("PUT", "/v1/teams/{team}/quota"): ADMIN_WRITE,
+    ("GET", "/v1/teams/{team}/priority-classes"): TEAM_READ,
+    ("PUT", "/v1/teams/{team}/priority-classes"): ADMIN_WRITE,
     ("GET", "/v1/teams/{team}/queue"): TEAM_READ,
     ("GET", "/v1/nodes"): ANY_MEMBER,
     ("GET", "/v1/nodes/{node_id}"): ANY_MEMBER,
@@ -112,6 +114,8 @@ BODIES: dict[tuple[str, str], dict] = {
     ("POST", "/v1/jobs"): job_body(),
     ("POST", "/v1/jobs/{job_id}:extend"): {"by": "30m", "reason": "matrix"},
     ("PUT", "/v1/teams/{team}/quota"): {"gpu_type": "h100", "guaranteed": 16, "reason": "matrix"},
+    # every class: the matrix's later submits stay allowed
+    ("PUT", "/v1/teams/{team}/priority-classes"): {"priority_classes": None, "reason": "matrix"},
     ("POST", "/v1/nodes/{node_id}:drain"): {"reason": "matrix"},
     ("POST", "/v1/nodes/{node_id}:return"): {"reason": "matrix"},
     ("POST", "/v1/nodes/{node_id}:issue-credential"): {"reason": "matrix"},
@@ -181,6 +185,7 @@ async def test_admin_routes_refuse_team_tokens_before_looking_at_the_request(cli
     """Whatever the body or headers, a team token on an admin route is 403 (not 400/422)."""
     for method, path in (
         ("PUT", "/v1/teams/alpha/quota"),
+        ("PUT", "/v1/teams/alpha/priority-classes"),
         ("POST", "/v1/nodes/b0-n0:drain"),
         ("POST", "/v1/nodes/b0-n0:return"),
         ("POST", "/v1/nodes/b0-n0:issue-credential"),

@@ -195,6 +195,35 @@ async def test_admin_commands_and_errors(cli_app, server, pool):
     assert "topology: Value error, max_blocks_wait_seconds needs pack=block and max_blocks" in r.stderr, r.stderr
 
 
+async def test_an_admin_sets_a_teams_classes_and_a_refused_submit_says_why(cli_app, server, pool):
+    r = await run(cli_app, "classes", "get", url=server.url)  # your own team
+    assert r.exit_code == 0 and "prod-serving, prod-batch, research, preemptible" in r.stdout, r.stdout
+    assert "none set: every class" in r.stdout
+    r = await run(
+        cli_app, "classes", "set", "alpha", "--allow", "research", "--reason", "research team", "--json",
+        url=server.url, token=ADMIN,
+    )  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout) == {"team": "alpha", "priority_classes": ["research"], "allowed": ["research"]}
+    r = await asyncio.to_thread(
+        lambda: CliRunner().invoke(
+            cli_app,
+            ["submit", "-f", "-", "--url", server.url, "--token", ALPHA],
+            input=JOB_YAML.replace("priority_class: research", "priority_class: prod-batch"),
+        )
+    )
+    assert r.exit_code == 1 and "priority_class_not_allowed" in r.stderr and "HTTP 403" in r.stderr, r.stderr
+    assert "team alpha may submit in research only, not prod-batch" in r.stderr
+    # --allow or --any, not both and not neither; and only an admin
+    for args in (["--any", "--allow", "research"], []):
+        r = await run(cli_app, "classes", "set", "alpha", *args, "--reason", "x", url=server.url, token=ADMIN)
+        assert r.exit_code == 2 and "--allow CLASS" in r.output, r.output
+    r = await run(cli_app, "classes", "set", "alpha", "--any", "--reason", "x", url=server.url, token=ALPHA)
+    assert r.exit_code == 1 and "admin_required" in r.stderr
+    r = await run(cli_app, "classes", "set", "alpha", "--any", "--reason", "lifted", url=server.url, token=ADMIN)
+    assert r.exit_code == 0 and "none set: every class" in r.stdout
+
+
 async def test_submit_with_the_same_key_is_replayed(cli_app, server, pool, tmp_path):
     spec = tmp_path / "job.yaml"
     spec.write_text(JOB_YAML)

@@ -1,0 +1,109 @@
+"""Priority-class entitlement: which classes a team may submit in (admin write, audited),
+and admission refusing the others before anything is written."""
+
+from __future__ import annotations
+
+from tests.api.conftest import ADMIN, ALPHA, BETA, auth, new_key, submit
+
+ALL = ["prod-serving", "prod-batch", "research", "preemptible"]
+
+
+async def put_classes(client, body: dict, token: str = ADMIN, key: str | None = None, team: str = "alpha"):
+    return await client.put(f"/v1/teams/{team}/priority-classes", json=body, headers=auth(token, key or new_key()))
+
+
+async def test_a_team_without_an_entitlement_may_submit_in_every_class(client):
+    r = await client.get("/v1/teams/alpha/priority-classes", headers=auth(ALPHA))
+    assert r.status_code == 200, r.text
+    assert r.json() == {"team": "alpha", "priority_classes": None, "allowed": ALL}
+    for cls in ALL:
+        r = await submit(client, priority_class=cls)
+        assert r.status_code == 202, (cls, r.text)
+
+
+async def test_a_restricted_team_is_refused_other_classes_and_nothing_is_written(client, pool):
+    key = new_key()
+    body = {"priority_classes": ["preemptible", "research", "research"], "reason": "research team"}
+    r = await put_classes(client, body, key=key)
+    assert r.status_code == 200, r.text
+    # stored once each, in class order
+    assert r.json() == {
+        "team": "alpha",
+        "priority_classes": ["research", "preemptible"],
+        "allowed": ["research", "preemptible"],
+    }
+    again = await put_classes(client, body, key=key)
+    assert again.json() == r.json() and again.headers["idempotent-replayed"] == "true"
+    audit = await pool.fetch(
+        "SELECT actor, subject, reason, detail FROM audit WHERE action = 'priority_classes_change'"
+    )
+    assert [(a["actor"], a["subject"], a["reason"]) for a in audit] == [("root", "alpha", "research team")]
+    assert audit[0]["detail"] == {"old": None, "new": ["research", "preemptible"]}
+
+    jobs_before = await pool.fetchval("SELECT count(*) FROM jobs WHERE team = 'alpha'")
+    audits_before = await pool.fetchval("SELECT count(*) FROM audit")
+    for cls in ("prod-serving", "prod-batch"):
+        r = await submit(client, priority_class=cls)
+        assert r.status_code == 403, r.text
+        err = r.json()["error"]
+        assert err["code"] == "priority_class_not_allowed"
+        assert err["message"].startswith(f"team alpha may submit in research, preemptible only, not {cls}")
+        assert "PUT /v1/teams/alpha/priority-classes" in err["message"]
+        assert err["details"] == {"priority_class": cls, "allowed": ["research", "preemptible"]}
+    # an admin submitting for the team is held to the team's classes too
+    assert (await submit(client, token=ADMIN, priority_class="prod-serving")).status_code == 403
+    assert await pool.fetchval("SELECT count(*) FROM jobs WHERE team = 'alpha'") == jobs_before
+    assert await pool.fetchval("SELECT count(*) FROM audit") == audits_before
+    assert (await submit(client, priority_class="research")).status_code == 202
+    assert (await submit(client, priority_class="preemptible")).status_code == 202
+
+    # other teams are not affected
+    assert (await submit(client, token=BETA, team="beta", priority_class="prod-serving")).status_code == 202
+
+    # null lifts it
+    r = await put_classes(client, {"priority_classes": None, "reason": "now runs production too"})
+    assert r.status_code == 200 and r.json()["allowed"] == ALL and r.json()["priority_classes"] is None
+    assert (await submit(client, priority_class="prod-serving")).status_code == 202
+    last = await pool.fetchval(
+        "SELECT detail FROM audit WHERE action = 'priority_classes_change' ORDER BY id DESC LIMIT 1"
+    )
+    assert last == {"old": ["research", "preemptible"], "new": None}
+
+
+async def test_a_restriction_applies_to_new_submissions_not_to_queued_jobs(client, pool):
+    job_id = (await submit(client, priority_class="prod-batch")).json()["job_id"]
+    r = await put_classes(client, {"priority_classes": ["research"], "reason": "research only"})
+    assert r.status_code == 200, r.text
+    row = await pool.fetchrow("SELECT state, priority_class FROM jobs WHERE job_id = $1", job_id)
+    assert (row["state"], row["priority_class"]) == ("QUEUED", "prod-batch")
+    r = await client.get(f"/v1/jobs/{job_id}", headers=auth(ALPHA))
+    assert r.status_code == 200 and r.json()["priority_class"] == "prod-batch"
+
+
+async def test_who_may_read_and_set_a_teams_classes(client, pool):
+    assert (await client.get("/v1/teams/alpha/priority-classes", headers=auth(BETA))).status_code == 403
+    assert (await client.get("/v1/teams/alpha/priority-classes", headers=auth(ADMIN))).status_code == 200
+    r = await put_classes(client, {"priority_classes": ["research"], "reason": "mine"}, token=ALPHA)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_required"
+    r = await client.get("/v1/teams/ghosts/priority-classes", headers=auth(ADMIN))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_team"
+    # a team is not created by its classes (a typo would make a team): its first quota creates it
+    r = await put_classes(client, {"priority_classes": ["research"], "reason": "new"}, team="ghosts")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_team"
+    assert await pool.fetchval("SELECT count(*) FROM teams WHERE name = 'ghosts'") == 0
+    assert await pool.fetchval("SELECT count(*) FROM audit WHERE action = 'priority_classes_change'") == 0
+
+
+async def test_bad_bodies_are_refused_with_the_field_named(client, pool):
+    for body in (
+        {"priority_classes": [], "reason": "none"},  # an empty set would lock the team out: not by accident
+        {"priority_classes": ["gold"], "reason": "no such class"},
+        {"priority_classes": ["research"]},  # the reason is required
+        {"reason": "which classes?"},  # null must be said, not implied
+        {"priority_classes": ["research"], "reason": "x", "teams": ["beta"]},
+        {"priority_classes": ALL + ["research"], "reason": "five"},
+    ):
+        r = await put_classes(client, body)
+        assert r.status_code == 422, (body, r.text)
+        assert r.json()["error"]["code"], body
+    assert await pool.fetchval("SELECT priority_classes FROM teams WHERE name = 'alpha'") is None
