@@ -3,6 +3,9 @@ and admission refusing the others before anything is written."""
 
 from __future__ import annotations
 
+import asyncpg
+import pytest
+
 from tests.api.conftest import ADMIN, ALPHA, BETA, auth, new_key, submit
 
 ALL = ["prod-serving", "prod-batch", "research", "preemptible"]
@@ -107,3 +110,14 @@ async def test_bad_bodies_are_refused_with_the_field_named(client, pool):
         assert r.status_code == 422, (body, r.text)
         assert r.json()["error"]["code"], body
     assert await pool.fetchval("SELECT priority_classes FROM teams WHERE name = 'alpha'") is None
+
+
+async def test_the_store_refuses_a_class_that_does_not_exist_or_an_empty_set(pool):
+    """Postgres is the last line of defence: a write that skipped the API's schema still
+    cannot store an unknown class, or an empty set that would lock the team out."""
+    await pool.execute("INSERT INTO teams (name) VALUES ('gamma')")
+    for bad in (["gold"], [], ["research"] * 5):
+        with pytest.raises(asyncpg.CheckViolationError, match="priority_classes"):
+            await pool.execute("UPDATE teams SET priority_classes = $1 WHERE name = 'gamma'", bad)
+    assert await pool.fetchval("SELECT priority_classes FROM teams WHERE name = 'gamma'") is None
+    await pool.execute("UPDATE teams SET priority_classes = $1 WHERE name = 'gamma'", ["research"])
