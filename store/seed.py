@@ -1,8 +1,8 @@
-"""Cluster inventory writes: GPU types, blocks, nodes, and the demo teams' quotas.
+"""Cluster inventory writes: GPU types, blocks, nodes, and the demo teams' quotas and classes.
 
 Used by `make up` to seed the demo cluster and by tests and benchmarks to build
 fixtures. Every write is idempotent (ON CONFLICT) so re-seeding a running platform is
-safe; quota changes go through ``store.teams.set_quota`` (audited).
+safe; quota and class changes go through ``store.teams`` (audited).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import asyncpg
 
-from store.teams import TeamQuota, set_quota
+from store.teams import TeamQuota, set_priority_classes, set_quota
 
 
 async def ensure_cluster(
@@ -53,6 +53,13 @@ DEMO_TEAMS: Mapping[str, tuple[float, float]] = {
     "research": (0.25, 1.0),
 }
 
+# the classes each demo team may submit in (docs/security.md): each has what its examples use
+DEMO_CLASSES: Mapping[str, tuple[str, ...]] = {
+    "pretrain": ("prod-batch", "research", "preemptible"),
+    "infer": ("prod-serving", "prod-batch"),
+    "research": ("research", "preemptible"),
+}
+
 
 async def seed_demo(
     conn: asyncpg.Connection,
@@ -74,11 +81,12 @@ async def seed_demo(
     total = blocks * nodes_per_block * gpus_per_node
     for team, (g, b) in DEMO_TEAMS.items():
         exists = await conn.fetchval("SELECT 1 FROM quotas WHERE team = $1 AND gpu_type = $2", team, gpu_type)
-        if not exists:  # never overwrite a quota an admin changed
+        if not exists:  # never overwrite a quota (or classes) an admin changed
             await set_quota(
                 conn,
                 TeamQuota(team, gpu_type, int(total * g), int(total * b)),
                 actor="system:seed",
                 reason="demo cluster seed",
             )
+            await set_priority_classes(conn, team, DEMO_CLASSES[team], actor="system:seed", reason="demo cluster seed")
     return nodes

@@ -12,7 +12,7 @@ import pytest
 from api.main import create_app
 from api.schemas import JOB_SUBMIT_EXAMPLE, JobSubmit
 from common.settings import Settings
-from store.seed import DEMO_TEAMS
+from store.seed import DEMO_CLASSES, DEMO_TEAMS
 
 DEMO_GPUS = 4 * 4 * 8  # `make up`: 4 blocks x 4 nodes x 8 h100
 
@@ -109,6 +109,7 @@ def test_post_jobs_has_a_full_example_the_demo_cluster_accepts(openapi):
     job = JobSubmit.model_validate(example)  # the API's own validation
     assert set(example) == set(JobSubmit.model_fields) - {"topology"} | {"topology"}  # every field shown
     guaranteed, borrow = DEMO_TEAMS[job.team]
+    assert job.priority_class in DEMO_CLASSES[job.team]
     gpus = job.replicas * job.gpus_per_replica
     assert job.gpu_type == "h100" and gpus <= DEMO_GPUS * (guaranteed + borrow)
     assert job.topology.pack == "block" and gpus <= 4 * 8 * (job.topology.max_blocks or 1)  # fits one block

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
+from store.seed import DEMO_CLASSES, seed_demo
 from tests.api.conftest import ADMIN, ALPHA, BETA, auth, new_key, submit
 
 ALL = ["prod-serving", "prod-batch", "research", "preemptible"]
@@ -121,3 +122,17 @@ async def test_the_store_refuses_a_class_that_does_not_exist_or_an_empty_set(poo
             await pool.execute("UPDATE teams SET priority_classes = $1 WHERE name = 'gamma'", bad)
     assert await pool.fetchval("SELECT priority_classes FROM teams WHERE name = 'gamma'") is None
     await pool.execute("UPDATE teams SET priority_classes = $1 WHERE name = 'gamma'", ["research"])
+
+
+async def test_the_demo_seed_gives_each_team_its_classes_once(pool):
+    """`make up` shows the entitlement at work; a re-seed keeps what an admin changed."""
+    async with pool.acquire() as conn:
+        await seed_demo(conn, gpu_type="h100", blocks=1, nodes_per_block=2, gpus_per_node=8, task_queue_prefix="n-")
+    rows = await pool.fetch("SELECT name, priority_classes FROM teams ORDER BY name")
+    assert {r["name"]: tuple(r["priority_classes"]) for r in rows} == dict(DEMO_CLASSES)
+    await pool.execute("UPDATE teams SET priority_classes = NULL WHERE name = 'research'")
+    async with pool.acquire() as conn:
+        await seed_demo(conn, gpu_type="h100", blocks=1, nodes_per_block=2, gpus_per_node=8, task_queue_prefix="n-")
+    assert await pool.fetchval("SELECT priority_classes FROM teams WHERE name = 'research'") is None
+    audit = await pool.fetch("SELECT actor, subject FROM audit WHERE action = 'priority_classes_change'")
+    assert sorted((a["actor"], a["subject"]) for a in audit) == [("system:seed", t) for t in sorted(DEMO_CLASSES)]

@@ -19,6 +19,7 @@ from api.main import create_app
 from api.schemas import JOB_SUBMIT_EXAMPLE
 from cli import user_cmd
 from cli.main import app as gpufleet
+from store.seed import DEMO_CLASSES
 from tests.api.test_cli import UvicornThread
 from tests.e2e.conftest import PY
 from tests.support import eventually, workflow_status
@@ -79,6 +80,7 @@ def test_the_examples_parse_and_the_checkpointing_spec_carries_the_script():
     for name in names:
         job = yaml.safe_load((EXAMPLES / name).read_text())
         assert job["team"] in ("pretrain", "infer", "research") and job["gpu_type"] == "h100"  # the demo cluster
+        assert job["priority_class"] in DEMO_CLASSES[job["team"]], name  # `make up` lets the team submit it
         assert job["command"][0] == "python3"  # no GPU, no torch needed
     inline = yaml.safe_load((EXAMPLES / "checkpointing.yaml").read_text())["command"]
     assert inline[:2] == ["python3", "-c"] and inline[2] == (EXAMPLES / "train_checkpoint.py").read_text()
