@@ -53,6 +53,7 @@ Token = Annotated[
     str | None, typer.Option("--token", help="bearer token (default: GPUFLEET_TOKEN)", show_default=False)
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="print the API's JSON")]
+YourTeam = Annotated[str | None, typer.Argument(help="default: your team")]
 
 
 class CliError(Exception):
@@ -741,6 +742,13 @@ def _my_team(api: ApiClient) -> str:
     return me["team"]
 
 
+def _team_get(url: str | None, token: str | None, team: str | None, what: str) -> tuple[str, Any]:
+    """GET /v1/teams/{team}/{what}, for the given team or the token's own: (team, body)."""
+    api = _client(url, token)
+    team = team or _my_team(api)
+    return team, _run(api.request, "GET", f"/v1/teams/{team}/{what}")
+
+
 def _quota_table(team: str, quota: dict[str, dict]) -> Table:
     t = Table(
         "gpu type", "guaranteed", "borrow limit", "in use", "borrowed", title=f"team {team}", title_justify="left"
@@ -751,7 +759,7 @@ def _quota_table(team: str, quota: dict[str, dict]) -> Table:
 
 
 def queue(
-    team: Annotated[str | None, typer.Argument(help="default: your team")] = None,
+    team: YourTeam = None,
     limit: Annotated[int, typer.Option(help="jobs to show")] = 50,
     url: Url = None,
     token: Token = None,
@@ -785,15 +793,13 @@ quota_app = typer.Typer(help="team quotas: get, set (admin)", no_args_is_help=Tr
 
 @quota_app.command("get")
 def quota_get(
-    team: Annotated[str | None, typer.Argument(help="default: your team")] = None,
+    team: YourTeam = None,
     url: Url = None,
     token: Token = None,
     as_json: AsJson = False,
 ) -> None:
     """A team's quota and usage per GPU type."""
-    api = _client(url, token)
-    team = team or _my_team(api)
-    q = _run(api.request, "GET", f"/v1/teams/{team}/quota")
+    team, q = _team_get(url, token, team, "quota")
     if as_json:
         return _print_json(q)
     _out().print(_quota_table(team, q))
@@ -838,15 +844,13 @@ def _print_classes(c: dict[str, Any]) -> None:
 
 @classes_app.command("get")
 def classes_get(
-    team: Annotated[str | None, typer.Argument(help="default: your team")] = None,
+    team: YourTeam = None,
     url: Url = None,
     token: Token = None,
     as_json: AsJson = False,
 ) -> None:
     """The priority classes a team may submit in."""
-    api = _client(url, token)
-    team = team or _my_team(api)
-    c = _run(api.request, "GET", f"/v1/teams/{team}/priority-classes")
+    _, c = _team_get(url, token, team, "priority-classes")
     if as_json:
         return _print_json(c)
     _print_classes(c)
