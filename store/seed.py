@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import asyncpg
 
-from store.teams import TeamQuota, set_priority_classes, set_quota
+from store.teams import TeamQuota, set_priority_classes, set_quota, team_exists
 
 
 async def ensure_cluster(
@@ -80,13 +80,15 @@ async def seed_demo(
     )
     total = blocks * nodes_per_block * gpus_per_node
     for team, (g, b) in DEMO_TEAMS.items():
+        new_team = not await team_exists(conn, team)
         exists = await conn.fetchval("SELECT 1 FROM quotas WHERE team = $1 AND gpu_type = $2", team, gpu_type)
-        if not exists:  # never overwrite a quota (or classes) an admin changed
+        if not exists:  # never overwrite a quota an admin changed
             await set_quota(
                 conn,
                 TeamQuota(team, gpu_type, int(total * g), int(total * b)),
                 actor="system:seed",
                 reason="demo cluster seed",
             )
+        if new_team:  # its classes likewise: only a team this seed created gets them
             await set_priority_classes(conn, team, DEMO_CLASSES[team], actor="system:seed", reason="demo cluster seed")
     return nodes

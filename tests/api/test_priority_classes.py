@@ -131,8 +131,9 @@ async def test_the_demo_seed_gives_each_team_its_classes_once(pool):
     rows = await pool.fetch("SELECT name, priority_classes FROM teams ORDER BY name")
     assert {r["name"]: tuple(r["priority_classes"]) for r in rows} == dict(DEMO_CLASSES)
     await pool.execute("UPDATE teams SET priority_classes = NULL WHERE name = 'research'")
-    async with pool.acquire() as conn:
+    async with pool.acquire() as conn:  # again, and with a second GPU type (new quotas, not new teams)
         await seed_demo(conn, gpu_type="h100", blocks=1, nodes_per_block=2, gpus_per_node=8, task_queue_prefix="n-")
+        await seed_demo(conn, gpu_type="a100", blocks=1, nodes_per_block=2, gpus_per_node=8, task_queue_prefix="n-")
     assert await pool.fetchval("SELECT priority_classes FROM teams WHERE name = 'research'") is None
     audit = await pool.fetch("SELECT actor, subject FROM audit WHERE action = 'priority_classes_change'")
     assert sorted((a["actor"], a["subject"]) for a in audit) == [("system:seed", t) for t in sorted(DEMO_CLASSES)]
