@@ -836,7 +836,7 @@ def _print_classes(c: dict[str, Any]) -> None:
             f"team {c['team']}",
             [
                 ("may submit in", ", ".join(c["allowed"])),
-                ("entitlement", "set by an admin" if restricted else "none set: every class"),
+                ("entitlement", "restricted to these" if restricted else "none set: every class"),
             ],
         )
     )

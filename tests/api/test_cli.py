@@ -205,6 +205,8 @@ async def test_an_admin_sets_a_teams_classes_and_a_refused_submit_says_why(cli_a
     )  # fmt: skip
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout) == {"team": "alpha", "priority_classes": ["research"], "allowed": ["research"]}
+    r = await run(cli_app, "classes", "get", url=server.url)
+    assert r.exit_code == 0 and "research" in r.stdout and "restricted to these" in r.stdout, r.stdout
     r = await asyncio.to_thread(
         lambda: CliRunner().invoke(
             cli_app,
