@@ -118,14 +118,15 @@ async def admit(conn: asyncpg.Connection, settings: Settings, principal: Princip
         raise reject(
             "forbidden_team", f"principal {principal.name} may submit for team {principal.team} only", status=403
         )
-    if not await teams.team_exists(conn, job.team):
+    rights = await teams.entitlement(conn, job.team)
+    if rights is None:
         raise reject("unknown_team", f"there is no team {job.team!r}", team=job.team)
     if job.priority_class not in PRIORITY_CLASSES:
         raise reject(
             "unknown_priority_class",
             f"priority class {job.priority_class!r} does not exist (one of {', '.join(PRIORITY_CLASSES)})",
         )
-    allowed = await teams.priority_classes(conn, job.team)
+    allowed = rights.priority_classes
     if allowed is not None and job.priority_class not in allowed:
         raise reject(
             "priority_class_not_allowed",

@@ -72,10 +72,20 @@ async def set_quotas(conn: asyncpg.Connection, changes: list[tuple[TeamQuota, st
             await set_quota(conn, quota, actor=actor, reason=reason)
 
 
-async def priority_classes(db: Db, team: str) -> tuple[str, ...] | None:
-    """The classes ``team`` may submit in, in class order; None: every class (no entitlement set)."""
-    classes = await db.fetchval("SELECT priority_classes FROM teams WHERE name = $1", team)
-    return None if classes is None else tuple(classes)
+@dataclass(frozen=True)
+class Entitlement:
+    """What a team may submit: ``priority_classes`` in class order, None for every class."""
+
+    priority_classes: tuple[str, ...] | None
+
+
+async def entitlement(db: Db, team: str) -> Entitlement | None:
+    """The team's entitlement; None: no such team (one read serves both checks at submit)."""
+    row = await db.fetchrow("SELECT priority_classes FROM teams WHERE name = $1", team)
+    if row is None:
+        return None
+    classes = row["priority_classes"]
+    return Entitlement(None if classes is None else tuple(classes))
 
 
 async def set_priority_classes(

@@ -23,9 +23,13 @@ IdempotencyKey = Annotated[str, Header(alias="Idempotency-Key", description="req
 TEAM_NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 
 
+def _unknown_team(team: str) -> ApiError:
+    return ApiError(404, "unknown_team", f"there is no team {team!r}")
+
+
 async def _known_team(db: tx.Db, team: str) -> None:
     if not await teams.team_exists(db, team):
-        raise ApiError(404, "unknown_team", f"there is no team {team!r}")
+        raise _unknown_team(team)
 
 
 @router.get("/teams/{team}/quota", response_model=TeamQuota, summary="The team's quota and usage per GPU type")
@@ -104,9 +108,10 @@ async def get_priority_classes(
     request: Request, team: TeamName, principal: Principal = Depends(current_principal)
 ) -> Any:
     require_team_access(principal, team)
-    pool = pool_of(request)
-    await _known_team(pool, team)
-    return _classes_view(team, await teams.priority_classes(pool, team))
+    rights = await teams.entitlement(pool_of(request), team)
+    if rights is None:
+        raise _unknown_team(team)
+    return _classes_view(team, rights.priority_classes)
 
 
 @router.put(
@@ -143,7 +148,7 @@ async def put_priority_classes(
 
     async def work(conn: asyncpg.Connection) -> idempotency.Outcome:
         if not await teams.set_priority_classes(conn, team, classes, actor=principal.name, reason=body.reason):
-            raise ApiError(404, "unknown_team", f"there is no team {team!r}")
+            raise _unknown_team(team)
         return idempotency.Outcome(200, _classes_view(team, classes))
 
     return await idempotency.run(request, principal, idempotency_key, work)
