@@ -361,6 +361,38 @@ class Settings(BaseSettings):
     agent_team_rank_ids: dict[str, tuple[int, int]] = Field(
         default_factory=dict, description="team -> [uid, gid] its ranks run as (teams not listed: agent_rank_uid/gid)"
     )
+    agent_rank_limits: bool = Field(
+        True,
+        description="fence each rank to its share of the node: CPUs, memory and processes in proportion to its"
+        " GPUs, after the node's reserve (the container engine's flags; cgroups under the process runtime when"
+        " agent_rank_cgroups)",
+    )
+    agent_rank_cgroups: bool = Field(
+        False,
+        description="under the process runtime, put each rank in its own cgroups with its share's limits and kill"
+        " every process left in them when it ends (needs root and cgroups; off by default because `make up`'s"
+        " simulated nodes share one host)",
+    )
+    agent_cgroup_root: Path = Field(Path("/sys/fs/cgroup"), description="where the cgroup hierarchies are mounted")
+    agent_cgroup_parent: str = Field(
+        "gpufleet",
+        pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$",
+        description="the cgroup (a path under agent_cgroup_root; with cgroup v2, a subtree delegated to the agent)"
+        " under which each rank gets its own",
+    )
+    agent_node_cpus: float | None = Field(
+        None, gt=0, description="the node's CPUs for rank shares (unset: the CPUs this agent may run on)"
+    )
+    agent_node_memory_gib: float | None = Field(
+        None, gt=0, description="the node's memory for rank shares (unset: this host's)"
+    )
+    agent_node_reserved_cpus: float = Field(
+        2.0, ge=0, description="CPUs kept for the agent, the supervisors and the OS before ranks share the rest"
+    )
+    agent_node_reserved_memory_gib: float = Field(
+        8.0, ge=0, description="memory kept for the agent, the supervisors and the OS before ranks share the rest"
+    )
+    agent_rank_pids_max: int = Field(16384, ge=64, description="processes and threads one rank may have at once")
     agent_work_dir: Path | None = Field(
         None, description="where ranks' working dirs live, outside the agent's state (unset: <state_dir>/work)"
     )

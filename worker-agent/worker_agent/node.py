@@ -65,11 +65,12 @@ from common.contracts import (
 )
 from proto import agent_pb2 as pb
 from proto.convert import HEALTH_TO_PB, task_status_to_pb
-from worker_agent import exit_cause
+from worker_agent import exit_cause, rank_cgroup
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within, local_path
 from worker_agent.nvml import GpuBackend, GpuSample
 from worker_agent.rank_access import RankAccessError, require_reachable
+from worker_agent.rank_limits import node_rank_limits
 from worker_agent.runtime import ContainerRuntime, ProcessRuntime
 
 log = logging.getLogger("gpufleet.agent")
@@ -152,6 +153,11 @@ class NodeAgent:
         self.work_dir = Path(settings.agent_work_dir or Path(settings.state_dir) / "work") / node_id
         # ranks run as another user only when the agent can switch users (it runs as root)
         self.isolated = bool(settings.agent_rank_isolation) and os.geteuid() == 0
+        # ranks in their own cgroups: the process runtime's fence (the container engine has its own)
+        self.cgroups = (
+            bool(settings.agent_rank_cgroups) and bool(settings.agent_rank_limits)
+            and isinstance(self.runtime, ProcessRuntime) and not simulated_ranks
+        )  # fmt: skip
         self.poll_s = float(settings.agent_poll_s)
         self.leases: dict[str, Lease] = {}
         self.outbox: dict[int, pb.TaskStatus] = {}  # seq -> status, until acknowledged
@@ -191,6 +197,14 @@ class NodeAgent:
                 "%s: the agent runs as uid %d, not root: ranks run as this user and can read what it can"
                 " (no isolation between ranks and the agent)", self.node_id, os.geteuid(),
             )  # fmt: skip
+        if self.cgroups:
+            # fail closed: an operator who asked for the fence gets it or a clear refusal to start
+            try:
+                rank_cgroup.hierarchy(Path(self.settings.agent_cgroup_root))
+            except rank_cgroup.CgroupError as e:
+                raise RuntimeError(f"agent_rank_cgroups is on but ranks cannot be fenced: {e}") from e
+            if os.geteuid() != 0:
+                raise RuntimeError("agent_rank_cgroups is on but the agent is not root: it cannot create cgroups")
         self.recover()
         self._watch_task = asyncio.create_task(self._watch(), name=f"agent-watch-{self.node_id}")
 
@@ -370,11 +384,21 @@ class NodeAgent:
                 return refuse(f"cannot prepare the rank's dirs: {e}")
             progress_file = str(work / "progress.json")
             try:
+                limits = node_rank_limits(self.settings, gpus=len(req.gpu_indices), node_gpus=n)
                 launch = self.runtime.launch(
-                    req, progress_file=progress_file, host_env=self.host_env, workdir=str(work), user=user
-                )
+                    req, progress_file=progress_file, host_env=self.host_env, workdir=str(work), user=user,
+                    limits=limits,
+                )  # fmt: skip
             except ValueError as e:
                 return refuse(str(e))
+            cgroup = None
+            if self.cgroups and limits is not None:  # the supervisor makes it (it outlives the agent)
+                cgroup = {
+                    "root": str(self.settings.agent_cgroup_root),
+                    "parent": f"{self.settings.agent_cgroup_parent}/{self.node_id}",
+                    "name": req.lease_id,
+                    **limits.as_json(),
+                }
             sf.write_json_atomic(d / sf.TASK, dataclasses.asdict(req))
             sf.write_json_atomic(
                 d / sf.SPEC,
@@ -395,6 +419,7 @@ class NodeAgent:
                     "fence_grace_s": float(self.settings.agent_fence_grace_s),
                     "boot_id": self.boot_id,
                     "image": req.image,
+                    "cgroup": cgroup,
                 },
             )
             now = sf.boot_clock()

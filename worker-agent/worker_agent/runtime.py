@@ -26,6 +26,7 @@ from pathlib import Path
 
 from common.contracts import StartTask, denied_env_key
 from worker_agent.checkpoints import local_path
+from worker_agent.rank_limits import MIB, RankLimits
 
 # Host variables a rank may inherit (plus NCCL_*/UCX_* node tuning).
 HOST_ALLOWLIST = (
@@ -116,8 +117,10 @@ class ProcessRuntime:
         host_env: dict[str, str] | None = None,
         workdir: str | None = None,
         user: tuple[int, int] | None = None,
+        limits: RankLimits | None = None,
     ) -> Launch:
-        """``user``: the supervisor starts the rank as that uid/gid (spec ``user``)."""
+        """``user``: the supervisor starts the rank as that uid/gid (spec ``user``); ``limits``
+        are the supervisor's to apply (spec ``cgroup``, when the agent has cgroups)."""
         env = rank_env(task, progress_file=progress_file, host_env=host_env, workdir=workdir if user else None)
         return Launch(list(task.command), env, [])
 
@@ -147,9 +150,11 @@ class ContainerRuntime:
         host_env: dict[str, str] | None = None,
         workdir: str | None = None,
         user: tuple[int, int] | None = None,
+        limits: RankLimits | None = None,
     ) -> Launch:
         """The container runs as ``user`` (``--user uid:gid``) and sees only its own work dir
-        and checkpoint paths, never the agent's state."""
+        and checkpoint paths, never the agent's state. ``limits``: its share of the node's CPUs,
+        memory (no swap; /dev/shm counts in it) and processes."""
         if not task.image:
             raise ValueError("the container runtime needs StartTask.image")
         # Inside the container the granted GPUs are numbered from 0.
@@ -165,9 +170,19 @@ class ContainerRuntime:
             "--label", f"gpufleet.lease={task.lease_id}",
             "--label", f"gpufleet.job={task.job_id}",
             "--label", f"gpufleet.attempt={task.attempt}",
-            "--network", "host", "--ipc", "host",
+            # host network for NCCL; a private IPC namespace: another tenant's container on the
+            # node must not see this one's /dev/shm or SysV segments (a rank's processes share it)
+            "--network", "host", "--ipc", "private",
+            "--security-opt", "no-new-privileges",
             "--stop-signal", "SIGTERM",
         ]  # fmt: skip
+        if limits is not None:
+            memory = f"{limits.memory_bytes // MIB}m"
+            argv += [
+                "--cpus", f"{limits.cpus:g}",
+                "--memory", memory, "--memory-swap", memory, "--shm-size", memory,
+                "--pids-limit", str(limits.pids),
+            ]  # fmt: skip
         if user is not None:
             argv += ["--user", f"{user[0]}:{user[1]}"]
         if self.engine == "docker":

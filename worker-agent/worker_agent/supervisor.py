@@ -14,8 +14,12 @@ fork + its own session), so the agent can die or restart without touching it:
   ``unconfirmed_kill_s``, SIGTERM then SIGKILL after ``fence_grace_s`` — even if the
   agent is dead;
 * on SIGTERM to the supervisor itself: stops the rank the same way (node shutdown);
-* when the rank exits: SIGKILL to what is left of its group, then writes
-  ``exit.json`` once (state, exit code, signal, latest checkpoint from the rank's
+* with ``spec.cgroup`` (the process runtime's fence, worker_agent.rank_cgroup): makes the
+  rank's cgroups with its share's limits before it starts, and the rank joins them before
+  it drops to its user;
+* when the rank exits: SIGKILL to what is left of its group (and of its cgroups: a process
+  that left the group goes too), says in its stderr when the OOM killer ended it, then
+  writes ``exit.json`` once (state, exit code, signal, latest checkpoint from the rank's
   ``progress.json``).
 
 ``--adopt``: the previous supervisor died while its rank lives on; watch the rank
@@ -39,6 +43,7 @@ from pathlib import Path
 from worker_agent import rank_logs
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within
+from worker_agent.rank_cgroup import RankCgroup
 
 DRAIN_S = 1.0  # after the rank's group is gone: how long to read what a stray process still writes
 
@@ -117,7 +122,8 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
         prev = sf.read_json(lease_dir / sf.SUPERVISOR) or {}
         proc = _Adopted(int(prev["rank_pid"]), prev.get("rank_start"))
         pgid = int(prev.get("pgid") or proc.pid)
-        me.update({k: prev.get(k) for k in ("rank_pid", "rank_start", "pgid", "started_at", "started_clock")})
+        me.update({k: prev.get(k) for k in ("rank_pid", "rank_start", "pgid", "started_at", "started_clock", "cgroup")})
+        cgroup = RankCgroup.from_json(prev["cgroup"]) if prev.get("cgroup") else None
         started_clock = float(prev.get("started_clock") or started_clock)
         sf.write_json_atomic(lease_dir / sf.SUPERVISOR, me)
         relay = rank_logs.Relay(lease_dir, log_max, log_keep)  # reads on where the last one stopped
@@ -131,7 +137,12 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
         ends = rank_logs.make_pipes(lease_dir)
         relay = rank_logs.Relay(lease_dir, log_max, log_keep)
         user = spec.get("user")  # [uid, gid]: the rank runs as that user, files private to it
+        cgroup = None
         try:
+            if spec.get("cgroup"):
+                cgroup = _make_cgroup(spec["cgroup"])
+                me["cgroup"] = cgroup.as_json()  # an adopting supervisor cleans it up
+                sf.write_json_atomic(lease_dir / sf.SUPERVISOR, me)
             proc = subprocess.Popen(
                 spec["argv"],
                 env=spec["env"],
@@ -141,16 +152,20 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
                 stderr=ends["stderr"],
                 start_new_session=True,
                 close_fds=True,
-                user=user[0] if user else None,
-                group=user[1] if user else None,
-                extra_groups=[] if user else None,
-                umask=0o077 if user else -1,
+                **_as_user(user, cgroup),
             )
-        except OSError as e:
+        except (OSError, subprocess.SubprocessError) as e:
             for fd in ends.values():
                 os.close(fd)
-            relay.write("stderr", f"gpufleet: cannot start {spec['argv'][:1]}: {e}\n".encode())
+            what = (
+                f"cannot start {spec['argv'][:1]}"
+                if cgroup is not None or not spec.get("cgroup")
+                else "cannot fence the rank"
+            )
+            relay.write("stderr", f"gpufleet: {what}: {e}\n".encode())
             relay.finish(0.0)
+            if cgroup is not None:
+                cgroup.remove()
             sf.write_json_atomic(
                 lease_dir / sf.EXIT,
                 {
@@ -229,11 +244,25 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
             pass
 
     rc = proc.returncode
-    # Whatever the leader left behind in its group goes too (GPUs must be free).
+    # Whatever the leader left behind in its group goes too (GPUs must be free), and in its
+    # cgroups whatever left the group.
     _killpg(pgid, signal.SIGKILL)
+    oom_kills = 0
+    if cgroup is not None:
+        cgroup.kill_all()
+        oom_kills = cgroup.oom_kills()
+        if oom_kills:
+            limit = (spec.get("cgroup") or {}).get("memory_bytes") or 0
+            relay.write(
+                "stderr",
+                f"gpufleet: the kernel's out-of-memory killer ended {oom_kills} of the rank's processes: it reached"
+                f" its memory limit of {limit / (1 << 30):.1f} GiB (its GPUs' share of the node)\n".encode(),
+            )
     if kill_argv and state is not None:
         _run_quiet(kill_argv)
     relay.finish(DRAIN_S)  # all its output is in the logs before exit.json says it ended
+    if cgroup is not None and not cgroup.remove():
+        _log(f"could not remove the rank's cgroups {cgroup.dirs}")
     progress = sf.read_rank_json(Path(spec["progress"]) if spec.get("progress") else lease_dir / sf.PROGRESS) or {}
     checkpoint = progress.get("checkpoint_uri")
     if "checkpoint_dir" in spec and not (
@@ -259,9 +288,41 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
         "finished_at": time.time(),
         "boot_id": boot_id,
     }
+    if oom_kills:
+        record["oom_kills"] = oom_kills
     sf.write_json_atomic(lease_dir / sf.EXIT, record, fsync=True)
     _log(f"rank exited: {record}")
     return 0
+
+
+def _make_cgroup(c: dict) -> RankCgroup:
+    return RankCgroup.create(
+        c["root"], c["parent"], c["name"], cpus=float(c["cpus"]), memory_bytes=int(c["memory_bytes"]),
+        pids=int(c["pids"]),
+    )  # fmt: skip
+
+
+def _as_user(user: list[int] | None, cgroup: RankCgroup | None) -> dict:
+    """Popen's arguments that start the rank as ``user`` (private files) inside ``cgroup``.
+    With a cgroup the child joins it first, while it may still write there, then drops to
+    the user itself: Popen's own ``user=`` would switch before any hook could run."""
+    if cgroup is None:
+        return {
+            "user": user[0] if user else None,
+            "group": user[1] if user else None,
+            "extra_groups": [] if user else None,
+            "umask": 0o077 if user else -1,
+        }
+
+    def join_then_drop() -> None:
+        cgroup.enter()
+        if user:
+            os.setgroups([])
+            os.setgid(user[1])
+            os.setuid(user[0])
+            os.umask(0o077)
+
+    return {"preexec_fn": join_then_drop}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,134 @@
+"""A rank's share of its node (worker_agent.rank_limits), the container engine's flags that
+carry it, and the cgroup files the process runtime writes for it (a cgroup v2 tree is
+stood in for by a directory here; tests/security/test_rank_fence.py uses the real ones)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.agent.conftest import make_settings, start_task, wait_for
+from worker_agent import rank_cgroup
+from worker_agent import statefiles as sf
+from worker_agent.node import NodeAgent
+from worker_agent.nvml import make_backend
+from worker_agent.rank_limits import RankLimits, node_rank_limits, rank_limits
+from worker_agent.runtime import ContainerRuntime
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    "gpus, node_gpus, cpus, memory_gib, reserved_cpus, reserved_gib, want_cpus, want_memory",
+    [
+        (1, 8, 96, 1024, 2, 8, 11.75, 127 * GIB),  # (96 - 2) / 8 CPUs, (1024 - 8) / 8 GiB
+        (8, 8, 96, 1024, 2, 8, 94, 1016 * GIB),  # the whole node: all but the reserve
+        (3, 8, 96, 1024, 2, 8, 35.25, 381 * GIB),
+        (1, 8, 2, 24, 2, 8, 0.12, 2 * GIB),  # a small host: the reserve takes at most half
+        (1, 4, 64, 512, 0, 0, 16, 128 * GIB),  # nothing reserved
+        (16, 8, 96, 1024, 2, 8, 94, 1016 * GIB),  # more GPUs than the node has: still the node
+    ],
+)
+def test_the_share_is_the_node_less_its_reserve_split_by_gpus(
+    gpus, node_gpus, cpus, memory_gib, reserved_cpus, reserved_gib, want_cpus, want_memory
+):
+    got = rank_limits(
+        gpus=gpus, node_gpus=node_gpus, node_cpus=cpus, node_memory_bytes=memory_gib * GIB,
+        reserved_cpus=reserved_cpus, reserved_memory_bytes=reserved_gib * GIB, pids_max=4096,
+    )  # fmt: skip
+    assert got == RankLimits(cpus=want_cpus, memory_bytes=want_memory, pids=4096)
+
+
+def test_memory_is_whole_mebibytes_and_a_node_without_resources_is_refused():
+    odd = rank_limits(gpus=1, node_gpus=3, node_cpus=1, node_memory_bytes=GIB, reserved_cpus=0,
+                      reserved_memory_bytes=0, pids_max=64)  # fmt: skip
+    assert odd.memory_bytes % MIB == 0 and odd.memory_bytes == 341 * MIB
+    with pytest.raises(ValueError):
+        rank_limits(gpus=1, node_gpus=8, node_cpus=0, node_memory_bytes=GIB, reserved_cpus=0,
+                    reserved_memory_bytes=0, pids_max=64)  # fmt: skip
+
+
+def test_settings_give_the_share_or_none(tmp_path):
+    s = make_settings(tmp_path, agent_node_cpus=34, agent_node_memory_gib=72, agent_node_reserved_cpus=2,
+                      agent_node_reserved_memory_gib=8, agent_rank_pids_max=1000)  # fmt: skip
+    assert node_rank_limits(s, gpus=2, node_gpus=8) == RankLimits(cpus=8.0, memory_bytes=16 * GIB, pids=1000)
+    assert node_rank_limits(s.model_copy(update={"agent_rank_limits": False}), gpus=2, node_gpus=8) is None
+    host = node_rank_limits(make_settings(tmp_path), gpus=8, node_gpus=8)  # this host's CPUs and memory
+    assert host is not None and host.cpus > 0 and host.memory_bytes >= MIB
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize("engine", ["docker", "podman"])
+def test_the_container_carries_its_share_and_a_private_ipc_namespace(engine):
+    t = start_task("n", "lease-9", ["python", "train.py"], gpus=(0, 1))
+    limits = RankLimits(cpus=11.75, memory_bytes=127 * GIB, pids=4096)
+    argv = ContainerRuntime(engine).launch(t, progress_file="/s/rank/progress.json", host_env={}, limits=limits).argv
+    assert flag(argv, "--cpus") == "11.75"
+    assert flag(argv, "--memory") == flag(argv, "--memory-swap") == "130048m"  # no swap beyond it
+    assert flag(argv, "--shm-size") == "130048m"  # /dev/shm is charged to the same memory
+    assert flag(argv, "--pids-limit") == "4096"
+    assert flag(argv, "--ipc") == "private" and flag(argv, "--security-opt") == "no-new-privileges"
+    assert argv.index("--pids-limit") < argv.index("registry/test:1")  # engine flags, not the job's arguments
+    bare = ContainerRuntime(engine).launch(t, progress_file="/s/rank/progress.json", host_env={}).argv
+    assert not {"--cpus", "--memory", "--pids-limit"} & set(bare)
+
+
+async def test_the_node_gives_a_container_its_gpus_share(tmp_path):
+    settings = make_settings(tmp_path, agent_node_cpus=66, agent_node_memory_gib=264, agent_node_reserved_cpus=2,
+                             agent_node_reserved_memory_gib=8, agent_rank_pids_max=2048)  # fmt: skip
+    node = NodeAgent(settings, "node-c", backend=make_backend(settings, "node-c", "simulated"),
+                     runtime=ContainerRuntime("docker"))  # fmt: skip
+    await node.start()
+    try:
+        # no engine here: the rank fails to start (exit 127), after its command line is written
+        res = await node.start_task(start_task("node-c", "lease-c", ["train"], gpus=(4, 5, 6, 7)))
+        assert res.accepted or "start" in res.reason
+        spec = sf.read_json(node.leases["lease-c"].dir / sf.SPEC)
+        assert (flag(spec["argv"], "--cpus"), flag(spec["argv"], "--memory")) == ("32", f"{128 * 1024}m")
+        assert flag(spec["argv"], "--pids-limit") == "2048"
+        assert spec["cgroup"] is None  # the engine fences a container; the supervisor makes no cgroup
+        await wait_for(lambda: not node.leases["lease-c"].live, what="the engine-less rank to end")
+    finally:
+        await node.close()
+
+
+async def test_an_agent_asked_for_cgroups_it_cannot_make_refuses_to_start(tmp_path):
+    settings = make_settings(tmp_path, agent_rank_cgroups=True, agent_cgroup_root=tmp_path / "no-cgroups")
+    node = NodeAgent(settings, "node-x", backend=make_backend(settings, "node-x", "simulated"))
+    with pytest.raises(RuntimeError, match="agent_rank_cgroups is on but ranks cannot be fenced"):
+        await node.start()
+
+
+def fake_v2(tmp_path):
+    root = tmp_path / "cgroup2"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory hugetlb pids rdma misc\n")
+    (root / "cgroup.subtree_control").write_text("cpu memory\n")
+    return root
+
+
+def test_cgroup_v2_limits_and_controllers_down_to_the_parent(tmp_path):
+    root = fake_v2(tmp_path)
+    cg = rank_cgroup.RankCgroup.create(root, "gpufleet/node-1", "lease-1", cpus=2.5, memory_bytes=3 * GIB, pids=500)
+    d = root / "gpufleet" / "node-1" / "lease-1"
+    assert cg.version == 2 and cg.dirs == [d]
+    assert (root / "cgroup.subtree_control").read_text() == "+pids"  # only what was missing
+    for level in (root / "gpufleet", root / "gpufleet" / "node-1"):
+        assert (level / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
+    assert (d / "cpu.max").read_text() == "250000 100000"
+    assert (d / "memory.max").read_text() == str(3 * GIB) and (d / "pids.max").read_text() == "500"
+    (d / "memory.events").write_text("low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\n")
+    assert cg.oom_kills() == 2
+    assert rank_cgroup.RankCgroup.from_json(cg.as_json()).dirs == [d]
+
+
+def test_a_root_without_the_controllers_is_refused(tmp_path):
+    root = fake_v2(tmp_path)
+    (root / "cgroup.controllers").write_text("cpu io\n")
+    with pytest.raises(rank_cgroup.CgroupError, match="memory, pids"):
+        rank_cgroup.hierarchy(root)
+    with pytest.raises(rank_cgroup.CgroupError, match="no v1"):
+        rank_cgroup.hierarchy(tmp_path / "empty")

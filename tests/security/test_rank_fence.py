@@ -1,0 +1,148 @@
+"""A rank is fenced to its share of the node (docs/security.md, "Fencing a rank to its share"):
+under the process runtime with ``agent_rank_cgroups``, the supervisor puts it in its own
+cgroups. Real cgroups here (CI runs as root on a host with them): a rank past its memory
+share is ended by the kernel and says so in its stderr, a process that leaves the rank's
+process group dies with the rank, and nothing is left behind.
+
+The ranks are /bin/sh scripts run as the unprivileged rank user (tests/security/test_rank_isolation.py
+says why)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from common.contracts import StopTask
+from tests.agent.conftest import kill_group_quietly, make_settings, start_task, wait_for
+from worker_agent import exit_cause, rank_cgroup
+from worker_agent import statefiles as sf
+from worker_agent.node import NodeAgent
+from worker_agent.nvml import make_backend
+
+ROOT = Path("/sys/fs/cgroup")
+
+
+def _cgroups_here() -> str:
+    if os.geteuid() != 0:
+        return "the agent must run as root to make cgroups (it does on a GPU node)"
+    try:
+        rank_cgroup.hierarchy(ROOT)
+    except OSError as e:
+        return f"no usable cgroups here: {e}"
+    return ""
+
+
+pytestmark = pytest.mark.skipif(bool(_cgroups_here()), reason=_cgroups_here() or "-")
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def work_root():
+    root = Path(tempfile.mkdtemp(prefix="gpufleet-work-"))
+    root.chmod(0o711)
+    yield root
+    subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+@pytest.fixture
+def parent(tmp_path):
+    """A cgroup parent of this test's own; removed (with anything a failed test left) after it."""
+    name = f"gpufleet-test-{os.getpid()}-{tmp_path.name}"
+    yield name
+    for d in sorted(ROOT.glob(f"**/{name}"), key=lambda p: len(p.parts)):
+        for sub in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            sub.rmdir()
+        d.rmdir()
+
+
+@pytest.fixture
+async def node(tmp_path, work_root, parent):
+    # a 512 MiB, 8-CPU node with nothing reserved: one GPU of eight is 64 MiB and one CPU
+    settings = make_settings(
+        tmp_path, agent_rank_isolation=True, agent_work_dir=work_root, agent_rank_cgroups=True,
+        agent_cgroup_parent=parent, agent_node_memory_gib=0.5, agent_node_cpus=8,
+        agent_node_reserved_memory_gib=0, agent_node_reserved_cpus=0,
+    )  # fmt: skip
+    n = NodeAgent(settings, "node-f", backend=make_backend(settings, "node-f", "simulated"))
+    await n.start()
+    yield n
+    await n.close()
+    for st in n.leases.values():
+        kill_group_quietly(st.pid)
+
+
+async def run_rank(node: NodeAgent, lease_id: str, body: str, **kw):
+    res = await node.start_task(start_task(node.node_id, lease_id, ["/bin/sh", "-c", body], **kw))
+    assert res.accepted, res
+    st = node.leases[lease_id]
+    await wait_for(lambda: st.exit is not None and not st.live, timeout=20, what=f"{lease_id} to exit")
+    return st
+
+
+def rank_dirs(parent: str, lease_id: str) -> list[Path]:
+    return [p for p in ROOT.glob(f"**/{parent}/node-f/{lease_id}")]
+
+
+async def test_a_rank_runs_in_its_own_cgroups_with_its_share(node, parent):
+    st = await run_rank(node, "lease-share", "cat /proc/self/cgroup; id -u", gpus=(0, 1))
+    out = (st.dir / sf.STDOUT).read_text()
+    assert f"/{parent}/node-f/lease-share" in out  # in its cgroups ...
+    assert out.split()[-1] == "65534"  # ... and still its own unprivileged user
+    assert st.exit["exit_code"] == 0
+    spec = sf.read_json(st.dir / sf.SPEC)
+    assert spec["cgroup"]["memory_bytes"] == 128 * MIB and spec["cgroup"]["cpus"] == 2.0  # two GPUs of eight
+    assert rank_dirs(parent, "lease-share") == []  # removed when it ended
+
+
+async def test_a_rank_past_its_memory_share_is_ended_and_says_why(node, parent):
+    # `tail` keeps a line without a newline whole: 300 MiB of zeros against a 64 MiB share
+    st = await run_rank(node, "lease-oom", "head -c 314572800 /dev/zero | tail >/dev/null; echo survived")
+    tail = exit_cause.stderr_tail(st.dir / sf.STDERR)
+    assert "out-of-memory killer" in tail and "0.1 GiB" in tail, tail
+    assert st.exit.get("oom_kills", 0) >= 1
+    assert "survived" not in (st.dir / sf.STDOUT).read_text() or st.exit["oom_kills"] >= 1
+    assert rank_dirs(parent, "lease-oom") == []
+
+
+async def test_a_process_that_leaves_the_group_dies_with_the_rank(node, parent, work_root):
+    # the daemon starts its own session, out of reach of a kill to the rank's process group;
+    # the rank exits once the daemon is in it
+    daemonize = "setsid sh -c 'echo $$ > daemon.pid; exec sleep 300' </dev/null >/dev/null 2>&1 &"
+    st = await run_rank(
+        node, "lease-daemon", daemonize + " while [ ! -s daemon.pid ]; do sleep 0.05; done; cat daemon.pid"
+    )
+    daemon = int((st.dir / sf.STDOUT).read_text().split()[0])
+    assert st.exit["exit_code"] == 0
+    await wait_for(lambda: not sf.process_alive(daemon, None), timeout=5, what="the daemon to die with its rank")
+    assert rank_dirs(parent, "lease-daemon") == []
+
+
+async def test_a_stopped_rank_leaves_no_process_and_no_cgroup(node, parent):
+    res = await node.start_task(start_task("node-f", "lease-stop", ["/bin/sh", "-c", "sleep 300 & sleep 300"]))
+    assert res.accepted
+    assert len(rank_dirs(parent, "lease-stop")) >= 1
+    procs = rank_cgroup.RankCgroup.from_json(sf.read_json(node.leases["lease-stop"].dir / sf.SUPERVISOR)["cgroup"])
+    await wait_for(lambda: len(procs.pids()) >= 3, what="the rank's processes in its cgroup")
+    inside = procs.pids()
+    stop = await node.stop_task(StopTask("lease-stop", 1, "node-f", grace_seconds=0.5, reason="preempted"))
+    assert stop.accepted
+    assert not [p for p in inside if sf.process_alive(p, None)]
+    assert rank_dirs(parent, "lease-stop") == []
+
+
+async def test_an_adopting_supervisor_keeps_the_fence_and_cleans_it_up(node, parent):
+    res = await node.start_task(start_task("node-f", "lease-adopt", ["/bin/sh", "-c", "sleep 300"]))
+    st = node.leases["lease-adopt"]
+    os.kill(st.sup_pid, signal.SIGKILL)  # the supervisor dies; its rank and cgroups live on
+    await wait_for(lambda: (sf.read_json(st.dir / sf.SUPERVISOR) or {}).get("adopted"), what="an adopting supervisor")
+    assert (sf.read_json(st.dir / sf.SUPERVISOR) or {}).get("cgroup")
+    assert len(rank_dirs(parent, "lease-adopt")) >= 1 and sf.process_alive(res.pid, None)
+    stop = await node.stop_task(StopTask("lease-adopt", 1, "node-f", grace_seconds=0.5, reason="done"))
+    assert stop.accepted and not sf.process_alive(res.pid, None)
+    assert rank_dirs(parent, "lease-adopt") == []

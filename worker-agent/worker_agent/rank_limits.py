@@ -1,0 +1,84 @@
+"""A rank's share of its node: CPUs, memory and processes in proportion to its GPUs.
+
+A 1-GPU job beside another team's 7-GPU job on one 8-GPU node must not be able to take
+the node's memory or CPUs from it (docs/security.md, "Fencing a rank to its share"). The
+share is the one Slurm's per-GPU defaults and a Kubernetes GPU node's requests give:
+what the node keeps for itself (the agent, supervisors, the OS) is set aside, and the rest
+is split by GPUs. The container runtime passes it as the engine's flags; under the process
+runtime the supervisor puts the rank in cgroups with it (worker_agent.rank_cgroup).
+
+    limits = rank_limits(gpus=1, node_gpus=8, node_cpus=96, node_memory_bytes=1 << 40,
+                         reserved_cpus=2, reserved_memory_bytes=8 << 30, pids_max=16384)
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class RankLimits:
+    cpus: float  # CPU-seconds per second (a CFS quota), not pinned cores
+    memory_bytes: int  # resident memory, page cache and shared memory together; no swap
+    pids: int  # processes and threads
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def rank_limits(
+    *,
+    gpus: int,
+    node_gpus: int,
+    node_cpus: float,
+    node_memory_bytes: int,
+    reserved_cpus: float,
+    reserved_memory_bytes: int,
+    pids_max: int,
+) -> RankLimits:
+    """The rank's share. The reserve never takes more than half the node (a small host still
+    gives its ranks something); a rank granted every GPU gets all of what is left."""
+    if node_cpus <= 0 or node_memory_bytes <= 0 or pids_max < 1:
+        raise ValueError(
+            f"a node needs CPUs, memory and a process limit ({node_cpus}, {node_memory_bytes}, {pids_max})"
+        )
+    share = min(1.0, max(1, gpus) / max(1, node_gpus))
+    usable_cpus = max(node_cpus - max(0.0, reserved_cpus), node_cpus / 2)
+    usable_memory = max(node_memory_bytes - max(0, reserved_memory_bytes), node_memory_bytes // 2)
+    cpus = max(0.01, round(usable_cpus * share, 2))
+    memory = max(MIB, int(usable_memory * share) // MIB * MIB)  # whole MiB: the engines' unit
+    return RankLimits(cpus=cpus, memory_bytes=memory, pids=int(pids_max))
+
+
+def host_cpus() -> int:
+    """The CPUs this process may run on (a container's or cpuset's, not the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def host_memory_bytes() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+
+
+def node_rank_limits(settings, *, gpus: int, node_gpus: int) -> RankLimits | None:
+    """The share from the agent's settings; None when ``agent_rank_limits`` is off."""
+    if not settings.agent_rank_limits:
+        return None
+    cpus = settings.agent_node_cpus or host_cpus()
+    memory = int(settings.agent_node_memory_gib * (1 << 30)) if settings.agent_node_memory_gib else host_memory_bytes()
+    return rank_limits(
+        gpus=gpus,
+        node_gpus=node_gpus,
+        node_cpus=float(cpus),
+        node_memory_bytes=memory,
+        reserved_cpus=float(settings.agent_node_reserved_cpus),
+        reserved_memory_bytes=int(settings.agent_node_reserved_memory_gib * (1 << 30)),
+        pids_max=int(settings.agent_rank_pids_max),
+    )
