@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -37,6 +38,7 @@ import httpx
 
 from api.errors import ApiError
 from common.settings import Settings
+from common.tls import client_verify
 from proto.auth import lease_log_token, node_log_key
 
 CONNECT_TIMEOUT_S = 5.0
@@ -61,12 +63,14 @@ async def open_agent_log(
     stream: str = "stdout",
     tail: int | None = None,
     fmt: str = "text",
+    verify: ssl.SSLContext | bool = True,
 ) -> AsyncIterator[bytes]:
-    """Open the agent's log stream for one lease; raise ApiError before any byte is sent."""
+    """Open the agent's log stream for one lease; raise ApiError before any byte is sent.
+    ``verify``: an https agent's certificate is checked against it (common.tls.client_verify)."""
     base = agent_addr if agent_addr.startswith(("http://", "https://")) else f"http://{agent_addr}"
     url = f"{base.rstrip('/')}/v1/leases/{quote(lease_id, safe='')}/logs"
     timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=None if follow else READ_TIMEOUT_S)
-    client = httpx.AsyncClient(timeout=timeout)
+    client = httpx.AsyncClient(timeout=timeout, verify=verify)
     try:
         request = client.build_request(
             "GET",
@@ -203,6 +207,8 @@ async def job_log_stream(
     """Open every rank's log (errors raise here, before a 200) and return the response body.
     ``skip``: bytes of the rendered output to leave out (a client resuming a dropped stream)."""
 
+    verify = client_verify(settings)
+
     async def open_one(src: RankSource, follow: bool, tail: int | None) -> AsyncIterator[bytes]:
         return await open_agent_log(
             src.agent_addr,
@@ -213,6 +219,7 @@ async def job_log_stream(
             stream=q.stream,
             tail=tail,
             fmt="ndjson",
+            verify=verify,
         )
 
     bodies = await asyncio.gather(*(open_one(s, False, q.tail) for s in sources), return_exceptions=True)

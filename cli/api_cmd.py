@@ -40,11 +40,17 @@ def serve(
     from common.secrets import require_production_ready
     from common.settings import Settings
     from common.temporal import hard_exit
+    from common.tls import TlsSettingsError, uvicorn_tls
 
     settings = Settings()
     try:
         require_production_ready(settings, "api")
     except PlatformError as e:
+        print(f"error: {e}", file=sys.stderr)
+        hard_exit(2)
+    try:
+        tls = uvicorn_tls(settings)  # {} for plain HTTP
+    except TlsSettingsError as e:
         print(f"error: {e}", file=sys.stderr)
         hard_exit(2)
     host = host or settings.api_host
@@ -60,10 +66,10 @@ def serve(
     code = 0
     try:
         if sock is None:
-            uvicorn.run(app, host=host, port=port, log_level=log_level, proxy_headers=False, server_header=False)
+            uvicorn.run(app, host=host, port=port, log_level=log_level, proxy_headers=False, server_header=False, **tls)
         else:
             config = uvicorn.Config(
-                app, host=host, port=port, log_level=log_level, proxy_headers=False, server_header=False
+                app, host=host, port=port, log_level=log_level, proxy_headers=False, server_header=False, **tls
             )
             server = uvicorn.Server(config)
             server.run(sockets=[sock])

@@ -42,6 +42,7 @@ from common.postgres_failover import FailoverSupervisor
 from common.postgres_pair import PostgresPair
 from common.secrets import role_env
 from common.settings import Principal, Settings
+from common.tls import api_scheme
 from proto.auth import node_credential, node_log_key
 from worker_agent import statefiles as sf
 from worker_agent.rank_access import private_ancestor
@@ -240,21 +241,22 @@ class Platform:
         for name in self.commands:
             self.spawn(name)
         wait_listening({n: p for n, p in self.children.items() if n.startswith("api")}, s.api_port, 60, logs)
+        api = f"{api_scheme(s)}://{s.api_host}:{s.api_port}"
         urls = {
-            "api": f"http://{s.api_host}:{s.api_port}",
-            "api_docs": f"http://{s.api_host}:{s.api_port}/docs",
+            "api": api,
+            "api_docs": f"{api}/docs",
             "temporal": temporal_address,
             "logs": str(logs),
         }
         if self.temporal is not None:
             urls["temporal_ui"] = f"http://127.0.0.1:{s.temporal_ui_port}"
-        urls["ui"] = f"http://{s.api_host}:{s.api_port}/ui"
+        urls["ui"] = f"{api}/ui"
         if self.pair is not None:
             urls["postgres"] = (
                 f"primary {self.pair.primary.name} + synchronous standby {self.pair.standby.name}"
                 f" (failover log: {logs / 'postgres-failover.log'})"
             )
-        self.metrics = {"api": f"http://{s.api_host}:{s.api_port}/metrics"}
+        self.metrics = {"api": f"{api}/metrics"}
         for name, (_, env) in controls.items():
             listen = env.get("GPUFLEET_CONTROL_METRICS_LISTEN")
             self.metrics[name] = (
@@ -262,7 +264,8 @@ class Platform:
                 else f"http://{metrics_host}:{metrics_port}/metrics" if metrics_port
                 else "(a free port: see control.log)"
             )  # fmt: skip
-        self.metrics["agent"] = f"http://{agent_host}:{agent_port}/metrics"
+        agent_scheme = "https" if s.agent_tls_cert_file else "http"
+        self.metrics["agent"] = f"{agent_scheme}://{agent_host}:{agent_port}/metrics"
         self._tokens = tokens
         return urls
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import random
+import ssl
 import sys
 import time
 import uuid
@@ -92,16 +93,26 @@ def resolve(url: str | None, token: str | None) -> tuple[str, str | None]:
         s = Settings()
     except Exception as e:  # an invalid GPUFLEET_* variable: say which, briefly
         raise CliError(f"invalid settings: {str(e).splitlines()[0]}", exit_code=2) from e
-    base = url or s.api_url or f"http://{s.api_host}:{s.api_port}"
+    from common.tls import api_scheme
+
+    base = url or s.api_url or f"{api_scheme(s)}://{s.api_host}:{s.api_port}"
     return base.rstrip("/"), token or s.token
 
 
 class ApiClient:
     """A small synchronous client: retries with backoff for ``retry_s``, one idempotency key per call."""
 
-    def __init__(self, url: str, token: str | None, timeout: float = 30.0, retry_s: float | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        timeout: float = 30.0,
+        retry_s: float | None = None,
+        verify: ssl.SSLContext | bool = True,
+    ) -> None:
         self.url = url
         self.token = token
+        self.verify = verify  # an https API's certificate is checked against this (common.tls.client_verify)
         self.timeout = timeout
         self.retry_s = _default_retry_s() if retry_s is None else retry_s
         self.retries: list[str] = []  # why each retry this client made happened, in order
@@ -142,13 +153,14 @@ class ApiClient:
                 self.retries.append(_why(last))
             attempt += 1
             try:
-                with httpx.Client(timeout=self.timeout) as client:
+                with httpx.Client(timeout=self.timeout, verify=self.verify) as client:
                     r = client.request(
                         method, self.url + path, json=json_body, params=params, headers=self._headers(key)
                     )
             except httpx.UnsupportedProtocol as e:  # a URL no retry can mend
                 raise CliError(f"cannot reach the API at {self.url}: {e}", code="unreachable", exit_code=3) from e
             except httpx.TransportError as e:  # refused, reset, or the process died mid-request
+                _raise_if_untrusted(self.url, e)
                 last = e
                 continue
             if r.status_code in RETRY_STATUSES or (r.status_code == 409 and _code(r) == "idempotency_key_in_flight"):
@@ -168,7 +180,7 @@ class ApiClient:
         while True:
             q = {k: v for k, v in params.items() if v is not None} | {"offset": params.get("offset", 0) + received}
             try:
-                with httpx.Client(timeout=httpx.Timeout(self.timeout, read=None)) as client:
+                with httpx.Client(timeout=httpx.Timeout(self.timeout, read=None), verify=self.verify) as client:
                     with client.stream("GET", self.url + path, params=q, headers=self._headers()) as r:
                         if r.status_code >= 400:
                             r.read()
@@ -178,6 +190,7 @@ class ApiClient:
                             yield chunk
                 return
             except httpx.TransportError as e:
+                _raise_if_untrusted(self.url, e)
                 failures += 1
                 if failures > len(RETRY_DELAYS):
                     raise CliError(f"lost the log stream from {self.url}: {e}", code="unreachable", exit_code=3) from e
@@ -230,7 +243,36 @@ def _run(fn, *args: Any, **kwargs: Any) -> Any:
 
 def _client(url: str | None, token: str | None) -> ApiClient:
     base, tok = _run(resolve, url, token)
-    return ApiClient(base, tok, retry_s=_retry_s())
+    return ApiClient(base, tok, retry_s=_retry_s(), verify=_run(_verify))
+
+
+def _verify() -> ssl.SSLContext | bool:
+    """The CA an https API is checked against (tls_ca_file; unset or unloadable settings: the system's)."""
+    from common.settings import Settings
+    from common.tls import client_verify
+
+    try:
+        s = Settings()
+    except Exception:
+        return True
+    try:
+        return client_verify(s)
+    except (OSError, ssl.SSLError) as e:
+        raise CliError(f"cannot load tls_ca_file {s.tls_ca_file}: {e}", exit_code=2) from e
+
+
+def _raise_if_untrusted(url: str, e: Exception) -> None:
+    """A certificate this client does not trust is no outage: say so now instead of retrying."""
+    cause: BaseException | None = e
+    while cause is not None:
+        if isinstance(cause, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(cause):
+            raise CliError(
+                f"the API at {url} presented a certificate this client does not trust ({cause});"
+                " set GPUFLEET_TLS_CA_FILE to the platform's CA",
+                code="untrusted_certificate",
+                exit_code=3,
+            ) from e
+        cause = cause.__cause__ or cause.__context__
 
 
 def _retry_s() -> float:

@@ -134,6 +134,13 @@ class Settings(BaseSettings):
     )
     control_grpc_host: str = Field("127.0.0.1", description="control gRPC listen address (agent heartbeats)")
     control_grpc_port: int = Field(50051, description="control gRPC listen port")
+    control_tls: bool = Field(
+        False,
+        description="agents and control speak TLS on the gRPC link (control serves control_tls_cert_file; agents"
+        " check it against tls_ca_file)",
+    )
+    control_tls_cert_file: Path | None = Field(None, description="control's gRPC certificate (PEM, with its chain)")
+    control_tls_key_file: Path | None = Field(None, description="the key of control_tls_cert_file (PEM)")
     control_addresses: list[str] = Field(
         default_factory=lambda: ["127.0.0.1:50051"], description="every control gRPC address, for agents"
     )
@@ -461,7 +468,25 @@ class Settings(BaseSettings):
         description="the API's key for the short-lived per-lease log tokens; each node gets a key derived from it",
     )
     log_token_ttl_s: float = Field(60.0, gt=0, description="how long a per-lease log token is valid")
-    api_url: str | None = Field(None, description="where the CLI reaches the API; unset = http://api_host:api_port")
+    api_url: str | None = Field(
+        None,
+        description="where the CLI reaches the API; unset = http://api_host:api_port (https:// with api_tls_cert_file)",
+    )
+    api_tls_cert_file: Path | None = Field(
+        None, description="the API serves HTTPS with this certificate (PEM, with its chain); unset: plain HTTP"
+    )
+    api_tls_key_file: Path | None = Field(None, description="the key of api_tls_cert_file (PEM)")
+    agent_tls_cert_file: Path | None = Field(
+        None,
+        description="an agent serves rank logs over HTTPS with this certificate (PEM; its name must be the host it"
+        " advertises) and advertises https://; unset: plain HTTP",
+    )
+    agent_tls_key_file: Path | None = Field(None, description="the key of agent_tls_cert_file (PEM)")
+    tls_ca_file: Path | None = Field(
+        None,
+        description="the CA the platform's clients check its servers' certificates against (the CLI the API's, the"
+        " API agents', agents control's); unset: the system's trust store",
+    )
     token: str | None = Field(None, description="the CLI's bearer token")
     client_retry_s: float = Field(
         30.0,

@@ -69,6 +69,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import grpc
 
 from common.contracts import TaskStatus
+from common.tls import grpc_server_credentials
 from control.agent_link import AuthFailure, HeartbeatTable, NodeHeartbeat, ReportRefused
 from proto import agent_pb2 as pb
 from proto import agent_pb2_grpc as pbg
@@ -149,7 +150,9 @@ class HeartbeatServer:
         """Bind and serve; returns ``host:port`` (the bound port when ``port`` is 0)."""
         server = grpc.aio.server(options=SERVER_OPTIONS)
         pbg.add_ControlLinkServicer_to_server(_Servicer(self), server)
-        bound = server.add_insecure_port(f"{self.host}:{self.port}")
+        creds = grpc_server_credentials(self.settings)  # control_tls: TLS, else plain text
+        addr = f"{self.host}:{self.port}"
+        bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
         if not bound:
             raise OSError(f"cannot listen on {self.host}:{self.port} (GPUFLEET_CONTROL_GRPC_PORT)")
         await server.start()

@@ -58,6 +58,7 @@ import time
 
 import grpc
 
+from common.tls import grpc_channel_credentials
 from proto import agent_pb2 as pb
 from proto import agent_pb2_grpc as pbg
 from proto.auth import CONTROL_BUSY, node_credential, node_metadata
@@ -113,6 +114,7 @@ class ControlLink:
         # the rotation skips a failed address this long at least: a leader's lease lifetime
         self.lease_s = float(settings.leader_ttl_s)
         self.options = channel_options(settings, own_connection=own_connection)
+        self.credentials = grpc_channel_credentials(settings)
         self.connected_to: str | None = None  # the leader we are streaming to, when acknowledged
         self.acks = 0
         self.last_ack_at: float | None = None
@@ -241,7 +243,11 @@ class ControlLink:
         node = self.node
         channel = self._channels.get(addr)
         if channel is None:
-            channel = self._channels[addr] = grpc.aio.insecure_channel(addr, options=self.options)
+            if self.credentials is not None:  # control_tls: the server's certificate is checked
+                channel = grpc.aio.secure_channel(addr, self.credentials, options=self.options)
+            else:
+                channel = grpc.aio.insecure_channel(addr, options=self.options)
+            self._channels[addr] = channel
         try:
             await asyncio.wait_for(channel.channel_ready(), self.connect_timeout)
         except TimeoutError:

@@ -41,6 +41,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from common.tls import server_context
 from proto.auth import check_lease_log_token, node_log_key
 from worker_agent import rank_logs
 from worker_agent.metrics import AgentMetrics
@@ -81,11 +82,20 @@ class LogHttpServer:
         self.server: asyncio.base_events.Server | None = None
 
     async def start(self, listen: str) -> str:
+        """Listen; returns the address to advertise (``https://host:port`` with agent_tls_cert_file)."""
         host, _, port = listen.rpartition(":")
         host = host.strip("[]")
-        self.server = await asyncio.start_server(self._handle, host or "0.0.0.0", int(port), limit=MAX_HEADER_BYTES)
+        tls = server_context(
+            self.settings.agent_tls_cert_file,
+            self.settings.agent_tls_key_file,
+            "agent_tls_cert_file/agent_tls_key_file",
+        )
+        self.server = await asyncio.start_server(
+            self._handle, host or "0.0.0.0", int(port), limit=MAX_HEADER_BYTES, ssl=tls,
+            ssl_handshake_timeout=HEADER_TIMEOUT_S if tls else None,
+        )  # fmt: skip
         bound = self.server.sockets[0].getsockname()[1]
-        return advertised(host, bound)
+        return ("https://" if tls else "") + advertised(host, bound)
 
     async def stop(self) -> None:
         if self.server is not None:
