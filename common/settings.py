@@ -107,6 +107,19 @@ class Settings(BaseSettings):
     database_url: str | None = Field(None, description="external Postgres; unset = embedded pgserver")
     temporal_address: str | None = Field(None, description="external Temporal frontend; unset = embedded dev server")
     temporal_namespace: str = Field("default", description="Temporal namespace")
+    temporal_tls: bool = Field(
+        False, description="connect to Temporal over TLS (Temporal Cloud, or a frontend with its own certificate)"
+    )
+    temporal_tls_ca_file: Path | None = Field(
+        None, description="the CA Temporal's certificate is checked against (unset: the system's trust store)"
+    )
+    temporal_tls_cert_file: Path | None = Field(
+        None, description="a client certificate for mutual TLS with Temporal (PEM, with its chain; Cloud's mTLS)"
+    )
+    temporal_tls_key_file: Path | None = Field(None, description="the key of temporal_tls_cert_file (PEM)")
+    temporal_tls_server_name: str | None = Field(
+        None, description="the name Temporal's certificate must carry, when not the address's host"
+    )
     temporal_port: int = Field(7233, description="embedded Temporal dev server frontend port")
     temporal_ui_port: int = Field(8233, description="embedded Temporal Web UI port")
     db_pool_min: int = Field(1, description="asyncpg pool minimum connections")

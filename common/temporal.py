@@ -61,7 +61,11 @@ TEMPORAL_UNREACHABLE: tuple[type[BaseException], ...] = (RuntimeError, OSError, 
 
 async def connect(settings: Settings, address: str | None = None) -> Client:
     target = address or settings.temporal_address or f"127.0.0.1:{settings.temporal_port}"
-    return await Client.connect(target, namespace=settings.temporal_namespace, data_converter=DATA_CONVERTER)
+    from common.tls import temporal_tls
+
+    return await Client.connect(
+        target, namespace=settings.temporal_namespace, data_converter=DATA_CONVERTER, tls=temporal_tls(settings)
+    )
 
 
 async def connect_when_reachable(settings: Settings, log: logging.Logger) -> Client:

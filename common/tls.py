@@ -10,6 +10,12 @@
 A client checks the server's certificate (and its name) against ``tls_ca_file``, or the
 system's trust store when it is unset. Unset certificates mean plain text, as on ``make up``
 (everything on 127.0.0.1) or behind a TLS-terminating proxy or mesh.
+
+Every process's client to Temporal: ``temporal_tls``, checked against
+``temporal_tls_ca_file`` (Temporal's CA is not necessarily the platform's), with a client
+certificate for mutual TLS where Temporal asks for one (``temporal_tls_cert_file``).
+
+A private key file must be readable by its owner alone (as secret files are: common.secrets).
 """
 
 from __future__ import annotations
@@ -29,6 +35,12 @@ def _pair(cert: Path | None, key: Path | None, what: str) -> tuple[Path, Path] |
         return None
     if cert is None or key is None:
         raise TlsSettingsError(f"{what}: a certificate needs its key and a key its certificate")
+    try:
+        mode = Path(key).stat().st_mode
+    except OSError as e:
+        raise TlsSettingsError(f"{what}: cannot read {key}: {e.strerror or e}") from e
+    if mode & 0o077:
+        raise TlsSettingsError(f"{what}: {key} is readable by others (mode {mode & 0o777:o}): chmod 600 it")
     return Path(cert), Path(key)
 
 
@@ -97,3 +109,23 @@ def grpc_channel_credentials(settings):
 
     roots = Path(settings.tls_ca_file).read_bytes() if settings.tls_ca_file else None
     return grpc.ssl_channel_credentials(root_certificates=roots)
+
+
+def temporal_tls(settings):
+    """``Client.connect``'s ``tls``: a TLSConfig with ``temporal_tls``, else False (plain text)."""
+    if not settings.temporal_tls:
+        return False
+    from temporalio.service import TLSConfig
+
+    pair = _pair(settings.temporal_tls_cert_file, settings.temporal_tls_key_file, "temporal_tls_cert_file/_key_file")
+    try:
+        return TLSConfig(
+            server_root_ca_cert=Path(settings.temporal_tls_ca_file).read_bytes()
+            if settings.temporal_tls_ca_file
+            else None,
+            client_cert=pair[0].read_bytes() if pair else None,
+            client_private_key=pair[1].read_bytes() if pair else None,
+            domain=settings.temporal_tls_server_name,
+        )
+    except OSError as e:
+        raise TlsSettingsError(f"temporal_tls: cannot read {e.filename}: {e.strerror or e}") from e

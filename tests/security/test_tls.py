@@ -9,6 +9,7 @@ Certificates come from ``trustme`` (a throwaway CA, made per test)."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 import subprocess
 import time
 import uuid
@@ -167,8 +168,95 @@ def test_a_certificate_without_its_key_is_a_settings_error(tmp_path):
     with pytest.raises(TlsSettingsError, match="control_tls needs"):
         grpc_server_credentials(Settings(control_tls=True))
     assert uvicorn_tls(Settings()) == {} and grpc_server_credentials(Settings()) is None
-    unique = uuid.uuid4().hex
-    bad_key = tmp_path / f"{unique}.key"
+    bad_key = tmp_path / f"{uuid.uuid4().hex}.key"
     bad_key.write_text("not a key")
+    with pytest.raises(TlsSettingsError, match="readable by others"):  # a private key is its owner's alone
+        uvicorn_tls(Settings(api_tls_cert_file=cert, api_tls_key_file=bad_key))
+    bad_key.chmod(0o600)
     with pytest.raises(TlsSettingsError, match="cannot load"):
         uvicorn_tls(Settings(api_tls_cert_file=cert, api_tls_key_file=bad_key))
+
+
+# --- Temporal ---------------------------------------------------------------------------------
+
+
+async def tls_front(target: str, ctx: ssl.SSLContext) -> asyncio.base_events.Server:
+    """A TLS-terminating front for the embedded Temporal dev server (which has no TLS of its own),
+    as a Temporal frontend with a certificate, or Temporal Cloud, looks to a client."""
+    host, _, port = target.rpartition(":")
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0, ssl=ctx)
+
+
+def front_context(tmp_path, ca: trustme.CA, client_ca: trustme.CA | None = None) -> ssl.SSLContext:
+    cert, key = pem_files(tmp_path, ca, f"temporal-{uuid.uuid4().hex[:6]}")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(str(cert), str(key))
+    ctx.set_alpn_protocols(["h2"])  # gRPC
+    if client_ca is not None:  # mutual TLS: a client certificate from client_ca or no session
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        client_ca.configure_trust(ctx)
+    return ctx
+
+
+async def reaches(settings) -> bool:
+    from common.temporal import connect
+
+    try:
+        client = await asyncio.wait_for(connect(settings), 30)
+        return await asyncio.wait_for(client.service_client.check_health(), 30)
+    except (RuntimeError, OSError, TimeoutError):
+        return False
+
+
+async def test_temporal_over_tls_checks_its_certificate(temporal_env, tmp_path):
+    from common.settings import Settings
+
+    ca = trustme.CA()
+    ca_file = tmp_path / "temporal-ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    front = await tls_front(temporal_env.client.service_client.config.target_host, front_context(tmp_path, ca))
+    address = f"127.0.0.1:{front.sockets[0].getsockname()[1]}"
+    try:
+        base = Settings(temporal_address=address, temporal_tls=True, temporal_tls_ca_file=ca_file)
+        assert await reaches(base)
+        assert not await reaches(base.model_copy(update={"temporal_tls_ca_file": None}))  # not the system's CA
+        assert not await reaches(base.model_copy(update={"temporal_tls": False}))  # plain text to a TLS port
+    finally:
+        front.close()
+
+
+async def test_temporal_with_mutual_tls_needs_the_client_certificate(temporal_env, tmp_path):
+    from common.settings import Settings
+
+    server_ca, client_ca = trustme.CA(), trustme.CA()
+    ca_file = tmp_path / "temporal-ca.pem"
+    server_ca.cert_pem.write_to_path(str(ca_file))
+    cert, key = pem_files(tmp_path, client_ca, "temporal-client")
+    ctx = front_context(tmp_path, server_ca, client_ca=client_ca)
+    front = await tls_front(temporal_env.client.service_client.config.target_host, ctx)
+    address = f"127.0.0.1:{front.sockets[0].getsockname()[1]}"
+    try:
+        base = Settings(temporal_address=address, temporal_tls=True, temporal_tls_ca_file=ca_file)
+        assert await reaches(base.model_copy(update={"temporal_tls_cert_file": cert, "temporal_tls_key_file": key}))
+        assert not await reaches(base)  # no client certificate: no session
+    finally:
+        front.close()
