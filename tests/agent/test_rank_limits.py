@@ -72,6 +72,9 @@ def test_the_container_carries_its_share_and_a_private_ipc_namespace(engine):
     assert flag(argv, "--pids-limit") == "4096"
     assert flag(argv, "--ipc") == "private" and flag(argv, "--security-opt") == "no-new-privileges"
     assert argv.index("--pids-limit") < argv.index("registry/test:1")  # engine flags, not the job's arguments
+    launch = ContainerRuntime(engine).launch(t, progress_file="/s/rank/progress.json", host_env={}, limits=limits)
+    assert (launch.env["GPUFLEET_CPUS"], launch.env["GPUFLEET_MEMORY_BYTES"]) == ("11.75", str(127 * GIB))
+    assert {"GPUFLEET_CPUS", "GPUFLEET_MEMORY_BYTES"} <= {argv[i + 1] for i, a in enumerate(argv) if a == "-e"}
     bare = ContainerRuntime(engine).launch(t, progress_file="/s/rank/progress.json", host_env={}).argv
     assert not {"--cpus", "--memory", "--pids-limit"} & set(bare)
 

@@ -90,10 +90,11 @@ def rank_dirs(parent: str, lease_id: str) -> list[Path]:
 
 
 async def test_a_rank_runs_in_its_own_cgroups_with_its_share(node, parent):
-    st = await run_rank(node, "lease-share", "cat /proc/self/cgroup; id -u", gpus=(0, 1))
+    st = await run_rank(node, "lease-share", 'cat /proc/self/cgroup; echo "$GPUFLEET_CPUS"; id -u', gpus=(0, 1))
     out = (st.dir / sf.STDOUT).read_text()
     assert f"/{parent}/node-f/lease-share" in out  # in its cgroups ...
     assert out.split()[-1] == "65534"  # ... and still its own unprivileged user
+    assert out.split()[-2] == "2"  # told its share
     assert st.exit["exit_code"] == 0
     spec = sf.read_json(st.dir / sf.SPEC)
     assert spec["cgroup"]["memory_bytes"] == 128 * MIB and spec["cgroup"]["cpus"] == 2.0  # two GPUs of eight

@@ -10,7 +10,8 @@ The rank's environment is built from an allowlist of the host's harmless
 variables, the job's own ``env`` (without what ``common.contracts.denied_env_key``
 names: loader and interpreter hooks, the platform's variables), and ours
 (torchrun-compatible ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``; ``GPUFLEET_*`` job variables). Nothing of the agent's configuration
+``MASTER_PORT``; ``GPUFLEET_*`` job variables, with the rank's share of the node's CPUs and
+memory when it has one). Nothing of the agent's configuration
 or credentials reaches it: no ``GPUFLEET_*`` setting and nothing that looks like a
 secret. An isolated rank (``workdir`` given) gets the smaller ``ISOLATED_ALLOWLIST``
 of the host's variables, and its work dir as ``HOME`` and ``TMPDIR``.
@@ -59,6 +60,7 @@ def rank_env(
     host_env: dict[str, str] | None = None,
     visible_devices: list[int] | None = None,
     workdir: str | None = None,
+    limits: RankLimits | None = None,
 ) -> dict[str, str]:
     host = os.environ if host_env is None else host_env
     allow = ISOLATED_ALLOWLIST if workdir else HOST_ALLOWLIST
@@ -93,6 +95,9 @@ def rank_env(
     )
     if task.resume_from:
         env["GPUFLEET_RESUME_FROM"] = task.resume_from
+    if limits is not None:  # its share of the node: size worker pools by this, not os.cpu_count()
+        env["GPUFLEET_CPUS"] = f"{limits.cpus:g}"
+        env["GPUFLEET_MEMORY_BYTES"] = str(limits.memory_bytes)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -121,7 +126,9 @@ class ProcessRuntime:
     ) -> Launch:
         """``user``: the supervisor starts the rank as that uid/gid (spec ``user``); ``limits``
         are the supervisor's to apply (spec ``cgroup``, when the agent has cgroups)."""
-        env = rank_env(task, progress_file=progress_file, host_env=host_env, workdir=workdir if user else None)
+        env = rank_env(
+            task, progress_file=progress_file, host_env=host_env, workdir=workdir if user else None, limits=limits
+        )
         return Launch(list(task.command), env, [])
 
     def cached_images(self) -> list[str]:
@@ -159,8 +166,9 @@ class ContainerRuntime:
             raise ValueError("the container runtime needs StartTask.image")
         # Inside the container the granted GPUs are numbered from 0.
         inner = rank_env(
-            task, progress_file=progress_file, host_env=host_env, visible_devices=list(range(len(task.gpu_indices)))
-        )
+            task, progress_file=progress_file, host_env=host_env, visible_devices=list(range(len(task.gpu_indices))),
+            limits=limits,
+        )  # fmt: skip
         for k in ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "PYTHONPATH", "LD_LIBRARY_PATH", "TMPDIR"):
             inner.pop(k, None)  # the image's own
         name = self.container_name(task)
