@@ -383,9 +383,9 @@ class Settings(BaseSettings):
     )
     agent_rank_limits: bool = Field(
         True,
-        description="fence each rank to its share of the node: CPUs, memory and processes in proportion to its"
-        " GPUs, after the node's reserve (the container engine's flags; cgroups under the process runtime when"
-        " agent_rank_cgroups)",
+        description="fence each rank to its share of the node: CPUs, memory, processes and work-dir disk in"
+        " proportion to its GPUs, after the node's reserve (the container engine's flags, or cgroups under the"
+        " process runtime when agent_rank_cgroups; disk measured by the rank's supervisor)",
     )
     agent_rank_cgroups: bool = Field(
         False,
@@ -413,6 +413,18 @@ class Settings(BaseSettings):
         8.0, ge=0, description="memory kept for the agent, the supervisors and the OS before ranks share the rest"
     )
     agent_rank_pids_max: int = Field(16384, ge=64, description="processes and threads one rank may have at once")
+    agent_node_disk_gib: float | None = Field(
+        None, gt=0, description="the disk ranks' work dirs share (unset: the size of their filesystem)"
+    )
+    agent_node_reserved_disk_gib: float = Field(
+        100.0, ge=0, description="disk of the work dirs' filesystem kept for images, logs and the OS"
+    )
+    agent_rank_disk_check_s: float = Field(
+        30.0,
+        gt=0,
+        description="how often a rank's supervisor measures its work dir; a rank past its disk share is ended"
+        " (SIGTERM, then SIGKILL after agent_fence_grace_s) and its stderr says why",
+    )
     agent_work_dir: Path | None = Field(
         None, description="where ranks' working dirs live, outside the agent's state (unset: <state_dir>/work)"
     )

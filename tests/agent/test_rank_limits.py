@@ -1,16 +1,20 @@
 """A rank's share of its node (worker_agent.rank_limits), the container engine's flags that
-carry it, and the cgroup files the process runtime writes for it (a cgroup v2 tree is
-stood in for by a directory here; tests/security/test_rank_fence.py uses the real ones)."""
+carry it, the cgroup files the process runtime writes for it (a cgroup v2 tree is stood in
+for by a directory here; tests/security/test_rank_fence.py uses the real ones), and the
+work-dir disk share its supervisor measures (worker_agent.rank_disk)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from tests.agent.conftest import make_settings, start_task, wait_for
-from worker_agent import rank_cgroup
+from tests.agent.conftest import kill_group_quietly, make_settings, start_task, wait_for
+from worker_agent import exit_cause, rank_cgroup
 from worker_agent import statefiles as sf
 from worker_agent.node import NodeAgent
 from worker_agent.nvml import make_backend
+from worker_agent.rank_disk import dir_bytes
 from worker_agent.rank_limits import RankLimits, node_rank_limits, rank_limits
 from worker_agent.runtime import ContainerRuntime
 
@@ -135,3 +139,58 @@ def test_a_root_without_the_controllers_is_refused(tmp_path):
         rank_cgroup.hierarchy(root)
     with pytest.raises(rank_cgroup.CgroupError, match="no v1"):
         rank_cgroup.hierarchy(tmp_path / "empty")
+
+
+# --- disk: the work dir's share, measured by the rank's supervisor -----------------------------
+
+
+def test_the_disk_share_is_the_work_dirs_filesystem_less_its_reserve():
+    got = rank_limits(
+        gpus=1, node_gpus=8, node_cpus=96, node_memory_bytes=1024 * GIB, reserved_cpus=2,
+        reserved_memory_bytes=8 * GIB, pids_max=4096, node_disk_bytes=3584 * GIB, reserved_disk_bytes=100 * GIB,
+    )  # fmt: skip
+    assert got.disk_bytes == 3484 * GIB // 8
+    small = rank_limits(gpus=8, node_gpus=8, node_cpus=2, node_memory_bytes=GIB, reserved_cpus=0,
+                        reserved_memory_bytes=0, pids_max=64, node_disk_bytes=60 * GIB,
+                        reserved_disk_bytes=100 * GIB)  # fmt: skip
+    assert small.disk_bytes == 30 * GIB  # the reserve takes at most half
+
+
+def test_dir_bytes_counts_blocks_once_and_follows_no_link(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a").write_bytes(b"x" * (2 * MIB))
+    os.link(tmp_path / "sub" / "a", tmp_path / "a-again")  # a hard link is the same blocks
+    os.symlink("/usr", tmp_path / "usr")  # not followed
+    with open(tmp_path / "sparse", "wb") as f:
+        f.truncate(1 << 30)  # a 1-GiB hole holds nothing
+    used = dir_bytes(tmp_path)
+    assert 2 * MIB <= used < 2 * MIB + 64 * 1024
+    assert dir_bytes(tmp_path, stop_above=MIB) > MIB  # known to be past it, early
+
+
+async def test_a_rank_past_its_disk_share_is_ended_and_says_why(tmp_path):
+    # 64 MiB for the node's work dirs, nothing reserved: one GPU of eight may hold 8 MiB
+    settings = make_settings(tmp_path, agent_node_disk_gib=0.0625, agent_node_reserved_disk_gib=0,
+                             agent_rank_disk_check_s=0.1)  # fmt: skip
+    node = NodeAgent(settings, "node-d", backend=make_backend(settings, "node-d", "simulated"))
+    await node.start()
+    try:
+        hog = "head -c 20971520 /dev/zero > big; echo wrote; sleep 60"
+        small = "head -c 1048576 /dev/zero > small; sleep 0.5; echo done"
+        for lease, body, gpu in (("lease-hog", hog, 0), ("lease-small", small, 1)):
+            res = await node.start_task(start_task("node-d", lease, ["/bin/sh", "-c", body], gpus=(gpu,)))
+            assert res.accepted, res
+        for lease in ("lease-hog", "lease-small"):
+            await wait_for(lambda lease=lease: not node.leases[lease].live, timeout=20, what=f"{lease} to end")
+        hog_st, small_st = node.leases["lease-hog"], node.leases["lease-small"]
+        assert hog_st.exit["state"] == "EXITED" and hog_st.exit["exit_code"] != 0  # a failure, not a preemption
+        assert hog_st.exit["disk_exceeded"]["limit_bytes"] == 8 * MIB
+        assert hog_st.exit["disk_exceeded"]["used_bytes"] > 8 * MIB
+        assert "more than its disk share of 0.01 GiB" in exit_cause.stderr_tail(hog_st.dir / sf.STDERR)
+        assert small_st.exit["exit_code"] == 0 and "disk_exceeded" not in small_st.exit
+        spec = sf.read_json(small_st.dir / sf.SPEC)
+        assert spec["env"]["GPUFLEET_DISK_BYTES"] == str(8 * MIB)
+    finally:
+        await node.close()
+        for st in node.leases.values():
+            kill_group_quietly(st.pid)

@@ -60,7 +60,8 @@ async def test_rank_sees_its_environment_and_no_agent_credentials(node, tmp_path
     assert not leaked, leaked
     assert not [k for k in env if k.startswith("GPUFLEET_") and k not in (
         "GPUFLEET_JOB_ID", "GPUFLEET_ATTEMPT", "GPUFLEET_LEASE_ID", "GPUFLEET_CHECKPOINT_DIR",
-        "GPUFLEET_RESUME_FROM", "GPUFLEET_PROGRESS_FILE", "GPUFLEET_CPUS", "GPUFLEET_MEMORY_BYTES")]  # fmt: skip
+        "GPUFLEET_RESUME_FROM", "GPUFLEET_PROGRESS_FILE", "GPUFLEET_CPUS", "GPUFLEET_MEMORY_BYTES",
+        "GPUFLEET_DISK_BYTES")]  # fmt: skip
     assert float(env["GPUFLEET_CPUS"]) > 0 and int(env["GPUFLEET_MEMORY_BYTES"]) > 0  # its share of the node
     assert node.leases["lease-env"].exit["exit_code"] == 0
 

@@ -384,7 +384,7 @@ class NodeAgent:
                 return refuse(f"cannot prepare the rank's dirs: {e}")
             progress_file = str(work / "progress.json")
             try:
-                limits = node_rank_limits(self.settings, gpus=len(req.gpu_indices), node_gpus=n)
+                limits = node_rank_limits(self.settings, gpus=len(req.gpu_indices), node_gpus=n, work_dir=self.work_dir)
                 launch = self.runtime.launch(
                     req, progress_file=progress_file, host_env=self.host_env, workdir=str(work), user=user,
                     limits=limits,
@@ -420,6 +420,11 @@ class NodeAgent:
                     "boot_id": self.boot_id,
                     "image": req.image,
                     "cgroup": cgroup,
+                    "disk": (
+                        {"limit_bytes": limits.disk_bytes, "check_s": float(self.settings.agent_rank_disk_check_s)}
+                        if limits is not None and limits.disk_bytes
+                        else None
+                    ),
                 },
             )
             now = sf.boot_clock()

@@ -98,6 +98,8 @@ def rank_env(
     if limits is not None:  # its share of the node: size worker pools by this, not os.cpu_count()
         env["GPUFLEET_CPUS"] = f"{limits.cpus:g}"
         env["GPUFLEET_MEMORY_BYTES"] = str(limits.memory_bytes)
+        if limits.disk_bytes:
+            env["GPUFLEET_DISK_BYTES"] = str(limits.disk_bytes)  # in its work dir ($HOME, $TMPDIR)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

@@ -17,6 +17,8 @@ fork + its own session), so the agent can die or restart without touching it:
 * with ``spec.cgroup`` (the process runtime's fence, worker_agent.rank_cgroup): makes the
   rank's cgroups with its share's limits before it starts, and the rank joins them before
   it drops to its user;
+* with ``spec.disk``: every ``check_s`` measures the rank's work dir, and ends a rank past
+  its disk share (SIGTERM, SIGKILL after ``fence_grace_s``), saying so in its stderr;
 * when the rank exits: SIGKILL to what is left of its group (and of its cgroups: a process
   that left the group goes too), says in its stderr when the OOM killer ended it, then
   writes ``exit.json`` once (state, exit code, signal, latest checkpoint from the rank's
@@ -40,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from worker_agent import rank_logs
+from worker_agent import rank_disk, rank_logs
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within
 from worker_agent.rank_cgroup import RankCgroup
@@ -195,6 +197,10 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
         sf.write_json_atomic(lease_dir / sf.SUPERVISOR, me)
         _log(f"started rank pid {proc.pid}: {spec['argv'][:4]}")
 
+    disk = spec.get("disk") or None  # {"limit_bytes", "check_s"}: the rank's work-dir share
+    disk_at = sf.boot_clock() + float(disk["check_s"]) if disk else None
+    over_disk: dict | None = None  # what it held when it went past its share
+    work = spec.get("cwd") or str(lease_dir / sf.RANK_DIR)
     state = None  # why we are ending it: STOPPED | FENCED
     stop_epoch = None
     reason = ""
@@ -205,7 +211,22 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
 
     while proc.poll() is None:
         now = sf.boot_clock()
-        if state is None:
+        if disk and state is None and over_disk is None and disk_at is not None and now >= disk_at:
+            limit = int(disk["limit_bytes"])
+            used = rank_disk.dir_bytes(work, stop_above=limit)
+            now = sf.boot_clock()  # a large dir takes a while
+            disk_at = now + float(disk["check_s"])
+            if used > limit:
+                over_disk = {"used_bytes": used, "limit_bytes": limit}
+                kill_at = now + fence_grace_s
+                relay.write(
+                    "stderr",
+                    f"gpufleet: the rank's work dir holds more than its disk share of {limit / (1 << 30):.2f} GiB"
+                    f" (its GPUs' share of the node; {used / (1 << 30):.2f} GiB counted): ending it\n".encode(),
+                )
+                _log(f"work dir past its disk share ({used} > {limit} bytes): SIGTERM")
+                _killpg(pgid, signal.SIGTERM)
+        if state is None and over_disk is None:
             stop = sf.read_json(stop_path) if stop_path.exists() else None
             if stop is not None:
                 state, stop_epoch, reason = "STOPPED", stop.get("epoch"), stop.get("reason", "")
@@ -290,6 +311,8 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
     }
     if oom_kills:
         record["oom_kills"] = oom_kills
+    if over_disk:
+        record["disk_exceeded"] = over_disk
     sf.write_json_atomic(lease_dir / sf.EXIT, record, fsync=True)
     _log(f"rank exited: {record}")
     return 0
