@@ -19,6 +19,7 @@ import pytest
 
 from common.contracts import StopTask
 from tests.agent.conftest import kill_group_quietly, make_settings, start_task, wait_for
+from tests.security.conftest import run_sh_rank
 from worker_agent import statefiles as sf
 from worker_agent.node import NodeAgent
 from worker_agent.nvml import make_backend
@@ -29,15 +30,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 SECRET = "tok-secret-6b1f0e"  # in the agent's and the control plane's environments
-
-
-@pytest.fixture
-def work_root():
-    """Ranks' work dirs outside pytest's tmp (private to root), reachable by the rank's user."""
-    root = Path(tempfile.mkdtemp(prefix="gpufleet-work-"))
-    root.chmod(0o711)
-    yield root
-    subprocess.run(["rm", "-rf", str(root)], check=False)
 
 
 @pytest.fixture
@@ -68,13 +60,8 @@ def control_plane():
 
 
 async def run_rank(node: NodeAgent, lease_id: str, body: str, **kw) -> tuple[str, str]:
-    res = await node.start_task(start_task(node.node_id, lease_id, ["/bin/sh", "-c", body], **kw))
-    assert res.accepted, res
-    st = node.leases[lease_id]
-    await wait_for(lambda: st.exit is not None or not st.live, timeout=15, what=f"{lease_id} to exit")
-    out = (st.dir / sf.STDOUT).read_text()
-    err = (st.dir / sf.STDERR).read_text()
-    return out, err
+    st = await run_sh_rank(node, lease_id, body, **kw)
+    return (st.dir / sf.STDOUT).read_text(), (st.dir / sf.STDERR).read_text()
 
 
 async def test_a_rank_reads_nothing_of_the_agent_control_plane_or_another_lease(node, tmp_path, control_plane):
@@ -106,9 +93,19 @@ async def test_a_rank_reads_nothing_of_the_agent_control_plane_or_another_lease(
     for name in probes:
         section = out.split(f"== {name}\n", 1)[1].split("\n== ", 1)[0]
         assert "Permission denied" in section, (name, section)
-    # the rank's env is the lease's: only the job variables the platform sets
+    # the rank's env is the lease's: only the job variables the platform sets, and its share of the node
     env_out = out.split("HOME=", 1)[1].splitlines()[1]
-    assert env_out == str(len([k for k in ("JOB_ID", "ATTEMPT", "LEASE_ID", "CHECKPOINT_DIR", "PROGRESS_FILE")])), out
+    job_vars = (
+        "JOB_ID",
+        "ATTEMPT",
+        "LEASE_ID",
+        "CHECKPOINT_DIR",
+        "PROGRESS_FILE",
+        "CPUS",
+        "MEMORY_BYTES",
+        "DISK_BYTES",
+    )
+    assert env_out == str(len(job_vars)), out
     # the work dir is the rank's alone, and the agent's state is root's alone
     assert os.stat(work).st_uid == 65534 and os.stat(work).st_mode & 0o777 == 0o700
     assert os.stat(node.dir.parent).st_mode & 0o777 == 0o700
