@@ -1,4 +1,30 @@
 """The security tests run on the e2e stack (one control process with its gRPC server, real
-agents for every node, the API in-process)."""
+agents for every node, the API in-process); the rank tests run /bin/sh ranks on a node agent
+as root, in work dirs the ranks' user can reach."""
 
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.agent.conftest import start_task, wait_for
 from tests.e2e.conftest import stack, stack_overrides  # noqa: F401
+
+
+@pytest.fixture
+def work_root():
+    """Ranks' work dirs outside pytest's tmp (private to root), reachable by the rank's user."""
+    root = Path(tempfile.mkdtemp(prefix="gpufleet-work-"))
+    root.chmod(0o711)
+    yield root
+    subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+async def run_sh_rank(node, lease_id: str, body: str, **kw):
+    """Start ``/bin/sh -c body`` as a rank of ``node`` and wait for it to end; its lease."""
+    res = await node.start_task(start_task(node.node_id, lease_id, ["/bin/sh", "-c", body], **kw))
+    assert res.accepted, res
+    st = node.leases[lease_id]
+    await wait_for(lambda: st.exit is not None and not st.live, timeout=20, what=f"{lease_id} to exit")
+    return st

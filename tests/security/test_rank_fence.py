@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from common.contracts import StopTask
 from tests.agent.conftest import kill_group_quietly, make_settings, start_task, wait_for
+from tests.security.conftest import run_sh_rank
 from worker_agent import exit_cause, rank_cgroup
 from worker_agent import statefiles as sf
 from worker_agent.node import NodeAgent
@@ -40,14 +39,6 @@ def _cgroups_here() -> str:
 pytestmark = pytest.mark.skipif(bool(_cgroups_here()), reason=_cgroups_here() or "-")
 
 MIB = 1 << 20
-
-
-@pytest.fixture
-def work_root():
-    root = Path(tempfile.mkdtemp(prefix="gpufleet-work-"))
-    root.chmod(0o711)
-    yield root
-    subprocess.run(["rm", "-rf", str(root)], check=False)
 
 
 @pytest.fixture
@@ -77,20 +68,12 @@ async def node(tmp_path, work_root, parent):
         kill_group_quietly(st.pid)
 
 
-async def run_rank(node: NodeAgent, lease_id: str, body: str, **kw):
-    res = await node.start_task(start_task(node.node_id, lease_id, ["/bin/sh", "-c", body], **kw))
-    assert res.accepted, res
-    st = node.leases[lease_id]
-    await wait_for(lambda: st.exit is not None and not st.live, timeout=20, what=f"{lease_id} to exit")
-    return st
-
-
 def rank_dirs(parent: str, lease_id: str) -> list[Path]:
     return [p for p in ROOT.glob(f"**/{parent}/node-f/{lease_id}")]
 
 
 async def test_a_rank_runs_in_its_own_cgroups_with_its_share(node, parent):
-    st = await run_rank(node, "lease-share", 'cat /proc/self/cgroup; echo "$GPUFLEET_CPUS"; id -u', gpus=(0, 1))
+    st = await run_sh_rank(node, "lease-share", 'cat /proc/self/cgroup; echo "$GPUFLEET_CPUS"; id -u', gpus=(0, 1))
     out = (st.dir / sf.STDOUT).read_text()
     assert f"/{parent}/node-f/lease-share" in out  # in its cgroups ...
     assert out.split()[-1] == "65534"  # ... and still its own unprivileged user
@@ -103,7 +86,7 @@ async def test_a_rank_runs_in_its_own_cgroups_with_its_share(node, parent):
 
 async def test_a_rank_past_its_memory_share_is_ended_and_says_why(node, parent):
     # `tail` keeps a line without a newline whole: 300 MiB of zeros against a 64 MiB share
-    st = await run_rank(node, "lease-oom", "head -c 314572800 /dev/zero | tail >/dev/null; echo survived")
+    st = await run_sh_rank(node, "lease-oom", "head -c 314572800 /dev/zero | tail >/dev/null; echo survived")
     tail = exit_cause.stderr_tail(st.dir / sf.STDERR)
     assert "out-of-memory killer" in tail and "0.1 GiB" in tail, tail
     assert st.exit.get("oom_kills", 0) >= 1
@@ -115,7 +98,7 @@ async def test_a_process_that_leaves_the_group_dies_with_the_rank(node, parent, 
     # the daemon starts its own session, out of reach of a kill to the rank's process group;
     # the rank exits once the daemon is in it
     daemonize = "setsid sh -c 'echo $$ > daemon.pid; exec sleep 300' </dev/null >/dev/null 2>&1 &"
-    st = await run_rank(
+    st = await run_sh_rank(
         node, "lease-daemon", daemonize + " while [ ! -s daemon.pid ]; do sleep 0.05; done; cat daemon.pid"
     )
     daemon = int((st.dir / sf.STDOUT).read_text().split()[0])
