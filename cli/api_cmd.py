@@ -40,7 +40,7 @@ def serve(
     from common.secrets import require_production_ready
     from common.settings import Settings
     from common.temporal import hard_exit
-    from common.tls import TlsSettingsError, uvicorn_tls
+    from common.tls import TlsSettingsError, client_verify, uvicorn_tls
 
     settings = Settings()
     try:
@@ -50,6 +50,7 @@ def serve(
         hard_exit(2)
     try:
         tls = uvicorn_tls(settings)  # {} for plain HTTP
+        client_verify(settings)  # the CA it checks agents' log endpoints with loads, or it says so now
     except TlsSettingsError as e:
         print(f"error: {e}", file=sys.stderr)
         hard_exit(2)

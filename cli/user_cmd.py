@@ -249,7 +249,7 @@ def _client(url: str | None, token: str | None) -> ApiClient:
 def _verify() -> ssl.SSLContext | bool:
     """The CA an https API is checked against (tls_ca_file; unset or unloadable settings: the system's)."""
     from common.settings import Settings
-    from common.tls import client_verify
+    from common.tls import TlsSettingsError, client_verify
 
     try:
         s = Settings()
@@ -257,8 +257,8 @@ def _verify() -> ssl.SSLContext | bool:
         return True
     try:
         return client_verify(s)
-    except (OSError, ssl.SSLError) as e:
-        raise CliError(f"cannot load tls_ca_file {s.tls_ca_file}: {e}", exit_code=2) from e
+    except TlsSettingsError as e:
+        raise CliError(str(e), exit_code=2) from e
 
 
 def _raise_if_untrusted(url: str, e: Exception) -> None:

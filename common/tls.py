@@ -63,7 +63,10 @@ def client_verify(settings) -> ssl.SSLContext | bool:
     if settings.tls_ca_file is None:
         return True
     path = Path(settings.tls_ca_file)
-    return _ca_context(str(path), path.stat().st_mtime_ns)
+    try:
+        return _ca_context(str(path), path.stat().st_mtime_ns)
+    except (OSError, ssl.SSLError) as e:
+        raise TlsSettingsError(f"tls_ca_file: cannot load {path}: {e}") from e
 
 
 @lru_cache(maxsize=8)
@@ -107,7 +110,10 @@ def grpc_channel_credentials(settings):
         return None
     import grpc
 
-    roots = Path(settings.tls_ca_file).read_bytes() if settings.tls_ca_file else None
+    try:
+        roots = Path(settings.tls_ca_file).read_bytes() if settings.tls_ca_file else None
+    except OSError as e:
+        raise TlsSettingsError(f"tls_ca_file: cannot read {settings.tls_ca_file}: {e.strerror or e}") from e
     return grpc.ssl_channel_credentials(root_certificates=roots)
 
 

@@ -159,7 +159,7 @@ async def test_an_agent_that_does_not_trust_control_or_speaks_plain_text_is_not_
 
 def test_a_certificate_without_its_key_is_a_settings_error(tmp_path):
     from common.settings import Settings
-    from common.tls import TlsSettingsError, grpc_server_credentials, uvicorn_tls
+    from common.tls import TlsSettingsError, grpc_channel_credentials, grpc_server_credentials, uvicorn_tls
 
     ca = trustme.CA()
     cert, _ = pem_files(tmp_path, ca, "x")
@@ -175,6 +175,11 @@ def test_a_certificate_without_its_key_is_a_settings_error(tmp_path):
     bad_key.chmod(0o600)
     with pytest.raises(TlsSettingsError, match="cannot load"):
         uvicorn_tls(Settings(api_tls_cert_file=cert, api_tls_key_file=bad_key))
+    missing = Settings(tls_ca_file=tmp_path / "no-ca.pem", control_tls=True)
+    with pytest.raises(TlsSettingsError, match="tls_ca_file: cannot load"):
+        client_verify(missing)
+    with pytest.raises(TlsSettingsError, match="tls_ca_file: cannot read"):
+        grpc_channel_credentials(missing)
 
 
 # --- Temporal ---------------------------------------------------------------------------------
