@@ -79,11 +79,11 @@ def _ca_context(path: str, _mtime_ns: int) -> ssl.SSLContext:
 
 def uvicorn_tls(settings) -> dict[str, Any]:
     """uvicorn's arguments for the API's certificate ({} for plain HTTP)."""
-    pair = _pair(settings.api_tls_cert_file, settings.api_tls_key_file, "api_tls_cert_file/api_tls_key_file")
-    if pair is None:
+    cert, key = settings.api_tls_cert_file, settings.api_tls_key_file
+    # a bad pair fails here, with the setting names, not inside uvicorn
+    if server_context(cert, key, "api_tls_cert_file/api_tls_key_file") is None:
         return {}
-    server_context(*pair, "api_tls_cert_file/api_tls_key_file")  # a bad pair fails here, with the names
-    return {"ssl_certfile": str(pair[0]), "ssl_keyfile": str(pair[1])}
+    return {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
 
 
 def api_scheme(settings) -> str:
@@ -96,12 +96,10 @@ def grpc_server_credentials(settings):
         return None
     import grpc
 
-    what = "control_tls needs control_tls_cert_file and control_tls_key_file"
-    pair = _pair(settings.control_tls_cert_file, settings.control_tls_key_file, what)
-    if pair is None:
-        raise TlsSettingsError(what)
-    server_context(*pair, "control_tls_cert_file/control_tls_key_file")
-    return grpc.ssl_server_credentials([(pair[1].read_bytes(), pair[0].read_bytes())])
+    cert, key = settings.control_tls_cert_file, settings.control_tls_key_file
+    if server_context(cert, key, "control_tls_cert_file/control_tls_key_file") is None:
+        raise TlsSettingsError("control_tls needs control_tls_cert_file and control_tls_key_file")
+    return grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())])
 
 
 def grpc_channel_credentials(settings):

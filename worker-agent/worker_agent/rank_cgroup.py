@@ -156,9 +156,9 @@ class RankCgroup:
                     pass
                 except OSError:
                     left.append(d)
-            self.dirs = left or self.dirs
             if not left:
                 return True
+            self.dirs = left
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)

@@ -159,11 +159,8 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
         except (OSError, subprocess.SubprocessError) as e:
             for fd in ends.values():
                 os.close(fd)
-            what = (
-                f"cannot start {spec['argv'][:1]}"
-                if cgroup is not None or not spec.get("cgroup")
-                else "cannot fence the rank"
-            )
+            unfenced = spec.get("cgroup") and cgroup is None  # making its cgroups failed
+            what = "cannot fence the rank" if unfenced else f"cannot start {spec['argv'][:1]}"
             relay.write("stderr", f"gpufleet: {what}: {e}\n".encode())
             relay.finish(0.0)
             if cgroup is not None:
