@@ -88,6 +88,11 @@ async def node(settings):
     n = NodeAgent(settings, "node-t", backend=make_backend(settings, "node-t", "simulated"))
     await n.start()
     yield n
+    await close_node(n)
+
+
+async def close_node(n) -> None:
+    """Close a test's NodeAgent and kill what it started: every rank's group and supervisor."""
     await n.close()
     for st in n.leases.values():
         kill_group_quietly(st.pid)

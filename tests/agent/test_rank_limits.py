@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.agent.conftest import kill_group_quietly, make_settings, start_task, wait_for
+from tests.agent.conftest import close_node, make_settings, start_task, wait_for
 from worker_agent import exit_cause, rank_cgroup
 from worker_agent import statefiles as sf
 from worker_agent.node import NodeAgent
@@ -191,6 +191,4 @@ async def test_a_rank_past_its_disk_share_is_ended_and_says_why(tmp_path):
         spec = sf.read_json(small_st.dir / sf.SPEC)
         assert spec["env"]["GPUFLEET_DISK_BYTES"] == str(8 * MIB)
     finally:
-        await node.close()
-        for st in node.leases.values():
-            kill_group_quietly(st.pid)
+        await close_node(node)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from common.contracts import StopTask
-from tests.agent.conftest import kill_group_quietly, make_settings, start_task, wait_for
+from tests.agent.conftest import close_node, make_settings, start_task, wait_for
 from tests.security.conftest import run_sh_rank
 from worker_agent import exit_cause, rank_cgroup
 from worker_agent import statefiles as sf
@@ -63,9 +63,7 @@ async def node(tmp_path, work_root, parent):
     n = NodeAgent(settings, "node-f", backend=make_backend(settings, "node-f", "simulated"))
     await n.start()
     yield n
-    await n.close()
-    for st in n.leases.values():
-        kill_group_quietly(st.pid)
+    await close_node(n)
 
 
 def rank_dirs(parent: str, lease_id: str) -> list[Path]:

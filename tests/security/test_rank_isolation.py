@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from common.contracts import StopTask
-from tests.agent.conftest import kill_group_quietly, make_settings, start_task, wait_for
+from tests.agent.conftest import close_node, make_settings, start_task, wait_for
 from tests.security.conftest import run_sh_rank
 from worker_agent import statefiles as sf
 from worker_agent.node import NodeAgent
@@ -44,9 +44,7 @@ async def node(tmp_path, work_root, monkeypatch):
     n = NodeAgent(settings, "node-i", backend=make_backend(settings, "node-i", "simulated"))
     await n.start()
     yield n
-    await n.close()
-    for st in n.leases.values():
-        kill_group_quietly(st.pid)
+    await close_node(n)
 
 
 @pytest.fixture
