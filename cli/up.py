@@ -411,6 +411,9 @@ def _rank_isolation(platform: Settings) -> tuple[Settings, str]:
     if os.geteuid() != 0:
         return platform, "run as this user: not isolated (the agent must be root to switch users)"
     users = {(platform.agent_rank_uid, platform.agent_rank_gid), *platform.agent_team_rank_ids.values()}
+    base = platform.agent_team_uid_base
+    if base:  # every numbered team's user is the same stranger to these dirs
+        users.add((base, base))
     for path in filter(None, (platform.state_dir, platform.agent_work_dir)):
         for uid, gid in users:
             blocked = private_ancestor(Path(path), int(uid), int(gid))
@@ -420,6 +423,8 @@ def _rank_isolation(platform: Settings) -> tuple[Settings, str]:
                     f"run as root, NOT isolated: {blocked} is private to the ranks' user {uid}; put"
                     " GPUFLEET_STATE_DIR where others may pass through to isolate them"
                 )
+    if base:
+        return platform, f"run as their team's own uid, {base} + the team's number (isolated from each other)"
     return platform, f"run as uid {platform.agent_rank_uid} (isolated; per-team ids: GPUFLEET_AGENT_TEAM_RANK_IDS)"
 
 

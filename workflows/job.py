@@ -546,6 +546,7 @@ class JobWorkflow:
             checkpoint_dir=snap.checkpoint_dir,
             resume_from=self._checkpoint or snap.last_checkpoint,
             team=snap.team,
+            team_rank_id=snap.team_rank_id,
         )
 
     async def _start_rank(self, r: _Rank, deadline: datetime | None = None) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import asyncpg
 import pytest
 
-from store import allocations, leadership
+from store import allocations, jobs, leadership
 from store.errors import AllocationConflict, QuotaExceeded, StaleEpoch
 from tests.foundation.builders import gang, leader, queued_job, small_cluster, team
 
@@ -218,3 +219,24 @@ async def test_a_begin_cut_short_gives_the_connection_back_to_the_pool(pool, mon
     async with transaction(pool) as conn:  # and the pool still serves transactions
         assert await conn.fetchval("SELECT 1") == 1
     await asyncio.wait_for(pool.close(), 10)
+
+
+async def test_each_team_has_its_own_number_for_its_ranks_user(pool, cluster):
+    """Agents run a team's ranks as agent_team_uid_base + teams.rank_id (docs/security.md):
+    the store numbers each team once, never twice the same, and no write may change it."""
+    numbers = dict(await pool.fetch("SELECT name, rank_id FROM teams"))
+    assert set(numbers) >= {"alpha", "beta"} and None not in numbers.values()
+    assert len(set(numbers.values())) == len(numbers)
+    await pool.execute("INSERT INTO teams (name) VALUES ('gamma')")
+    assert await pool.fetchval("SELECT rank_id FROM teams WHERE name = 'gamma'") > max(numbers.values())
+    for sql in (
+        "UPDATE teams SET rank_id = 99 WHERE name = 'alpha'",
+        "INSERT INTO teams (name, rank_id) VALUES ('delta', 99)",
+    ):
+        with pytest.raises(asyncpg.exceptions.GeneratedAlwaysError):
+            await pool.execute(sql)
+    # the job's snapshot carries it to the StartTask
+    async with pool.acquire() as conn:
+        await queued_job(conn, "j1", "beta")
+    job, _ = await jobs.load_job(pool, "j1")
+    assert job is not None and job["team_rank_id"] == numbers["beta"]

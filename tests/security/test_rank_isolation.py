@@ -124,6 +124,76 @@ async def test_a_rank_writes_its_progress_and_its_checkpoint_dir_as_its_user(nod
     assert node.leases["lease-ck"].step == 7
 
 
+def team_task(node: NodeAgent, lease_id: str, body: str, team: str, team_rank_id: int | None, **kw):
+    task = start_task(node.node_id, lease_id, ["/bin/sh", "-c", body], **kw)
+    return dataclasses.replace(task, team=team, team_rank_id=team_rank_id)
+
+
+async def test_two_teams_ranks_on_one_node_cannot_read_or_signal_each_other(node, work_root):
+    """Each team's ranks run as its own numbered user, so a rank cannot read another team's
+    work dir, checkpoints or environment (its job's env), nor signal it."""
+    beta_secret = "beta-weights-5f2c9a"
+    beta = team_task(
+        node, "lease-beta", f'echo {beta_secret} > "$HOME/weights"; touch "$HOME/ready"; sleep 30', "beta", 2,
+        gpus=(1,), env={"BETA_KEY": beta_secret}, checkpoint_dir=f"file://{work_root / 'ckpt-beta'}",
+    )  # fmt: skip
+    assert (await node.start_task(beta)).accepted
+    theirs = node.leases["lease-beta"]
+    ready = node.work_dir / "lease-beta" / "ready"
+    await wait_for(ready.exists, timeout=15, what="beta's rank to write its weights")
+    probes = {
+        "work dir": f'cat "{node.work_dir / "lease-beta" / "weights"}"',
+        "checkpoint dir": f'ls "{work_root / "ckpt-beta"}"',
+        "environ": f"cat /proc/{theirs.pid}/environ",
+        "signal": f"kill -TERM {theirs.pid}",
+    }
+    body = "id -u\n" + "".join(f'echo "== {name}"; {cmd} 2>&1\n' for name, cmd in probes.items())
+    alpha = team_task(node, "lease-alpha", body, "alpha", 1, gpus=(0,))
+    assert (await node.start_task(alpha)).accepted
+    mine = node.leases["lease-alpha"]
+    await wait_for(lambda: mine.exit is not None and not mine.live, timeout=20, what="alpha's probe to end")
+    out = (mine.dir / sf.STDOUT).read_text()
+    assert out.splitlines()[0] == "2000000001", out  # agent_team_uid_base + alpha's number
+    assert beta_secret not in out, out
+    for name in probes:
+        section = out.split(f"== {name}\n", 1)[1].split("\n== ", 1)[0]
+        assert "denied" in section or "not permitted" in section, (name, section)
+    assert theirs.live and theirs.exit is None  # the signal did not reach it
+    assert os.stat(node.work_dir / "lease-beta").st_uid == 2_000_000_002
+    await node.stop_task(StopTask("lease-beta", 1, node.node_id, 0.5, "done"))
+
+
+async def test_another_users_checkpoint_dir_is_not_handed_over(node, work_root):
+    """A checkpoint path is the job's to choose: naming a dir another rank's user left open
+    (here 0755, as its rank may chmod it) must not give it away: chowned to the new rank's
+    user, its files could be deleted or replaced."""
+    ckpt = work_root / "ckpt-shared-name"
+    first = await run_sh_rank(node, "lease-a1", f"chmod 755 {ckpt}", checkpoint_dir=f"file://{ckpt}")
+    assert first.exit["exit_code"] == 0 and ckpt.stat().st_uid == 65534
+    res = await node.start_task(team_task(node, "lease-b1", "true", "beta", 2, checkpoint_dir=f"file://{ckpt}"))
+    assert not res.accepted and "belongs to uid 65534, not to this rank's user 2000000002" in res.reason, res
+    assert ckpt.stat().st_uid == 65534  # untouched
+    # the same user's next rank (the job's next rank on this node) takes it
+    res = await node.start_task(team_task(node, "lease-a2", "true", "", None, checkpoint_dir=f"file://{ckpt}"))
+    assert res.accepted, res
+
+
+async def test_which_user_a_teams_ranks_run_as(tmp_path, work_root):
+    settings = make_settings(
+        tmp_path, agent_rank_isolation=True, agent_work_dir=work_root, agent_team_rank_ids={"alpha": (61000, 61000)}
+    )
+    n = NodeAgent(settings, "node-u", backend=make_backend(settings, "node-u", "simulated"))
+    shared = NodeAgent(
+        settings.model_copy(update={"agent_team_uid_base": 0}), "node-v",
+        backend=make_backend(settings, "node-v", "simulated"),
+    )  # fmt: skip
+    assert n.rank_user("alpha", 1) == (61000, 61000)  # listed ids come first
+    assert n.rank_user("beta", 2) == (2_000_000_002, 2_000_000_002)  # else the team's numbered user
+    assert n.rank_user("", None) == (65534, 65534)  # no team number (burn-in, an old StartTask): the shared one
+    assert shared.rank_user("beta", 2) == (65534, 65534)  # numbering off
+    assert (2_000_000_000, 2_000_000_000) in n.rank_users()  # numbered users must reach the work root
+
+
 async def test_a_team_with_its_own_ids_runs_as_them(tmp_path, work_root):
     settings = make_settings(
         tmp_path, agent_rank_isolation=True, agent_work_dir=work_root, agent_team_rank_ids={"alpha": (61000, 61000)}

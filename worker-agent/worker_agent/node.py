@@ -289,18 +289,29 @@ class NodeAgent:
             st.confirmed_clock = max(st.confirmed_clock, st.started_clock)
 
     def rank_users(self) -> set[tuple[int, int]]:
-        """Every uid/gid ranks may run as here."""
-        ids = {(int(self.settings.agent_rank_uid), int(self.settings.agent_rank_gid))}
-        return ids | {(int(u), int(g)) for u, g in self.settings.agent_team_rank_ids.values()}
+        """The users ranks run as here, for the checks that they can reach their dirs: the
+        shared one, each listed team's, and one standing for every numbered team's (no team
+        is numbered 0, and every numbered user is the same stranger to the agent's dirs)."""
+        s = self.settings
+        ids = {(int(s.agent_rank_uid), int(s.agent_rank_gid))}
+        if s.agent_team_uid_base:
+            ids.add((int(s.agent_team_uid_base), int(s.agent_team_uid_base)))
+        return ids | {(int(u), int(g)) for u, g in s.agent_team_rank_ids.values()}
 
-    def rank_user(self, team: str) -> tuple[int, int] | None:
-        """The uid and gid a team's ranks run as; None: as the agent's own user (no isolation)."""
+    def rank_user(self, team: str, team_rank_id: int | None = None) -> tuple[int, int] | None:
+        """The uid and gid a team's ranks run as: the team's listed ids, else its numbered user
+        (``agent_team_uid_base`` + its number in the store), else the shared one (burn-in, and
+        StartTasks sent before teams were numbered); None: as the agent's own user (no isolation)."""
         if not self.isolated:
             return None
-        ids = self.settings.agent_team_rank_ids.get(team)
+        s = self.settings
+        ids = s.agent_team_rank_ids.get(team)
         if ids:
             return int(ids[0]), int(ids[1])
-        return int(self.settings.agent_rank_uid), int(self.settings.agent_rank_gid)
+        if s.agent_team_uid_base and team_rank_id is not None:
+            uid = int(s.agent_team_uid_base) + int(team_rank_id)
+            return uid, uid
+        return int(s.agent_rank_uid), int(s.agent_rank_gid)
 
     def _work_dir(self, req: StartTask, user: tuple[int, int] | None) -> Path:
         """The rank's own working dir (0700, its user's), and its job's local checkpoint dir
@@ -319,12 +330,14 @@ class NodeAgent:
                 try:
                     local.mkdir(parents=True)
                 except FileExistsError:
-                    # hand over only a dir that is already a rank's (an earlier attempt's), never
-                    # one of the host's that a checkpoint path happens to name
-                    if local.stat().st_uid not in {u for u, _ in self.rank_users()}:
+                    # hand over only a dir that is already this user's (another rank of the job's
+                    # on this node, or a restart of this one), never one of the host's or of another
+                    # team's that a checkpoint path happens to name: that would give its files away
+                    owner = local.stat().st_uid
+                    if owner != user[0]:
                         raise RankAccessError(
-                            f"the job's checkpoint dir {local} exists and belongs to uid {local.stat().st_uid},"
-                            " not to a rank's user"
+                            f"the job's checkpoint dir {local} exists and belongs to uid {owner},"
+                            f" not to this rank's user {user[0]}"
                         ) from None
                 os.chown(local, *user)
                 os.chmod(local, 0o700)
@@ -377,7 +390,7 @@ class NodeAgent:
                 return self._start_simulated(req)
             d = self.leases_dir / req.lease_id
             d.mkdir(parents=True, exist_ok=True)
-            user = self.rank_user(req.team)
+            user = self.rank_user(req.team, req.team_rank_id)
             try:
                 work = self._work_dir(req, user)
             except (OSError, RankAccessError) as e:
