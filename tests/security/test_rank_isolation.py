@@ -164,9 +164,11 @@ async def test_two_teams_ranks_on_one_node_cannot_read_or_signal_each_other(node
 
 
 async def test_another_users_checkpoint_dir_is_not_handed_over(node, work_root):
-    """A checkpoint path is the job's to choose: naming a dir another rank's user left open
-    (here 0755, as its rank may chmod it) must not give it away: chowned to the new rank's
-    user, its files could be deleted or replaced."""
+    """The agent makes the job's checkpoint dir and hands it to the rank's user. A StartTask
+    naming a dir that another rank's user already holds and left open (here 0755, as its
+    rank may chmod it) must not give it away: chowned to the new rank's user, its files
+    could be deleted or replaced. (The API lets no job choose the path; this is the agent's
+    own check, for a spec that reached the store another way.)"""
     ckpt = work_root / "ckpt-shared-name"
     first = await run_sh_rank(node, "lease-a1", f"chmod 755 {ckpt}", checkpoint_dir=f"file://{ckpt}")
     assert first.exit["exit_code"] == 0 and ckpt.stat().st_uid == 65534
