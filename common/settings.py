@@ -415,6 +415,11 @@ class Settings(BaseSettings):
         description="the cgroup (a path under agent_cgroup_root; with cgroup v2, a subtree delegated to the agent)"
         " under which each rank gets its own",
     )
+    agent_gpu_device_dir: Path = Field(
+        Path("/dev"),
+        description="where the node's GPU device nodes (nvidiaN) are: with agent_rank_cgroups on cgroup v1, a rank"
+        " is denied every one but its own GPUs'",
+    )
     agent_node_cpus: float | None = Field(
         None, gt=0, description="the node's CPUs for rank shares (unset: the CPUs this agent may run on)"
     )

@@ -6,11 +6,12 @@ work-dir disk share its supervisor measures (worker_agent.rank_disk)."""
 from __future__ import annotations
 
 import os
+import stat
 
 import pytest
 
 from tests.agent.conftest import close_node, make_settings, start_task, wait_for
-from worker_agent import exit_cause, rank_cgroup
+from worker_agent import exit_cause, gpu_devices, rank_cgroup
 from worker_agent import statefiles as sf
 from worker_agent.node import NodeAgent
 from worker_agent.nvml import make_backend
@@ -139,6 +140,46 @@ def test_a_root_without_the_controllers_is_refused(tmp_path):
         rank_cgroup.hierarchy(root)
     with pytest.raises(rank_cgroup.CgroupError, match="no v1"):
         rank_cgroup.hierarchy(tmp_path / "empty")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="an agent asked for cgroups must be root")
+async def test_an_agent_that_cannot_fence_gpus_says_so_and_sends_no_device_list(tmp_path, caplog):
+    """Under cgroup v2 the agent still fences CPUs, memory and processes; it says at start
+    that GPUs are not fenced rather than start ranks that believe they are."""
+    settings = make_settings(tmp_path, agent_rank_cgroups=True, agent_cgroup_root=fake_v2(tmp_path))
+    node = NodeAgent(settings, "node-v2", backend=make_backend(settings, "node-v2", "simulated"))
+    await node.start()
+    try:
+        assert not node.gpu_fence
+        assert "a rank's GPUs are not fenced: no cgroup v1 devices controller" in caplog.text
+    finally:
+        await close_node(node)
+
+
+def test_cgroup_v2_cannot_deny_devices_and_says_so_rather_than_ignore_it(tmp_path):
+    root = fake_v2(tmp_path)
+    with pytest.raises(rank_cgroup.CgroupError, match="no cgroup v1 devices controller"):
+        rank_cgroup.RankCgroup.create(
+            root, "gpufleet/node-1", "lease-1", cpus=1, memory_bytes=GIB, pids=10, deny_devices=[(195, 1)]
+        )
+    assert not rank_cgroup.has_v1_devices(root)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making device nodes needs root")
+def test_the_gpu_nodes_a_rank_may_not_open(tmp_path):
+    """Every nvidiaN character device but the rank's own GPUs', matched by minor number; the
+    control nodes and anything that is not a character device are not GPUs."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name, minor in (("nvidia0", 0), ("nvidia1", 1), ("nvidia7", 7), ("nvidiactl", 255), ("nvidia-modeset", 254)):
+        os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(195, minor))
+    (dev / "nvidia3").write_text("a file, not a GPU")
+    (dev / "nvidia4").symlink_to(dev / "nvidia0")
+    nodes = gpu_devices.gpu_device_numbers(dev)
+    assert nodes == {0: (195, 0), 1: (195, 1), 7: (195, 7)}
+    assert gpu_devices.denied_devices(nodes, [7]) == [(195, 0), (195, 1)]
+    assert gpu_devices.denied_devices(nodes, [0, 1, 7]) == []
+    assert gpu_devices.gpu_device_numbers(tmp_path / "none") == {}
 
 
 # --- disk: the work dir's share, measured by the rank's supervisor -----------------------------

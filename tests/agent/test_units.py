@@ -149,6 +149,10 @@ class FakeNVML(types.SimpleNamespace):
         self._ns(h, (0, 1))
         return types.SimpleNamespace(used=10, total=100)
 
+    def nvmlDeviceGetMinorNumber(self, h):
+        self._ns(h, ok=(0, 1))
+        return {0: 3, 1: 0}[h]  # /dev/nvidiaN need not follow NVML's (PCI) order
+
     def nvmlDeviceGetTemperature(self, h, sensor):
         self._ns(h)
         return 71
@@ -189,6 +193,8 @@ def test_real_backend_treats_unsupported_fields_as_unset_and_classifies_faults()
     assert s1.health == "ok" and s1.faults == []
     # GPU 2: lost
     assert s2.health == "failed" and any(f.startswith("gpu-lost") for f in s2.faults)
+    # each GPU's device node, by NVML's minor number, not its index (a lost GPU's is unknown)
+    assert [b.device_minor(i) for i in range(4)] == [3, 0, None, None]
     # an NVLink that was up at start and is down now
     fake.link_down = True
     assert "nvlink:1:down" in b.sample()[0].faults

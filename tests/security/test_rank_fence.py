@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 from pathlib import Path
 
 import pytest
@@ -53,12 +54,25 @@ def parent(tmp_path):
 
 
 @pytest.fixture
-async def node(tmp_path, work_root, parent):
+def gpu_dev(work_root) -> Path:
+    """Device nodes for the node's first four GPUs (NVIDIA's major, 195) and its control node,
+    where the rank's user can reach them. With no driver behind them, opening one that the
+    fence allows fails with ENXIO; one it denies, with EPERM."""
+    dev = work_root / "dev"
+    dev.mkdir(mode=0o755)
+    for name, minor in (("nvidia0", 0), ("nvidia1", 1), ("nvidia2", 2), ("nvidia3", 3), ("nvidiactl", 255)):
+        os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(195, minor))
+        os.chmod(dev / name, 0o666)
+    return dev
+
+
+@pytest.fixture
+async def node(tmp_path, work_root, parent, gpu_dev):
     # a 512 MiB, 8-CPU node with nothing reserved: one GPU of eight is 64 MiB and one CPU
     settings = make_settings(
         tmp_path, agent_rank_isolation=True, agent_work_dir=work_root, agent_rank_cgroups=True,
         agent_cgroup_parent=parent, agent_node_memory_gib=0.5, agent_node_cpus=8,
-        agent_node_reserved_memory_gib=0, agent_node_reserved_cpus=0,
+        agent_node_reserved_memory_gib=0, agent_node_reserved_cpus=0, agent_gpu_device_dir=gpu_dev,
     )  # fmt: skip
     n = NodeAgent(settings, "node-f", backend=make_backend(settings, "node-f", "simulated"))
     await n.start()
@@ -80,6 +94,29 @@ async def test_a_rank_runs_in_its_own_cgroups_with_its_share(node, parent):
     spec = sf.read_json(st.dir / sf.SPEC)
     assert spec["cgroup"]["memory_bytes"] == 128 * MIB and spec["cgroup"]["cpus"] == 2.0  # two GPUs of eight
     assert rank_dirs(parent, "lease-share") == []  # removed when it ended
+
+
+@pytest.mark.skipif(not rank_cgroup.has_v1_devices(ROOT), reason="no cgroup v1 devices controller here")
+async def test_a_rank_cannot_open_another_gpus_device_node(node, parent, gpu_dev):
+    """CUDA_VISIBLE_DEVICES is advisory: the devices cgroup is what keeps a rank off the GPUs
+    beside its own."""
+    assert node.gpu_fence
+    body = "".join(
+        f'echo "== {n}"; cat "{gpu_dev / n}" 2>&1\n' for n in ("nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl")
+    )
+    st = await run_sh_rank(node, "lease-gpu", body, gpus=(1,))
+    out = (st.dir / sf.STDOUT).read_text()
+    opened = {
+        n: out.split(f"== {n}\n", 1)[1].split("\n== ", 1)[0]
+        for n in ("nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl")
+    }
+    assert "No such device or address" in opened["nvidia1"], out  # its own GPU: the fence lets it through
+    assert "No such device or address" in opened["nvidiactl"], out  # CUDA's control node stays open
+    for other in ("nvidia0", "nvidia2", "nvidia3"):
+        assert "Operation not permitted" in opened[other], out
+    spec = sf.read_json(st.dir / sf.SPEC)
+    assert spec["cgroup"]["deny_devices"] == [[195, 0], [195, 2], [195, 3]]
+    assert rank_dirs(parent, "lease-gpu") == []  # its devices cgroup too
 
 
 async def test_a_rank_past_its_memory_share_is_ended_and_says_why(node, parent):

@@ -65,7 +65,7 @@ from common.contracts import (
 )
 from proto import agent_pb2 as pb
 from proto.convert import HEALTH_TO_PB, task_status_to_pb
-from worker_agent import exit_cause, rank_cgroup
+from worker_agent import exit_cause, gpu_devices, rank_cgroup
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within, local_path
 from worker_agent.nvml import GpuBackend, GpuSample
@@ -158,6 +158,7 @@ class NodeAgent:
             bool(settings.agent_rank_cgroups) and bool(settings.agent_rank_limits)
             and isinstance(self.runtime, ProcessRuntime) and not simulated_ranks
         )  # fmt: skip
+        self.gpu_fence = False  # ranks denied the other GPUs' device nodes (decided at start)
         self.poll_s = float(settings.agent_poll_s)
         self.leases: dict[str, Lease] = {}
         self.outbox: dict[int, pb.TaskStatus] = {}  # seq -> status, until acknowledged
@@ -205,8 +206,32 @@ class NodeAgent:
                 raise RuntimeError(f"agent_rank_cgroups is on but ranks cannot be fenced: {e}") from e
             if os.geteuid() != 0:
                 raise RuntimeError("agent_rank_cgroups is on but the agent is not root: it cannot create cgroups")
+            self.gpu_fence = self._gpu_fence_possible()
         self.recover()
         self._watch_task = asyncio.create_task(self._watch(), name=f"agent-watch-{self.node_id}")
+
+    def _gpu_fence_possible(self) -> bool:
+        """Whether ranks can be denied the other GPUs' device nodes here; if not, say why
+        (CPU, memory and processes are still fenced: that is not a reason to refuse to start)."""
+        root = Path(self.settings.agent_cgroup_root)
+        why = None
+        if not rank_cgroup.has_v1_devices(root):
+            why = "no cgroup v1 devices controller (under cgroup v2 device access is a BPF program)"
+        elif any(self.backend.device_minor(i) is None for i in range(self.backend.gpu_count())):
+            why = "NVML gives no device minor number for every GPU"
+        if why is None:
+            return True
+        log.warning(
+            "%s: a rank's GPUs are not fenced: %s; CUDA_VISIBLE_DEVICES is advisory, so a rank that opens"
+            " another GPU's device node uses it (agent_runtime=container passes only its own)", self.node_id, why,
+        )  # fmt: skip
+        return False
+
+    def _denied_gpu_devices(self, gpu_indices: list[int]) -> list[tuple[int, int]]:
+        """The device numbers of the node's GPU nodes other than these GPUs'."""
+        nodes = gpu_devices.gpu_device_numbers(self.settings.agent_gpu_device_dir)
+        mine = [self.backend.device_minor(i) for i in gpu_indices]
+        return gpu_devices.denied_devices(nodes, [m for m in mine if m is not None])
 
     async def close(self) -> None:
         for t in [self._watch_task, *self._bg]:
@@ -411,6 +436,7 @@ class NodeAgent:
                     "parent": f"{self.settings.agent_cgroup_parent}/{self.node_id}",
                     "name": req.lease_id,
                     **limits.as_json(),
+                    "deny_devices": self._denied_gpu_devices(req.gpu_indices) if self.gpu_fence else [],
                 }
             sf.write_json_atomic(d / sf.TASK, dataclasses.asdict(req))
             sf.write_json_atomic(

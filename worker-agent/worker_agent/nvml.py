@@ -91,6 +91,8 @@ class GpuBackend(Protocol):
     name: str
 
     def gpu_count(self) -> int: ...
+    # the minor number of the GPU's device node (/dev/nvidia<minor>); None: unknown
+    def device_minor(self, index: int) -> int | None: ...
     def sample(self) -> list[GpuSample]: ...
     # the pids of the rank processes on each GPU (GPU index -> pids), as of now
     def set_ranks(self, ranks: dict[int, list[int]]) -> None: ...
@@ -147,6 +149,8 @@ class NvmlBackend:
         self.uuids = [
             (self._field(functools.partial(_uuid, nv, h), []) or "") if h is not None else "" for h in self.handles
         ]
+        # which /dev/nvidiaN each GPU is: NVML's index follows PCI order, the minor need not
+        self.minors: list[int | None] = [self._minor(h) for h in self.handles]
         self._xids: list[deque[int]] = [deque(maxlen=XID_HISTORY) for _ in self.handles]
         self._xid_counts = [0 for _ in self.handles]
         # SM activity needs two GPM samples: the previous one per GPU (None: none yet or no GPM)
@@ -174,6 +178,15 @@ class NvmlBackend:
             if self._lost is not None and isinstance(e, self._lost):
                 raise
             errors.append(f"nvml:{what}:{e}")
+            return None
+
+    def _minor(self, h) -> int | None:
+        """The GPU's device minor number; None where NVML cannot say (a lost GPU included)."""
+        if h is None:
+            return None
+        try:
+            return self._field(functools.partial(self.nv.nvmlDeviceGetMinorNumber, h), [])
+        except self.nv.NVMLError:
             return None
 
     def _active_links(self, h) -> list[int]:
@@ -295,6 +308,10 @@ class NvmlBackend:
     # -- GpuBackend
     def gpu_count(self) -> int:
         return len(self.handles)
+
+    def device_minor(self, index: int) -> int | None:
+        m = self.minors[index] if 0 <= index < len(self.minors) else None
+        return int(m) if m is not None else None
 
     def sample(self) -> list[GpuSample]:
         return [self._sample_one(i, h) for i, h in enumerate(self.handles)]
@@ -585,6 +602,9 @@ class SimulatedBackend:
 
     def gpu_count(self) -> int:
         return self.n
+
+    def device_minor(self, index: int) -> int | None:
+        return index if 0 <= index < self.n else None  # a simulated node's GPUs are nvidia0..n-1
 
     def set_ranks(self, ranks: dict[int, list[int]]) -> None:
         with self._lock:

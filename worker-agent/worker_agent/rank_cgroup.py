@@ -10,9 +10,15 @@ kills what is left in it and removes it when the rank ends. Two things follow:
 * a process that leaves the rank's process group (``setsid``, a daemon) is still in the
   cgroup, so it is killed with the rank instead of holding the GPUs after it.
 
+With v1's devices controller the rank is also denied the device nodes of the node's other
+GPUs (``deny_devices``, worker_agent.gpu_devices): ``CUDA_VISIBLE_DEVICES`` alone is advisory.
+v2 has no devices file (its device control is a BPF program), so there the agent says at
+start that GPUs are not fenced, and sends no list.
+
 Both hierarchies: cgroup v2 (one tree, ``cgroup.controllers`` at the root) and v1 (one
-tree per controller: ``cpu``, ``memory``, ``pids``). ``parent`` is a path under the root
-(v2: a subtree delegated to the agent, with cpu, memory and pids enabled down to it).
+tree per controller: ``cpu``, ``memory``, ``pids``, and ``devices`` where mounted).
+``parent`` is a path under the root (v2: a subtree delegated to the agent, with cpu,
+memory and pids enabled down to it).
 
 Standard library only (the supervisor imports it).
 """
@@ -55,6 +61,11 @@ def hierarchy(root: Path) -> int:
     return 1
 
 
+def has_v1_devices(root: Path) -> bool:
+    """Whether v1's devices controller is mounted under ``root`` (the GPU fence needs it)."""
+    return (root / "devices" / "devices.deny").exists()
+
+
 class RankCgroup:
     """The rank's cgroup dirs (one for v2, one per controller for v1)."""
 
@@ -65,11 +76,16 @@ class RankCgroup:
     # --------------------------------------------------------------- make
     @classmethod
     def create(
-        cls, root: Path | str, parent: str, name: str, *, cpus: float, memory_bytes: int, pids: int
-    ) -> RankCgroup:
+        cls, root: Path | str, parent: str, name: str, *, cpus: float, memory_bytes: int, pids: int,
+        deny_devices: list[tuple[int, int]] | None = None,
+    ) -> RankCgroup:  # fmt: skip
+        """``deny_devices``: (major, minor) of the character devices the rank may not open
+        (v1 only; a list given where it cannot be enforced is a CgroupError, not ignored)."""
         root = Path(root)
         version = hierarchy(root)
         rel = Path(parent.strip("/")) / name
+        if deny_devices and (version == 2 or not has_v1_devices(root)):
+            raise CgroupError(f"cannot deny devices {deny_devices}: no cgroup v1 devices controller at {root}")
         if version == 2:
             _enable_v2(root, Path(parent.strip("/")))
             d = root / rel
@@ -91,6 +107,12 @@ class RankCgroup:
         if (dirs["memory"] / "memory.memsw.limit_in_bytes").exists():  # swap accounting on: no swap either
             _write(dirs["memory"] / "memory.memsw.limit_in_bytes", str(int(memory_bytes)))
         _write(dirs["pids"] / "pids.max", str(int(pids)))
+        if deny_devices:
+            devices = root / "devices" / rel
+            devices.mkdir(parents=True, exist_ok=True)
+            cg.dirs.append(devices)
+            for major, minor in deny_devices:
+                _write(devices / "devices.deny", f"c {int(major)}:{int(minor)} rwm")
         return cg
 
     def as_json(self) -> dict:

@@ -318,7 +318,7 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
 def _make_cgroup(c: dict) -> RankCgroup:
     return RankCgroup.create(
         c["root"], c["parent"], c["name"], cpus=float(c["cpus"]), memory_bytes=int(c["memory_bytes"]),
-        pids=int(c["pids"]),
+        pids=int(c["pids"]), deny_devices=[(int(a), int(b)) for a, b in c.get("deny_devices") or ()],
     )  # fmt: skip
 
 

@@ -1,0 +1,49 @@
+"""Which GPU device nodes a rank may not open: every ``nvidiaN`` of the node but its own.
+
+``CUDA_VISIBLE_DEVICES`` only tells CUDA which GPUs to show; a process that opens another
+GPU's device node uses that GPU anyway. Under the process runtime with cgroups, the rank's
+supervisor denies the rank the other GPUs' nodes through cgroup v1's devices controller
+(worker_agent.rank_cgroup). The shared control nodes (``nvidiactl``, ``nvidia-uvm``,
+``nvidia-modeset``) stay open: CUDA needs them and they reach no GPU by themselves.
+
+A GPU's node is found by its minor number (NVML's, which need not equal its index), and
+matched by the device numbers of the node file, not by its name.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+
+GPU_NODE = re.compile(r"nvidia(\d+)")
+
+
+def gpu_device_numbers(dev_dir: Path | str) -> dict[int, tuple[int, int]]:
+    """minor -> (major, minor) of each GPU device node in ``dev_dir`` (a character device
+    named ``nvidiaN``; links and other files are not GPUs)."""
+    try:
+        names = os.listdir(dev_dir)
+    except FileNotFoundError:
+        return {}
+    out: dict[int, tuple[int, int]] = {}
+    for name in names:
+        if not GPU_NODE.fullmatch(name):
+            continue
+        try:
+            st = os.stat(os.path.join(dev_dir, name), follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISCHR(st.st_mode):
+            out[os.minor(st.st_rdev)] = (os.major(st.st_rdev), os.minor(st.st_rdev))
+    return out
+
+
+def denied_devices(nodes: dict[int, tuple[int, int]], granted_minors: Iterable[int]) -> list[tuple[int, int]]:
+    """The (major, minor) of every GPU node the rank was not granted, in order."""
+    keep = set(granted_minors)
+    return sorted(number for minor, number in nodes.items() if minor not in keep)
