@@ -254,6 +254,27 @@ async def test_a_dead_supervisor_is_replaced_by_an_adopting_one(node, tmp_path):
     assert st.exit["state"] == "STOPPED"
 
 
+async def test_a_rank_and_supervisor_killed_together_leave_no_worker_on_the_gpus(node, tmp_path):
+    """The OOM killer or an operator's kill -9 takes the rank (a launcher, like torchrun) and its
+    supervisor at once: the lease is LOST and its GPUs go to the next job, so the workers the
+    rank started in its process group must not live on."""
+    child = tmp_path / "worker.pid"
+    res = await node.start_task(
+        start_task("node-t", "lease-both", ["/bin/sh", "-c", f"sleep 300 & echo $! > {child}; wait"])
+    )
+    assert res.accepted
+    st = node.leases["lease-both"]
+    await wait_for(lambda: child.exists() and child.read_text().strip(), what="the rank's worker")
+    worker = int(child.read_text())
+    assert os.getpgid(worker) == st.pgid  # in the rank's group
+    # both at once, with no await between: the agent has no chance to adopt the rank
+    os.kill(st.sup_pid, signal.SIGKILL)
+    os.kill(res.pid, signal.SIGKILL)
+    await wait_for(lambda: terminal(node, "lease-both"), what="the lease to end")
+    assert st.exit["state"] == "LOST" and "vanished" in st.exit["reason"]
+    await wait_for(lambda: not pid_alive(worker), timeout=5, what="the rank's worker to be killed")
+
+
 async def test_train_counter_preempted_and_resumed_gives_the_uninterrupted_result(node, tmp_path):
     ckpt = f"file://{tmp_path}/ck"
     argv = [PY, TRAIN_COUNTER, "--steps", "120", "--step-time", "0.01", "--checkpoint-every", "25"]

@@ -142,6 +142,24 @@ async def test_a_process_that_leaves_the_group_dies_with_the_rank(node, parent, 
     assert rank_dirs(parent, "lease-daemon") == []
 
 
+async def test_a_rank_and_supervisor_killed_together_leave_no_daemon_and_no_cgroup(node, parent):
+    """With its supervisor gone nobody else empties the rank's cgroups: the agent does, when it
+    reports the lease LOST, or a daemon the rank started would hold its GPUs for the next job."""
+    daemonize = "setsid sh -c 'echo $$ > daemon.pid; exec sleep 300' </dev/null >/dev/null 2>&1 &"
+    res = await node.start_task(start_task("node-f", "lease-lost", ["/bin/sh", "-c", daemonize + " sleep 300"]))
+    assert res.accepted
+    st = node.leases["lease-lost"]
+    pid_file = node.work_dir / "lease-lost" / "daemon.pid"
+    await wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), what="the rank's daemon")
+    daemon = int(pid_file.read_text())
+    os.kill(st.sup_pid, signal.SIGKILL)
+    os.kill(res.pid, signal.SIGKILL)
+    await wait_for(lambda: st.exit is not None, what="the lease to end")
+    assert st.exit["state"] == "LOST"
+    await wait_for(lambda: not sf.process_alive(daemon, None), timeout=5, what="the daemon to be killed")
+    await wait_for(lambda: rank_dirs(parent, "lease-lost") == [], timeout=10, what="its cgroups to be removed")
+
+
 async def test_a_stopped_rank_leaves_no_process_and_no_cgroup(node, parent):
     res = await node.start_task(start_task("node-f", "lease-stop", ["/bin/sh", "-c", "sleep 300 & sleep 300"]))
     assert res.accepted

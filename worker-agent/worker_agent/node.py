@@ -590,6 +590,7 @@ class NodeAgent:
                 forced = True
                 deadline = time.monotonic() + margin
             elif st.live and forced and time.monotonic() > deadline:
+                self._end_leftovers(st)  # a daemon in its cgroups outlives the group kill
                 self._finish(st, self._write_exit(st, "STOPPED", "killed by the agent; supervisor unresponsive"))
 
     # -------------------------------------------------------------- confirmations
@@ -867,6 +868,7 @@ class NodeAgent:
                 except OSError as e:
                     log.error("%s: cannot start an adopting supervisor: %s", self.node_id, e)
             return
+        self._end_leftovers(st)
         self._mark_lost(st, "rank and its supervisor vanished")
 
     def _read_progress(self, st: Lease, report: bool = False) -> None:
@@ -916,6 +918,39 @@ class NodeAgent:
         if not (st.dir / sf.EXIT).exists():
             sf.write_json_atomic(st.dir / sf.EXIT, rec, fsync=True)
         return sf.read_json(st.dir / sf.EXIT) or rec
+
+    def _end_leftovers(self, st: Lease) -> None:
+        """Kill what a rank whose supervisor is gone left behind: its workers (torchrun's, say)
+        would keep its GPUs after the lease is reported LOST and the GPUs go to the next job.
+
+        The rank leads its process group, so its group's id is still reserved while a member
+        lives; a process that now holds that pid is another one (the rank is dead), and its
+        group is not ours to kill. Its cgroups hold everything it started, a ``setsid``
+        daemon included: those are emptied and removed (off the event loop: removal waits
+        for the kernel to reap)."""
+        if st.pgid and not sf.process_alive(st.pgid, None):
+            try:
+                os.killpg(st.pgid, signal.SIGKILL)
+                log.warning("%s: lease %s: killed what its rank left in its process group", self.node_id, st.lease_id)
+            except (ProcessLookupError, PermissionError):
+                pass
+        sup = sf.read_json(st.dir / sf.SUPERVISOR) or {}
+        if not sup.get("cgroup"):
+            return
+        cgroup = rank_cgroup.RankCgroup.from_json(sup["cgroup"])
+        cgroup.kill_all()
+
+        def remove() -> None:
+            if not cgroup.remove():
+                log.error("%s: could not remove lease %s's cgroups %s", self.node_id, st.lease_id, cgroup.dirs)
+
+        try:
+            t = asyncio.get_running_loop().create_task(asyncio.to_thread(remove))
+        except RuntimeError:  # no loop (a caller outside the agent's): do it here
+            remove()
+            return
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
 
     def _mark_lost(self, st: Lease, reason: str) -> None:
         log.warning("%s: lease %s LOST: %s", self.node_id, st.lease_id, reason)
