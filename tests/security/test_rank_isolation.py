@@ -111,15 +111,19 @@ async def test_a_rank_reads_nothing_of_the_agent_control_plane_or_another_lease(
 
 
 async def test_a_rank_writes_its_progress_and_its_checkpoint_dir_as_its_user(node, work_root):
-    ckpt = work_root / "ckpt" / "job-lease-ck"
+    ckpt = work_root / "checkpoints" / "job-lease-ck" / "attempt-1"
     out, err = await run_rank(
         node,
         "lease-ck",
-        'echo \'{"step": 7}\' > "$GPUFLEET_PROGRESS_FILE" && touch "${GPUFLEET_CHECKPOINT_DIR#file://}/step-7" && echo ok',
+        'echo \'{"step": 7}\' > "$GPUFLEET_PROGRESS_FILE" && touch "${GPUFLEET_CHECKPOINT_DIR#file://}/step-7" && echo ok'
+        f'; ls "{work_root / "checkpoints"}" "{ckpt.parent}" 2>&1',
         checkpoint_dir=f"file://{ckpt}",
     )
-    assert out.strip() == "ok", (out, err)
+    lines = out.splitlines()
+    assert lines[0] == "ok", (out, err)
     assert (ckpt / "step-7").stat().st_uid == 65534
+    # the dirs the agent made above it may be passed through, not listed (every team's job ids)
+    assert len(lines) == 3 and all("Permission denied" in line for line in lines[1:]), out
     node._read_progress(node.leases["lease-ck"])
     assert node.leases["lease-ck"].step == 7
 

@@ -352,8 +352,14 @@ class NodeAgent:
                 require_reachable(
                     local, *user, "the job's checkpoint dir", "keep checkpoints where others may pass through"
                 )
+                # the dirs above it that the agent makes (<state>/checkpoints/<job>) may be passed
+                # through, not listed: a listing would show every team's job ids to any rank
+                for above in reversed(local.parents):
+                    if not above.exists():
+                        above.mkdir(exist_ok=True)
+                        os.chmod(above, 0o711)
                 try:
-                    local.mkdir(parents=True)
+                    local.mkdir()
                 except FileExistsError:
                     # hand over only a dir that is already this user's (another rank of the job's
                     # on this node, or a restart of this one), never one of the host's or of another
