@@ -199,9 +199,12 @@ class Platform:
         from store.seed import DEMO_TEAMS
 
         tokens = load_or_create_tokens(state, list(DEMO_TEAMS))
+        # ranks may not reach the dev server's UI either: it can signal and terminate workflows
+        blocked = [*s.agent_rank_blocked_addresses, *([f"127.0.0.1:{s.temporal_ui_port}"] if self.temporal else [])]
         platform = s.model_copy(
             update={
                 "env": "dev",
+                "agent_rank_blocked_addresses": blocked,
                 "database_url": dsn,
                 "temporal_address": temporal_address,
                 "state_dir": state,

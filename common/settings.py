@@ -420,6 +420,20 @@ class Settings(BaseSettings):
         description="where the node's GPU device nodes (nvidiaN) are: with agent_rank_cgroups on cgroup v1, a rank"
         " is denied every one but its own GPUs'",
     )
+    agent_rank_firewall: Literal["auto", "required", "off"] = Field(
+        "auto",
+        description="keep ranks off the control plane: nftables rules reject TCP connections from the ranks' users"
+        " to Temporal, control's gRPC and agent_rank_blocked_addresses (auto: where nft is installed, else the agent"
+        " says at start that ranks can reach them; required: refuse to start without)",
+    )
+    agent_rank_blocked_addresses: list[str] = Field(
+        default_factory=list,
+        description="more host:port that ranks may not connect to (Postgres, Temporal's UI, metrics), beside"
+        " Temporal's and control's",
+    )
+    agent_rank_firewall_table: str = Field(
+        "gpufleet_ranks", pattern=r"^[a-z][a-z0-9_]{0,30}$", description="the nftables table (inet) of those rules"
+    )
     agent_node_cpus: float | None = Field(
         None, gt=0, description="the node's CPUs for rank shares (unset: the CPUs this agent may run on)"
     )
@@ -556,6 +570,15 @@ class Settings(BaseSettings):
     def _registries_parse(cls, v: list[str]) -> list[str]:
         for entry in v:
             parse_registry_rule(entry)  # ImageRefError is a ValueError: a clear settings error
+        return v
+
+    @field_validator("agent_rank_blocked_addresses")
+    @classmethod
+    def _host_ports(cls, v: list[str]) -> list[str]:
+        for address in v:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"an address is host:port, not {address!r}")
         return v
 
     def to_env(self) -> dict[str, str]:

@@ -41,6 +41,30 @@ from tests.support import dsn_with_db  # noqa: E402
 TEMPLATE_DB = "gpufleet_template"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _rank_firewall_left_as_found():
+    """`gpufleet up` under the tests (as root, with nftables) puts its ranks' rules in the
+    host's ruleset (worker_agent.rank_firewall); take the table away after the session
+    unless it was there before it (a developer's own `make up`)."""
+    import shutil
+    import subprocess
+
+    from common.settings import Settings
+
+    table = Settings.model_fields["agent_rank_firewall_table"].default
+    nft = shutil.which("nft")
+
+    def present() -> bool:
+        return nft is not None and os.geteuid() == 0 and subprocess.run(
+            [nft, "list", "table", "inet", table], capture_output=True, check=False
+        ).returncode == 0  # fmt: skip
+
+    before = present()
+    yield
+    if not before and present():
+        subprocess.run([nft, "delete", "table", "inet", table], capture_output=True, check=False)
+
+
 @pytest.fixture(scope="session")
 def pg_admin_dsn() -> str:
     external = os.environ.get("GPUFLEET_TEST_DATABASE_URL")

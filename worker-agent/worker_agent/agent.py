@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
 from collections.abc import Awaitable, Callable, Sequence
 
 from common.temporal import connect, make_worker
+from worker_agent import rank_firewall
 from worker_agent.link import ControlLink
 from worker_agent.log_http import LogHttpServer
 from worker_agent.node import FleetActivities, NodeAgent, build_agent_activities
@@ -91,6 +94,8 @@ class AgentProcess:
             raise ValueError("the real NVML backend hosts exactly one node per process")
         if self.simulated_ranks and self.backend_kind == "real":
             raise ValueError("simulated ranks run on simulated nodes only")
+        if not self.simulated_ranks:
+            self._keep_ranks_off_the_control_plane()
         self._http_log_server = LogHttpServer(s, self.nodes)
         self.http_log_addr = await self._http_log_server.start(self.listen or s.agent_http_listen)
         runtime = make_runtime(s)
@@ -113,6 +118,39 @@ class AgentProcess:
             "agent up: %d node(s) %s, NVML backend %s, runtime %s, queue mode %s, logs at %s",
             len(self.nodes), ",".join(self.node_ids[:4]) + ("..." if len(self.node_ids) > 4 else ""),
             self.backend_kind, runtime.name, s.agent_task_queue_mode, self.http_log_addr,
+        )  # fmt: skip
+
+    def _keep_ranks_off_the_control_plane(self) -> None:
+        """Reject TCP connections from the ranks' users to Temporal, control and the listed
+        addresses (worker_agent.rank_firewall); where that cannot be done, say so, or, with
+        ``agent_rank_firewall=required``, refuse to start."""
+        s = self.settings
+        if s.agent_rank_firewall == "off" or not s.agent_rank_isolation or os.geteuid() != 0:
+            return  # ranks run as the agent's own user: no uid to match (the agent says so)
+        addresses = [(a, "control") for a in (self.control_addresses or s.control_addresses)]
+        if self.temporal:
+            addresses.append(
+                (self.temporal_address or s.temporal_address or f"127.0.0.1:{s.temporal_port}", "temporal")
+            )
+        addresses += [(a, "listed") for a in s.agent_rank_blocked_addresses]
+        try:
+            endpoints = rank_firewall.resolve(addresses)
+            base = int(s.agent_team_uid_base) or None
+            uids = {int(s.agent_rank_uid), *(int(u) for u, _ in s.agent_team_rank_ids.values())}
+            rank_firewall.apply(
+                rank_firewall.ruleset(s.agent_rank_firewall_table, rank_firewall.uid_set(uids, base), endpoints)
+            )
+        except (rank_firewall.FirewallError, OSError, subprocess.SubprocessError) as e:
+            if s.agent_rank_firewall == "required":
+                raise RuntimeError(f"agent_rank_firewall is required but ranks cannot be kept off: {e}") from e
+            log.warning(
+                "ranks can connect to %s: %s (install nftables, or keep those endpoints behind client"
+                " certificates: docs/security.md)", ", ".join(a for a, _ in addresses), e,
+            )  # fmt: skip
+            return
+        log.info(
+            "ranks may not connect to %s (nftables table inet %s)",
+            ", ".join(f"{e.ip}:{e.port}" for e in endpoints), s.agent_rank_firewall_table,
         )  # fmt: skip
 
     def _make_workers(self, client) -> list:

@@ -1,0 +1,151 @@
+"""Ranks are kept off the control plane's endpoints (docs/security.md, "Tenant vs platform"):
+a rank shares the host's network, and Temporal without client certificates would let it
+signal, terminate or impersonate any job's workflow. The agent process rejects TCP
+connections from the ranks' users to Temporal, control and the listed addresses.
+
+The real test runs nftables as root (CI installs it) and ranks that try to connect with
+bash's /dev/tcp; the rules are built as text and checked without root too."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import threading
+
+import pytest
+
+from common.settings import Settings
+from tests.agent.conftest import make_settings
+from tests.security.conftest import run_sh_rank
+from worker_agent import rank_firewall
+from worker_agent import statefiles as sf
+from worker_agent.agent import AgentProcess
+from worker_agent.rank_firewall import Endpoint
+
+
+def test_the_rules_reject_the_ranks_users_and_nobody_else():
+    uids = rank_firewall.uid_set({65534, 61000, 2_000_000_005}, 2_000_000_000)
+    assert uids == "{ 61000, 65534, 2000000000-2147483646 }"  # a numbered id is in the range already
+    assert rank_firewall.uid_set({65534}, None) == "{ 65534 }"
+    text = rank_firewall.ruleset(
+        "gpufleet_ranks", uids, [Endpoint("127.0.0.1", 7233, "temporal"), Endpoint("::1", 50051, 'control"; drop')]
+    )
+    lines = text.splitlines()
+    # replaced whole in one transaction (the first line makes the delete safe on a first start)
+    assert lines[:3] == ["table inet gpufleet_ranks", "delete table inet gpufleet_ranks", "table inet gpufleet_ranks {"]
+    assert "type filter hook output priority 0; policy accept;" in text
+    assert (
+        "meta skuid { 61000, 65534, 2000000000-2147483646 } ip daddr 127.0.0.1 tcp dport 7233"
+        ' counter reject with tcp reset comment "temporal"' in text
+    )
+    assert 'ip6 daddr ::1 tcp dport 50051 counter reject with tcp reset comment "control drop"' in text
+
+
+def test_addresses_resolve_and_bad_ones_are_refused():
+    got = rank_firewall.resolve([("localhost:7233", "temporal"), ("[::1]:80", "listed")])
+    assert Endpoint("127.0.0.1", 7233, "temporal") in got and Endpoint("::1", 80, "listed") in got
+    for bad in ("temporal", "host:", ":80", "host:99999", "host:http"):
+        with pytest.raises(ValueError, match="host:port"):
+            rank_firewall.split_host_port(bad)
+    with pytest.raises(ValueError, match="host:port"):
+        Settings(agent_rank_blocked_addresses=["db.internal"])
+
+
+def _firewall_here() -> str:
+    if os.geteuid() != 0:
+        return "nftables rules need root (the agent has it on a GPU node)"
+    if shutil.which("nft") is None:
+        return "nft is not installed (CI installs nftables)"
+    r = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=False)
+    return "" if r.returncode == 0 else f"nft cannot run here: {r.stderr.strip()}"
+
+
+class Listener:
+    """A TCP server on 127.0.0.1 that accepts and closes, standing in for an endpoint."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def listeners():
+    made = [Listener() for _ in range(3)]
+    yield made
+    for lst in made:
+        lst.close()
+
+
+@pytest.mark.skipif(bool(_firewall_here()), reason=_firewall_here() or "-")
+async def test_a_rank_cannot_connect_to_control_or_a_listed_address_and_others_can(
+    tmp_path, work_root, listeners, caplog
+):
+    caplog.set_level(logging.INFO, "gpufleet.agent")
+    control, database, storage = listeners
+    table = f"gpufleet_test_{os.getpid()}"
+    settings = make_settings(
+        tmp_path, agent_rank_isolation=True, agent_work_dir=work_root, agent_rank_firewall="required",
+        agent_rank_firewall_table=table, agent_rank_blocked_addresses=[f"localhost:{database.port}"],
+    )  # fmt: skip
+    agent = AgentProcess(
+        settings, ["node-w"], backend="simulated", temporal=False, control_addresses=[f"127.0.0.1:{control.port}"]
+    )
+    await agent.start()
+    try:
+        assert f"nftables table inet {table}" in caplog.text
+        probe = "".join(
+            f'echo "== {name}"; bash -c "exec 3<>/dev/tcp/127.0.0.1/{lst.port} && echo connected" 2>&1\n'
+            for name, lst in (("control", control), ("database", database), ("storage", storage))
+        )
+        st = await run_sh_rank(agent.nodes["node-w"], "lease-net", probe)
+        out = (st.dir / sf.STDOUT).read_text()
+        sections = {n: out.split(f"== {n}\n", 1)[1].split("\n== ", 1)[0] for n in ("control", "database", "storage")}
+        assert "Connection refused" in sections["control"], out
+        assert "Connection refused" in sections["database"], out  # resolved from localhost
+        assert sections["storage"].strip() == "connected", out  # everything else is the rank's to reach
+        # the agent's own user (and every user but the ranks') still reaches control
+        socket.create_connection(("127.0.0.1", control.port), timeout=5).close()
+        # the rules stay when the agent stops: ranks outlive it
+    finally:
+        await agent.stop()
+    listed = await asyncio.to_thread(
+        subprocess.run, ["nft", "list", "table", "inet", table], capture_output=True, text=True, check=False
+    )
+    rank_firewall.remove(table)
+    assert listed.returncode == 0 and f"dport {control.port}" in listed.stdout, listed
+
+
+async def test_an_agent_that_must_keep_ranks_off_and_cannot_refuses_to_start(tmp_path, work_root, monkeypatch, caplog):
+    if os.geteuid() != 0:
+        pytest.skip("the rules are only for ranks of another user (the agent must be root)")
+    monkeypatch.setenv("PATH", str(tmp_path / "no-nft"))  # no nft to be found
+    settings = make_settings(
+        tmp_path, agent_rank_isolation=True, agent_work_dir=work_root, agent_rank_firewall="required"
+    )
+    agent = AgentProcess(settings, ["node-x"], backend="simulated", temporal=False)
+    with pytest.raises(RuntimeError, match=r"agent_rank_firewall is required .* nft .*not installed"):
+        await agent.start()
+    assert not agent.nodes  # refused before any rank could start
+    # auto: it says what ranks can reach, and runs
+    auto = AgentProcess(settings.model_copy(update={"agent_rank_firewall": "auto"}), ["node-y"], backend="simulated",
+                        temporal=False)  # fmt: skip
+    await auto.start()
+    await auto.stop()
+    assert "ranks can connect to 127.0.0.1:1: nft (nftables) is not installed" in caplog.text

@@ -1,0 +1,113 @@
+"""Keep ranks off the control plane's own endpoints: nftables rules on the ranks' users.
+
+Ranks share the host's network (NCCL needs it), so a rank could open a connection to
+whatever the agent reaches: Temporal's frontend (with no client certificates required, it
+could signal or terminate any job's workflow, or poll a node's task queue and take its
+StartTasks), control's gRPC port, and anything an operator lists (Postgres, Temporal's UI).
+The agent, as root, puts one table in the host's ruleset that rejects TCP connections from
+the ranks' uids (the shared rank user, every numbered team's, every listed team's) to those
+addresses, as resolved at start. Other users and every other destination are untouched:
+a rank may still reach the API, its storage and its peers.
+
+The table is replaced whole in one nft transaction, so a restarted agent never leaves a
+gap, and it stays after the agent stops: ranks outlive their agent.
+
+``ruleset`` is pure (tested as text); ``apply`` runs ``nft -f -``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+UID_MAX = 2_147_483_646  # the numbered teams' range ends here (uid_t's signed half, less nobody-style -1/-2)
+
+
+class FirewallError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, order=True)
+class Endpoint:
+    ip: str  # a literal address, v4 or v6
+    port: int
+    what: str  # whose endpoint it is, as the rule's comment
+
+    @property
+    def family(self) -> str:
+        return "ip6" if ipaddress.ip_address(self.ip).version == 6 else "ip"
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port``; a ValueError names the bad address."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"an address is host:port, not {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def resolve(addresses: Iterable[tuple[str, str]]) -> list[Endpoint]:
+    """(address, what) pairs -> each IP the address resolves to now, with its port."""
+    out: set[Endpoint] = set()
+    for address, what in addresses:
+        host, port = split_host_port(address)
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise FirewallError(f"cannot resolve {what} address {address!r}: {e}") from e
+        for _family, _type, _proto, _name, sockaddr in infos:
+            out.add(Endpoint(str(sockaddr[0]).split("%")[0], port, what))
+    return sorted(out)
+
+
+def uid_set(uids: Iterable[int], numbered_from: int | None) -> str:
+    """The nft set of the ranks' uids: single ids, and the numbered teams' range."""
+    parts = [str(u) for u in sorted(set(uids)) if numbered_from is None or not numbered_from <= u <= UID_MAX]
+    if numbered_from is not None:
+        parts.append(f"{numbered_from}-{UID_MAX}")
+    return "{ " + ", ".join(parts) + " }"
+
+
+def _comment(text: str) -> str:
+    return "".join(c for c in text if c.isalnum() or c in " -_.:/")[:120]
+
+
+def ruleset(table: str, uids: str, endpoints: Iterable[Endpoint]) -> str:
+    """The whole table, replacing any earlier one in the same transaction."""
+    rules = [
+        f"\t\tmeta skuid {uids} {e.family} daddr {e.ip} tcp dport {e.port} counter reject with tcp reset"
+        f' comment "{_comment(e.what)}"'
+        for e in endpoints
+    ]
+    return "\n".join(
+        [
+            f"table inet {table}",  # so that the delete below finds one on a first start
+            f"delete table inet {table}",
+            f"table inet {table} {{",
+            "\tchain output {",
+            "\t\ttype filter hook output priority 0; policy accept;",
+            *rules,
+            "\t}",
+            "}",
+            "",
+        ]
+    )
+
+
+def apply(text: str, timeout_s: float = 10.0) -> None:
+    nft = shutil.which("nft")
+    if nft is None:
+        raise FirewallError("nft (nftables) is not installed")
+    r = subprocess.run([nft, "-f", "-"], input=text, capture_output=True, text=True, timeout=timeout_s, check=False)
+    if r.returncode != 0:
+        raise FirewallError(f"nft refused the ranks' rules: {r.stderr.strip() or r.stdout.strip()}")
+
+
+def remove(table: str, timeout_s: float = 10.0) -> None:
+    nft = shutil.which("nft")
+    if nft is not None:
+        subprocess.run([nft, "delete", "table", "inet", table], capture_output=True, timeout=timeout_s, check=False)
