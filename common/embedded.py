@@ -134,6 +134,7 @@ class EmbeddedPostgres:
         except Exception as e:  # pgserver raises plain exceptions with multi-line output
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise PlatformError(f"embedded PostgreSQL in {self.pgdata} failed to start: {first}") from e
+        _close_socket_dir(server)
         return self.uri
 
     @property
@@ -157,6 +158,23 @@ class EmbeddedPostgres:
         pgexec("pg_ctl", ("-w", "-D", str(server.pgdata), "-m", "immediate", "stop"),
                bin_path=server.bin_path, user=server.system_user)  # fmt: skip
         self._server, self._stopped = None, True
+
+
+def _close_socket_dir(server: Any) -> None:
+    """As root, pgserver runs Postgres as its own user with trust authentication, and where
+    pgdata's path is too long for a unix socket it puts the socket in a runtime dir it opens
+    to everyone (0777): any local user, a rank included, could connect as the superuser.
+    That dir becomes the server's user's alone (root, as every gpufleet process here is,
+    passes anyway). pgdata itself, the usual place, is already private to it."""
+    user = getattr(server, "system_user", None)
+    sock = server.get_postmaster_info().socket_dir
+    if user is None or sock is None or Path(sock).resolve() == Path(server.pgdata).resolve():
+        return
+    import pwd
+
+    owner = pwd.getpwnam(user)
+    os.chown(sock, owner.pw_uid, owner.pw_gid)
+    os.chmod(sock, 0o700)
 
 
 @dataclass

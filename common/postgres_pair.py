@@ -136,7 +136,8 @@ class PostgresNode:
     def start(self, timeout_s: float = 60.0) -> None:
         if self.pid() is not None:
             return
-        self._own(self.socket_dir, 0o777 if self.socket_dir != self.pgdata else 0o700)
+        # the server's user's alone: it trusts every local connection (root, as gpufleet runs here, passes)
+        self._own(self.socket_dir, 0o700)
         opts = f'-h "" -k {self.socket_dir} -p {PORT}'
         self._run(
             "pg_ctl", "-w", "-t", str(int(timeout_s)), "-o", opts, "-l", str(self.log_file), "-D", str(self.pgdata),
