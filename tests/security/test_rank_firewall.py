@@ -46,8 +46,13 @@ def test_the_rules_reject_the_ranks_users_and_nobody_else():
 
 
 def test_addresses_resolve_and_bad_ones_are_refused():
-    got = rank_firewall.resolve([("localhost:7233", "temporal"), ("[::1]:80", "listed")])
+    got, problems = rank_firewall.resolve(
+        [("localhost:7233", "temporal"), ("[::1]:80", "listed"), ("no-such-host.invalid:5432", "listed"),
+         ("dns:///control", "control")]
+    )  # fmt: skip
     assert Endpoint("127.0.0.1", 7233, "temporal") in got and Endpoint("::1", 80, "listed") in got
+    # one that cannot be resolved or read is named, and the others are still covered
+    assert len(problems) == 2 and "'no-such-host.invalid:5432'" in problems[0] and "host:port" in problems[1]
     for bad in ("temporal", "host:", ":80", "host:99999", "host:http"):
         with pytest.raises(ValueError, match="host:port"):
             rank_firewall.split_host_port(bad)
@@ -130,6 +135,34 @@ async def test_a_rank_cannot_connect_to_control_or_a_listed_address_and_others_c
     )
     rank_firewall.remove(table)
     assert listed.returncode == 0 and f"dport {control.port}" in listed.stdout, listed
+
+
+@pytest.mark.skipif(bool(_firewall_here()), reason=_firewall_here() or "-")
+async def test_an_address_that_does_not_resolve_is_named_and_the_others_are_still_closed(
+    tmp_path, work_root, listeners, caplog
+):
+    control = listeners[0]
+    table = f"gpufleet_test_{os.getpid()}_b"
+    settings = make_settings(
+        tmp_path, agent_rank_isolation=True, agent_work_dir=work_root, agent_rank_firewall_table=table,
+        agent_rank_blocked_addresses=["no-such-host.invalid:5432"],
+    )  # fmt: skip
+    agent = AgentProcess(
+        settings, ["node-z"], backend="simulated", temporal=False, control_addresses=[f"127.0.0.1:{control.port}"]
+    )
+    await agent.start()
+    await agent.stop()
+    listed = await asyncio.to_thread(
+        subprocess.run, ["nft", "list", "table", "inet", table], capture_output=True, text=True, check=False
+    )
+    rank_firewall.remove(table)
+    assert f"dport {control.port}" in listed.stdout, listed
+    assert "cannot resolve listed address 'no-such-host.invalid:5432'" in caplog.text
+    with pytest.raises(RuntimeError, match="required but ranks cannot be kept off: cannot resolve"):
+        await AgentProcess(
+            settings.model_copy(update={"agent_rank_firewall": "required"}), ["node-z2"], backend="simulated",
+            temporal=False, control_addresses=[f"127.0.0.1:{control.port}"],
+        ).start()  # fmt: skip
 
 
 async def test_an_agent_that_must_keep_ranks_off_and_cannot_refuses_to_start(tmp_path, work_root, monkeypatch, caplog):

@@ -133,15 +133,20 @@ class AgentProcess:
                 (self.temporal_address or s.temporal_address or f"127.0.0.1:{s.temporal_port}", "temporal")
             )
         addresses += [(a, "listed") for a in s.agent_rank_blocked_addresses]
+        required = s.agent_rank_firewall == "required"
+        endpoints, problems = rank_firewall.resolve(addresses)
+        if problems and required:
+            raise RuntimeError(f"agent_rank_firewall is required but ranks cannot be kept off: {'; '.join(problems)}")
+        for problem in problems:  # the rest are still closed
+            log.warning("ranks can connect to what this names: %s", problem)
         try:
-            endpoints = rank_firewall.resolve(addresses)
             base = int(s.agent_team_uid_base) or None
             uids = {int(s.agent_rank_uid), *(int(u) for u, _ in s.agent_team_rank_ids.values())}
             rank_firewall.apply(
                 rank_firewall.ruleset(s.agent_rank_firewall_table, rank_firewall.uid_set(uids, base), endpoints)
             )
         except (rank_firewall.FirewallError, OSError, subprocess.SubprocessError) as e:
-            if s.agent_rank_firewall == "required":
+            if required:
                 raise RuntimeError(f"agent_rank_firewall is required but ranks cannot be kept off: {e}") from e
             log.warning(
                 "ranks can connect to %s: %s (install nftables, or keep those endpoints behind client"

@@ -50,18 +50,21 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def resolve(addresses: Iterable[tuple[str, str]]) -> list[Endpoint]:
-    """(address, what) pairs -> each IP the address resolves to now, with its port."""
+def resolve(addresses: Iterable[tuple[str, str]]) -> tuple[list[Endpoint], list[str]]:
+    """(address, what) pairs -> each IP the addresses resolve to now, with its port, and a
+    line for each address that could not be read or resolved (it is then not covered)."""
     out: set[Endpoint] = set()
+    problems: list[str] = []
     for address, what in addresses:
-        host, port = split_host_port(address)
         try:
+            host, port = split_host_port(address)
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except socket.gaierror as e:
-            raise FirewallError(f"cannot resolve {what} address {address!r}: {e}") from e
+        except (ValueError, OSError) as e:  # socket.gaierror is an OSError
+            problems.append(f"cannot resolve {what} address {address!r}: {e}")
+            continue
         for _family, _type, _proto, _name, sockaddr in infos:
             out.add(Endpoint(str(sockaddr[0]).split("%")[0], port, what))
-    return sorted(out)
+    return sorted(out), problems
 
 
 def uid_set(uids: Iterable[int], numbered_from: int | None) -> str:
