@@ -35,7 +35,7 @@ import subprocess
 from collections.abc import Awaitable, Callable, Sequence
 
 from common.temporal import connect, make_worker
-from worker_agent import rank_firewall
+from worker_agent import proc_visibility, rank_firewall
 from worker_agent.link import ControlLink
 from worker_agent.log_http import LogHttpServer
 from worker_agent.node import FleetActivities, NodeAgent, build_agent_activities
@@ -96,6 +96,7 @@ class AgentProcess:
             raise ValueError("simulated ranks run on simulated nodes only")
         if not self.simulated_ranks:
             self._keep_ranks_off_the_control_plane()
+            self._say_whether_ranks_see_other_processes()
         self._http_log_server = LogHttpServer(s, self.nodes)
         self.http_log_addr = await self._http_log_server.start(self.listen or s.agent_http_listen)
         runtime = make_runtime(s)
@@ -157,6 +158,19 @@ class AgentProcess:
             "ranks may not connect to %s (nftables table inet %s)",
             ", ".join(f"{e.ip}:{e.port}" for e in endpoints), s.agent_rank_firewall_table,
         )  # fmt: skip
+
+    def _say_whether_ranks_see_other_processes(self) -> None:
+        """Under the process runtime a rank reads every process's command line unless /proc
+        hides them; the host decides that, so the agent only says so (once per process)."""
+        s = self.settings
+        if s.agent_runtime != "process" or not s.agent_rank_isolation or os.geteuid() != 0:
+            return
+        if proc_visibility.this_host_hides_pids() is False:
+            log.warning(
+                "ranks can read every process's command line on this host, other teams' included:"
+                " /proc is mounted without hidepid (mount -o remount,hidepid=invisible,gid=<monitoring group>"
+                " /proc; docs/security.md)"
+            )
 
     def _make_workers(self, client) -> list:
         s = self.settings

@@ -1,0 +1,36 @@
+"""Whether a rank can see other users' processes: ``/proc`` mounted with ``hidepid``.
+
+Without it every process's command line (``/proc/<pid>/cmdline``) is readable by every user,
+so a rank on a shared node reads the commands, and any token passed as an argument, of the
+ranks of other teams beside it. The process runtime cannot change that per rank; the host
+can (``mount -o remount,hidepid=invisible,gid=<group that monitors> /proc``). The agent
+checks at start and says so (docs/security.md, "What the process runtime cannot isolate").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HIDING = {"1", "2", "noaccess", "invisible"}  # hidepid values that keep others' processes from a user
+
+
+def proc_hides_pids(mountinfo: str, mount_point: str = "/proc") -> bool | None:
+    """From ``/proc/self/mountinfo``: True if ``mount_point`` is a proc mount with a hidepid
+    that hides other users' processes, False if not, None if there is no such mount."""
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) < 5 or fields[4] != mount_point or " - " not in line:
+            continue
+        fs_type, _source, *super_options = line.split(" - ", 1)[1].split()
+        if fs_type != "proc":
+            continue
+        options = ",".join(super_options[:1]).split(",") + fields[5].split(",")
+        return any(o.split("=", 1)[1] in HIDING for o in options if o.startswith("hidepid="))
+    return None
+
+
+def this_host_hides_pids() -> bool | None:
+    try:
+        return proc_hides_pids(Path("/proc/self/mountinfo").read_text())
+    except OSError:
+        return None
