@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -21,6 +22,7 @@ from common.contracts import StopTask
 from tests.agent.conftest import close_node, make_settings, start_task, wait_for
 from tests.security.conftest import run_sh_rank
 from worker_agent import statefiles as sf
+from worker_agent import team_users
 from worker_agent.node import NodeAgent
 from worker_agent.nvml import make_backend
 from worker_agent.rank_access import RankAccessError
@@ -215,6 +217,22 @@ async def test_a_team_with_its_own_ids_runs_as_them(tmp_path, work_root):
         assert (st.dir / sf.STDOUT).read_text().strip() == "61000"
     finally:
         await n.close()
+
+
+async def test_an_agent_whose_teams_users_are_taken_refuses_to_start(tmp_path, work_root, monkeypatch):
+    """A host account in the numbered range would let a team's ranks read its files."""
+    taken = "account ldap-bob (uid 2000000005, gid 100)"
+    monkeypatch.setattr(team_users, "host_clashes", lambda base, listed: [taken] if base == 2_000_000_000 else [])
+    settings = make_settings(tmp_path, agent_rank_isolation=True, agent_work_dir=work_root)
+    n = NodeAgent(settings, "node-c", backend=make_backend(settings, "node-c", "simulated"))
+    with pytest.raises(
+        RankAccessError, match=f"not free on this host: {re.escape(taken)}.*GPUFLEET_AGENT_TEAM_UID_BASE"
+    ):
+        await n.start()
+    moved = settings.model_copy(update={"agent_team_uid_base": 2_050_000_000})
+    n = NodeAgent(moved, "node-c", backend=make_backend(moved, "node-c", "simulated"))
+    await n.start()  # a base above it
+    await close_node(n)
 
 
 async def test_a_work_dir_out_of_the_ranks_reach_is_refused_at_start(tmp_path):

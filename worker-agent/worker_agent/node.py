@@ -65,7 +65,7 @@ from common.contracts import (
 )
 from proto import agent_pb2 as pb
 from proto.convert import HEALTH_TO_PB, task_status_to_pb
-from worker_agent import exit_cause, gpu_devices, rank_cgroup
+from worker_agent import exit_cause, gpu_devices, rank_cgroup, team_users
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within, local_path
 from worker_agent.nvml import GpuBackend, GpuSample
@@ -188,6 +188,14 @@ class NodeAgent:
             os.chmod(self.dir.parent, 0o700)
             os.chmod(self.work_dir, 0o711)
             os.chmod(self.work_dir.parent, 0o711)
+            clash = team_users.host_clashes(
+                int(self.settings.agent_team_uid_base), [int(u) for u, _ in self.settings.agent_team_rank_ids.values()]
+            )
+            if clash:  # a team's ranks would run as that account, or inside that range
+                raise RankAccessError(
+                    f"the teams' users (from agent_team_uid_base {self.settings.agent_team_uid_base}) are not free"
+                    f" on this host: {'; '.join(clash[:5])}; set GPUFLEET_AGENT_TEAM_UID_BASE above them"
+                )
             for uid, gid in self.rank_users():
                 require_reachable(
                     self.work_dir, uid, gid, "the ranks' work dir",

@@ -24,7 +24,7 @@ import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-UID_MAX = 2_147_483_646  # the numbered teams' range ends here (uid_t's signed half, less nobody-style -1/-2)
+from worker_agent.team_users import UID_MAX
 
 
 class FirewallError(RuntimeError):
