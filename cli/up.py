@@ -46,6 +46,7 @@ from common.tls import api_scheme
 from proto.auth import node_credential, node_log_key
 from worker_agent import statefiles as sf
 from worker_agent.rank_access import private_ancestor
+from worker_agent.rank_users import rank_users
 
 
 def load_or_create_tokens(state_dir: Path, teams: list[str]) -> dict[str, dict]:
@@ -413,10 +414,8 @@ def _rank_isolation(platform: Settings) -> tuple[Settings, str]:
         return platform, "run as this user (GPUFLEET_AGENT_RANK_ISOLATION=false)"
     if os.geteuid() != 0:
         return platform, "run as this user: not isolated (the agent must be root to switch users)"
-    users = {(platform.agent_rank_uid, platform.agent_rank_gid), *platform.agent_team_rank_ids.values()}
+    users = rank_users(platform)
     base = platform.agent_team_uid_base
-    if base:  # every numbered team's user is the same stranger to these dirs
-        users.add((base, base))
     for path in filter(None, (platform.state_dir, platform.agent_work_dir)):
         for uid, gid in users:
             blocked = private_ancestor(Path(path), int(uid), int(gid))

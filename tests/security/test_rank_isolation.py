@@ -21,8 +21,8 @@ import pytest
 from common.contracts import StopTask
 from tests.agent.conftest import close_node, make_settings, start_task, wait_for
 from tests.security.conftest import run_sh_rank
+from worker_agent import rank_users
 from worker_agent import statefiles as sf
-from worker_agent import team_users
 from worker_agent.node import NodeAgent
 from worker_agent.nvml import make_backend
 from worker_agent.rank_access import RankAccessError
@@ -222,7 +222,7 @@ async def test_a_team_with_its_own_ids_runs_as_them(tmp_path, work_root):
 async def test_an_agent_whose_teams_users_are_taken_refuses_to_start(tmp_path, work_root, monkeypatch):
     """A host account in the numbered range would let a team's ranks read its files."""
     taken = "account ldap-bob (uid 2000000005, gid 100)"
-    monkeypatch.setattr(team_users, "host_clashes", lambda base, listed: [taken] if base == 2_000_000_000 else [])
+    monkeypatch.setattr(rank_users, "host_clashes", lambda base, listed: [taken] if base == 2_000_000_000 else [])
     settings = make_settings(tmp_path, agent_rank_isolation=True, agent_work_dir=work_root)
     n = NodeAgent(settings, "node-c", backend=make_backend(settings, "node-c", "simulated"))
     with pytest.raises(

@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import subprocess
 from collections.abc import Awaitable, Callable, Sequence
 
 from common.temporal import connect, make_worker
-from worker_agent import proc_visibility, rank_firewall
+from worker_agent import proc_visibility, rank_firewall, rank_users
 from worker_agent.link import ControlLink
 from worker_agent.log_http import LogHttpServer
 from worker_agent.node import FleetActivities, NodeAgent, build_agent_activities
@@ -126,7 +125,7 @@ class AgentProcess:
         addresses (worker_agent.rank_firewall); where that cannot be done, say so, or, with
         ``agent_rank_firewall=required``, refuse to start."""
         s = self.settings
-        if s.agent_rank_firewall == "off" or not s.agent_rank_isolation or os.geteuid() != 0:
+        if s.agent_rank_firewall == "off" or not rank_users.ranks_isolated(s):
             return  # ranks run as the agent's own user: no uid to match (the agent says so)
         addresses = [(a, "control") for a in (self.control_addresses or s.control_addresses)]
         if self.temporal:
@@ -142,7 +141,7 @@ class AgentProcess:
             log.warning("ranks can connect to what this names: %s", problem)
         try:
             base = int(s.agent_team_uid_base) or None
-            uids = {int(s.agent_rank_uid), *(int(u) for u, _ in s.agent_team_rank_ids.values())}
+            uids = {uid for uid, _ in rank_users.rank_users(s)}
             rank_firewall.apply(
                 rank_firewall.ruleset(s.agent_rank_firewall_table, rank_firewall.uid_set(uids, base), endpoints)
             )
@@ -163,7 +162,7 @@ class AgentProcess:
         """Under the process runtime a rank reads every process's command line unless /proc
         hides them; the host decides that, so the agent only says so (once per process)."""
         s = self.settings
-        if s.agent_runtime != "process" or not s.agent_rank_isolation or os.geteuid() != 0:
+        if s.agent_runtime != "process" or not rank_users.ranks_isolated(s):
             return
         if proc_visibility.this_host_hides_pids() is False:
             log.warning(

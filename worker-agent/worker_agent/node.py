@@ -65,7 +65,7 @@ from common.contracts import (
 )
 from proto import agent_pb2 as pb
 from proto.convert import HEALTH_TO_PB, task_status_to_pb
-from worker_agent import exit_cause, gpu_devices, rank_cgroup, team_users
+from worker_agent import exit_cause, gpu_devices, rank_cgroup, rank_users
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within, local_path
 from worker_agent.nvml import GpuBackend, GpuSample
@@ -152,7 +152,7 @@ class NodeAgent:
         # ranks' working dirs: outside the agent's private state, one per lease
         self.work_dir = Path(settings.agent_work_dir or Path(settings.state_dir) / "work") / node_id
         # ranks run as another user only when the agent can switch users (it runs as root)
-        self.isolated = bool(settings.agent_rank_isolation) and os.geteuid() == 0
+        self.isolated = rank_users.ranks_isolated(settings)
         # ranks in their own cgroups: the process runtime's fence (the container engine has its own)
         self.cgroups = (
             bool(settings.agent_rank_cgroups) and bool(settings.agent_rank_limits)
@@ -188,7 +188,7 @@ class NodeAgent:
             os.chmod(self.dir.parent, 0o700)
             os.chmod(self.work_dir, 0o711)
             os.chmod(self.work_dir.parent, 0o711)
-            clash = team_users.host_clashes(
+            clash = rank_users.host_clashes(
                 int(self.settings.agent_team_uid_base), [int(u) for u, _ in self.settings.agent_team_rank_ids.values()]
             )
             if clash:  # a team's ranks would run as that account, or inside that range
@@ -322,14 +322,8 @@ class NodeAgent:
             st.confirmed_clock = max(st.confirmed_clock, st.started_clock)
 
     def rank_users(self) -> set[tuple[int, int]]:
-        """The users ranks run as here, for the checks that they can reach their dirs: the
-        shared one, each listed team's, and one standing for every numbered team's (no team
-        is numbered 0, and every numbered user is the same stranger to the agent's dirs)."""
-        s = self.settings
-        ids = {(int(s.agent_rank_uid), int(s.agent_rank_gid))}
-        if s.agent_team_uid_base:
-            ids.add((int(s.agent_team_uid_base), int(s.agent_team_uid_base)))
-        return ids | {(int(u), int(g)) for u, g in s.agent_team_rank_ids.values()}
+        """The users ranks run as here, for the checks that they can reach their dirs."""
+        return rank_users.rank_users(self.settings)
 
     def rank_user(self, team: str, team_rank_id: int | None = None) -> tuple[int, int] | None:
         """The uid and gid a team's ranks run as: the team's listed ids, else its numbered user

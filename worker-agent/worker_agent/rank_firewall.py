@@ -24,7 +24,7 @@ import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from worker_agent.team_users import UID_MAX
+from worker_agent.rank_users import UID_MAX
 
 
 class FirewallError(RuntimeError):

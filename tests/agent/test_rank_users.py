@@ -1,8 +1,8 @@
-"""The numbered teams' users must be nobody else's (worker_agent.team_users)."""
+"""The numbered teams' users must be nobody else's (worker_agent.rank_users)."""
 
 from __future__ import annotations
 
-from worker_agent.team_users import UID_MAX, clashes
+from worker_agent.rank_users import UID_MAX, clashes
 
 BASE = 2_000_000_000
 ACCOUNTS = [("root", 0, 0), ("nobody", 65534, 65534), ("alice", 1000, 1000)]

@@ -1,16 +1,38 @@
-"""The numbered teams' users must be nobody else's: a host account, or a range of
-subordinate ids (``/etc/subuid``, ``/etc/subgid``) inside ``agent_team_uid_base`` ..
-``UID_MAX`` would let a team's ranks read that account's files, or a container's.
+"""Which users a node's ranks run as, and that the numbered teams' users are nobody else's.
 
-``clashes`` is pure (given the accounts and the subordinate-id files' text); the agent
-refuses to start while there is one (docs/security.md, "Ranks on one node")."""
+As root, the agent runs a rank as an unprivileged user (docs/security.md, "Ranks on one
+node"): its team's listed ids, else its numbered user (``agent_team_uid_base`` + the
+team's number in the store), else the shared ``agent_rank_uid``. ``rank_users`` is the set
+the agent's start-up checks look at (dirs the ranks must reach, the firewall's uids).
+
+A host account, or a range of subordinate ids (``/etc/subuid``, ``/etc/subgid``) inside
+``agent_team_uid_base`` .. ``UID_MAX`` would let a team's ranks read that account's files,
+or a container's. ``clashes`` is pure (given the accounts and the subordinate-id files'
+text); the agent refuses to start while there is one."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
 UID_MAX = 2_147_483_646  # the numbered range ends here (worker_agent.rank_firewall matches up to it)
+
+
+def ranks_isolated(settings) -> bool:
+    """Whether ranks run as another user than the agent's: asked for, and the agent is root."""
+    return bool(settings.agent_rank_isolation) and os.geteuid() == 0
+
+
+def rank_users(settings) -> set[tuple[int, int]]:
+    """The (uid, gid) ranks run as: the shared one, each listed team's, and one standing for
+    every numbered team's (no team is numbered 0, and every numbered user is the same
+    stranger to the agent's dirs)."""
+    ids = {(int(settings.agent_rank_uid), int(settings.agent_rank_gid))}
+    base = int(settings.agent_team_uid_base)
+    if base:
+        ids.add((base, base))
+    return ids | {(int(u), int(g)) for u, g in settings.agent_team_rank_ids.values()}
 
 
 def clashes(
