@@ -55,14 +55,16 @@ def rank_limits(
         )
     share = min(1.0, max(1, gpus) / max(1, node_gpus))
     usable_cpus = max(node_cpus - max(0.0, reserved_cpus), node_cpus / 2)
-    usable_memory = max(node_memory_bytes - max(0, reserved_memory_bytes), node_memory_bytes // 2)
     cpus = max(0.01, round(usable_cpus * share, 2))
-    memory = max(MIB, int(usable_memory * share) // MIB * MIB)  # whole MiB: the engines' unit
-    disk = None
-    if node_disk_bytes is not None:
-        usable_disk = max(node_disk_bytes - max(0, reserved_disk_bytes), node_disk_bytes // 2)
-        disk = max(MIB, int(usable_disk * share) // MIB * MIB)
+    memory = _bytes_share(node_memory_bytes, reserved_memory_bytes, share)
+    disk = None if node_disk_bytes is None else _bytes_share(node_disk_bytes, reserved_disk_bytes, share)
     return RankLimits(cpus=cpus, memory_bytes=memory, pids=int(pids_max), disk_bytes=disk)
+
+
+def _bytes_share(total: int, reserved: int, share: float) -> int:
+    """``share`` of ``total`` less the reserve (at most half), in whole MiB: the engines' unit."""
+    usable = max(total - max(0, reserved), total // 2)
+    return max(MIB, int(usable * share) // MIB * MIB)
 
 
 def host_cpus() -> int:
