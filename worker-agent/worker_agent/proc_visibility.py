@@ -18,14 +18,12 @@ def proc_hides_pids(mountinfo: str, mount_point: str = "/proc") -> bool | None:
     """From ``/proc/self/mountinfo``: True if ``mount_point`` is a proc mount with a hidepid
     that hides other users' processes, False if not, None if there is no such mount."""
     for line in mountinfo.splitlines():
-        fields = line.split()
-        if len(fields) < 5 or fields[4] != mount_point or " - " not in line:
+        mount, sep, fs = line.partition(" - ")  # mount fields, then: type, source, super options
+        fields, fs_fields = mount.split(), fs.split()
+        if not sep or len(fields) < 6 or fields[4] != mount_point or fs_fields[:1] != ["proc"]:
             continue
-        fs_type, _source, *super_options = line.split(" - ", 1)[1].split()
-        if fs_type != "proc":
-            continue
-        options = ",".join(super_options[:1]).split(",") + fields[5].split(",")
-        return any(o.split("=", 1)[1] in HIDING for o in options if o.startswith("hidepid="))
+        options = fields[5].split(",") + (fs_fields[2].split(",") if len(fs_fields) > 2 else [])
+        return any(o.removeprefix("hidepid=") in HIDING for o in options if o.startswith("hidepid="))
     return None
 
 
