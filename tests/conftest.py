@@ -50,6 +50,7 @@ def _rank_firewall_left_as_found():
     import subprocess
 
     from common.settings import Settings
+    from worker_agent import rank_firewall
 
     table = Settings.model_fields["agent_rank_firewall_table"].default
     nft = shutil.which("nft")
@@ -62,7 +63,7 @@ def _rank_firewall_left_as_found():
     before = present()
     yield
     if not before and present():
-        subprocess.run([nft, "delete", "table", "inet", table], capture_output=True, check=False)
+        rank_firewall.remove(table)
 
 
 @pytest.fixture(scope="session")

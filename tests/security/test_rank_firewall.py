@@ -69,6 +69,13 @@ def _firewall_here() -> str:
     return "" if r.returncode == 0 else f"nft cannot run here: {r.stderr.strip()}"
 
 
+def take_table(table: str) -> subprocess.CompletedProcess:
+    """``nft list`` of the agent's table, then the table removed (it outlives the agent)."""
+    listed = subprocess.run(["nft", "list", "table", "inet", table], capture_output=True, text=True, check=False)
+    rank_firewall.remove(table)
+    return listed
+
+
 class Listener:
     """A TCP server on 127.0.0.1 that accepts and closes, standing in for an endpoint."""
 
@@ -130,10 +137,7 @@ async def test_a_rank_cannot_connect_to_control_or_a_listed_address_and_others_c
         # the rules stay when the agent stops: ranks outlive it
     finally:
         await agent.stop()
-    listed = await asyncio.to_thread(
-        subprocess.run, ["nft", "list", "table", "inet", table], capture_output=True, text=True, check=False
-    )
-    rank_firewall.remove(table)
+    listed = await asyncio.to_thread(take_table, table)
     assert listed.returncode == 0 and f"dport {control.port}" in listed.stdout, listed
 
 
@@ -152,10 +156,7 @@ async def test_an_address_that_does_not_resolve_is_named_and_the_others_are_stil
     )
     await agent.start()
     await agent.stop()
-    listed = await asyncio.to_thread(
-        subprocess.run, ["nft", "list", "table", "inet", table], capture_output=True, text=True, check=False
-    )
-    rank_firewall.remove(table)
+    listed = await asyncio.to_thread(take_table, table)
     assert f"dport {control.port}" in listed.stdout, listed
     assert "cannot resolve listed address 'no-such-host.invalid:5432'" in caplog.text
     with pytest.raises(RuntimeError, match="required but ranks cannot be kept off: cannot resolve"):
