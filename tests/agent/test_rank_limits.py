@@ -144,25 +144,67 @@ def test_a_root_without_the_controllers_is_refused(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="an agent asked for cgroups must be root")
 async def test_an_agent_that_cannot_fence_gpus_says_so_and_sends_no_device_list(tmp_path, caplog):
-    """Under cgroup v2 the agent still fences CPUs, memory and processes; it says at start
-    that GPUs are not fenced rather than start ranks that believe they are."""
-    settings = make_settings(tmp_path, agent_rank_cgroups=True, agent_cgroup_root=fake_v2(tmp_path))
+    """Where cgroup v2 takes no device program (here: a stand-in tree, not a cgroup), the
+    agent still fences CPUs, memory and processes; it says at start that GPUs are not
+    fenced rather than start ranks that believe they are, and leaves no probe behind."""
+    root = fake_v2(tmp_path)
+    settings = make_settings(tmp_path, agent_rank_cgroups=True, agent_cgroup_root=root)
     node = NodeAgent(settings, "node-v2", backend=make_backend(settings, "node-v2", "simulated"))
     await node.start()
     try:
         assert not node.gpu_fence
-        assert "a rank's GPUs are not fenced: no cgroup v1 devices controller" in caplog.text
+        assert f"a rank's GPUs are not fenced: cgroup v2 at {root} takes no BPF device program" in caplog.text
+        assert not (root / settings.agent_cgroup_parent / "node-v2" / rank_cgroup.PROBE).exists()
     finally:
         await close_node(node)
 
 
-def test_cgroup_v2_cannot_deny_devices_and_says_so_rather_than_ignore_it(tmp_path):
+def test_the_v2_probe_takes_the_steps_a_ranks_cgroup_takes(tmp_path, monkeypatch):
+    """The probe attaches a program to a cgroup beside the ranks' and removes it; the v1
+    answer is whether the devices controller is mounted."""
     root = fake_v2(tmp_path)
-    with pytest.raises(rank_cgroup.CgroupError, match="no cgroup v1 devices controller"):
+    attached = []
+    monkeypatch.setattr(rank_cgroup.device_bpf, "deny", lambda d, denied: attached.append((d, list(denied))))
+    assert rank_cgroup.device_fence_problem(root, "gpufleet/node-1") is None
+    assert attached == [(root / "gpufleet" / "node-1" / rank_cgroup.PROBE, [])]
+    assert not attached[0][0].exists()
+    v1 = tmp_path / "v1"
+    for c in rank_cgroup.V1_CONTROLLERS:
+        (v1 / c).mkdir(parents=True)
+        (v1 / c / "cgroup.procs").write_text("")
+    assert rank_cgroup.device_fence_problem(v1, "gpufleet/node-1") == "no cgroup v1 devices controller"
+    (v1 / "devices").mkdir()
+    (v1 / "devices" / "devices.deny").write_text("")
+    assert rank_cgroup.device_fence_problem(v1, "gpufleet/node-1") is None
+
+
+def test_cgroup_v2_denies_devices_with_a_program_on_the_ranks_cgroup(tmp_path, monkeypatch):
+    """The list goes to the rank's own cgroup before its processes join it (the kernel's
+    verdicts on such a program: tests/security/test_device_fence_v2.py)."""
+    root = fake_v2(tmp_path)
+    attached = []
+    monkeypatch.setattr(rank_cgroup.device_bpf, "deny", lambda d, denied: attached.append((d, list(denied))))
+    cg = rank_cgroup.RankCgroup.create(
+        root, "gpufleet/node-1", "lease-1", cpus=1, memory_bytes=GIB, pids=10, deny_devices=[(195, 0), (195, 2)]
+    )
+    assert attached == [(root / "gpufleet" / "node-1" / "lease-1", [(195, 0), (195, 2)])]
+    assert cg.dirs == [attached[0][0]]
+
+
+def test_a_cgroup_that_takes_no_device_program_refuses_the_list_rather_than_ignore_it(tmp_path):
+    root = fake_v2(tmp_path)  # a stand-in dir is no cgroup: the kernel refuses the program
+    with pytest.raises(rank_cgroup.CgroupError, match=r"cannot deny devices \[\(195, 1\)\]"):
         rank_cgroup.RankCgroup.create(
             root, "gpufleet/node-1", "lease-1", cpus=1, memory_bytes=GIB, pids=10, deny_devices=[(195, 1)]
         )
-    assert not rank_cgroup.has_v1_devices(root)
+    v1 = tmp_path / "v1"
+    for c in rank_cgroup.V1_CONTROLLERS:
+        (v1 / c).mkdir(parents=True)
+        (v1 / c / "cgroup.procs").write_text("")
+    with pytest.raises(rank_cgroup.CgroupError, match="no cgroup v1 devices controller"):
+        rank_cgroup.RankCgroup.create(
+            v1, "gpufleet/node-1", "lease-1", cpus=1, memory_bytes=GIB, pids=10, deny_devices=[(195, 1)]
+        )
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making device nodes needs root")

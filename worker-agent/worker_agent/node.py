@@ -221,11 +221,10 @@ class NodeAgent:
     def _gpu_fence_possible(self) -> bool:
         """Whether ranks can be denied the other GPUs' device nodes here; if not, say why
         (CPU, memory and processes are still fenced: that is not a reason to refuse to start)."""
-        root = Path(self.settings.agent_cgroup_root)
-        why = None
-        if not rank_cgroup.has_v1_devices(root):
-            why = "no cgroup v1 devices controller (under cgroup v2 device access is a BPF program)"
-        elif any(self.backend.device_minor(i) is None for i in range(self.backend.gpu_count())):
+        why = rank_cgroup.device_fence_problem(
+            self.settings.agent_cgroup_root, f"{self.settings.agent_cgroup_parent}/{self.node_id}"
+        )
+        if why is None and any(self.backend.device_minor(i) is None for i in range(self.backend.gpu_count())):
             why = "NVML gives no device minor number for every GPU"
         if why is None:
             return True

@@ -10,10 +10,11 @@ kills what is left in it and removes it when the rank ends. Two things follow:
 * a process that leaves the rank's process group (``setsid``, a daemon) is still in the
   cgroup, so it is killed with the rank instead of holding the GPUs after it.
 
-With v1's devices controller the rank is also denied the device nodes of the node's other
-GPUs (``deny_devices``, worker_agent.gpu_devices): ``CUDA_VISIBLE_DEVICES`` alone is advisory.
-v2 has no devices file (its device control is a BPF program), so there the agent says at
-start that GPUs are not fenced, and sends no list.
+The rank is also denied the device nodes of the node's other GPUs (``deny_devices``,
+worker_agent.gpu_devices): ``CUDA_VISIBLE_DEVICES`` alone is advisory. v1 writes them to
+the devices controller's ``devices.deny``; v2 has no devices file, so there a BPF device
+program is attached to the rank's cgroup (worker_agent.device_bpf). ``device_fence_problem``
+says at the agent's start whether either works here.
 
 Both hierarchies: cgroup v2 (one tree, ``cgroup.controllers`` at the root) and v1 (one
 tree per controller: ``cpu``, ``memory``, ``pids``, and ``devices`` where mounted).
@@ -29,6 +30,8 @@ import os
 import signal
 import time
 from pathlib import Path
+
+from worker_agent import device_bpf
 
 CFS_PERIOD_US = 100_000
 V1_CONTROLLERS = ("cpu", "memory", "pids")
@@ -62,8 +65,33 @@ def hierarchy(root: Path) -> int:
 
 
 def has_v1_devices(root: Path) -> bool:
-    """Whether v1's devices controller is mounted under ``root`` (the GPU fence needs it)."""
+    """Whether v1's devices controller is mounted under ``root`` (v1's GPU fence needs it)."""
     return (root / "devices" / "devices.deny").exists()
+
+
+PROBE = "gpu-fence-probe"  # not a lease id's shape (worker_agent.statefiles), so never a rank's
+
+
+def device_fence_problem(root: Path | str, parent: str) -> str | None:
+    """Why ranks' cgroups under ``parent`` cannot be denied device nodes here, or None.
+
+    v1: whether the devices controller is mounted. v2: a program is attached to a probe
+    cgroup under ``parent`` and the probe removed, the very steps a rank's cgroup takes."""
+    root = Path(root)
+    if hierarchy(root) == 1:
+        return None if has_v1_devices(root) else "no cgroup v1 devices controller"
+    probe = root / parent.strip("/") / PROBE
+    try:
+        probe.mkdir(parents=True, exist_ok=True)
+        device_bpf.deny(probe, [])
+    except OSError as e:
+        return f"cgroup v2 at {root} takes no BPF device program ({e.strerror or e})"
+    finally:
+        try:
+            probe.rmdir()
+        except OSError:
+            pass
+    return None
 
 
 class RankCgroup:
@@ -79,12 +107,12 @@ class RankCgroup:
         cls, root: Path | str, parent: str, name: str, *, cpus: float, memory_bytes: int, pids: int,
         deny_devices: list[tuple[int, int]] | None = None,
     ) -> RankCgroup:  # fmt: skip
-        """``deny_devices``: (major, minor) of the character devices the rank may not open
-        (v1 only; a list given where it cannot be enforced is a CgroupError, not ignored)."""
+        """``deny_devices``: (major, minor) of the character devices the rank may not open (a
+        list given where it cannot be enforced is a CgroupError, not ignored)."""
         root = Path(root)
         version = hierarchy(root)
         rel = Path(parent.strip("/")) / name
-        if deny_devices and (version == 2 or not has_v1_devices(root)):
+        if deny_devices and version == 1 and not has_v1_devices(root):
             raise CgroupError(f"cannot deny devices {deny_devices}: no cgroup v1 devices controller at {root}")
         if version == 2:
             _enable_v2(root, Path(parent.strip("/")))
@@ -96,6 +124,11 @@ class RankCgroup:
             if (d / "memory.swap.max").exists():
                 _write(d / "memory.swap.max", "0")
             _write(d / "pids.max", str(int(pids)))
+            if deny_devices:
+                try:
+                    device_bpf.deny(d, deny_devices)
+                except OSError as e:
+                    raise CgroupError(f"cannot deny devices {deny_devices}: {e.strerror or e}") from e
             return cg
         dirs = {c: root / c / rel for c in V1_CONTROLLERS}
         for d in dirs.values():
