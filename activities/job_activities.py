@@ -57,6 +57,7 @@ class JobActivities:
             attempt=job["attempt"],
             team=job["team"],
             team_rank_id=job["team_rank_id"],
+            job_rank_id=job["job_rank_id"],
             priority_class=job["priority_class"],
             replicas=job["replicas"],
             gpus_per_replica=job["gpus_per_replica"],

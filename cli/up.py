@@ -415,7 +415,7 @@ def _rank_isolation(platform: Settings) -> tuple[Settings, str]:
     if os.geteuid() != 0:
         return platform, "run as this user: not isolated (the agent must be root to switch users)"
     users = rank_users(platform)
-    base = platform.agent_team_uid_base
+    base = platform.agent_rank_id_base
     for path in filter(None, (platform.state_dir, platform.agent_work_dir)):
         for uid, gid in users:
             blocked = private_ancestor(Path(path), int(uid), int(gid))
@@ -426,7 +426,7 @@ def _rank_isolation(platform: Settings) -> tuple[Settings, str]:
                     " GPUFLEET_STATE_DIR where others may pass through to isolate them"
                 )
     if base:
-        return platform, f"run as their team's own uid, {base} + the team's number (isolated from each other)"
+        return platform, f"run as their job's own uid, {base} + the job's number (isolated from each other)"
     return platform, f"run as uid {platform.agent_rank_uid} (isolated; per-team ids: GPUFLEET_AGENT_TEAM_RANK_IDS)"
 
 

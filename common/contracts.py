@@ -39,8 +39,9 @@ class StartTask:
     env: dict[str, str] = field(default_factory=dict)
     checkpoint_dir: str = ""
     resume_from: str | None = None
-    team: str = ""  # whose rank: the agent runs it as that team's user (node.rank_user)
-    team_rank_id: int | None = None  # the team's number in the store; its user is agent_team_uid_base + it
+    team: str = ""  # whose rank: the agent runs it as that job's and team's user (node.rank_user)
+    team_rank_id: int | None = None  # the team's number in the store; its group is agent_rank_id_base + it
+    job_rank_id: int | None = None  # the job's number in the store; its user is agent_rank_id_base + it
 
 
 @dataclass(frozen=True)

@@ -379,22 +379,23 @@ class Settings(BaseSettings):
     agent_rank_uid: int = Field(
         65534,
         ge=1,
-        description="the numeric user ranks run as when their team has no user of its own (burn-in; every team"
-        " when agent_team_uid_base is 0); no account needed",
+        description="the numeric user ranks run as when their job has no user of its own (burn-in; every job"
+        " when agent_rank_id_base is 0); no account needed",
     )
     agent_rank_gid: int = Field(65534, ge=1, description="the numeric group those ranks run as")
-    agent_team_uid_base: int = Field(
+    agent_rank_id_base: int = Field(
         2_000_000_000,
         ge=0,
         le=2_100_000_000,
-        description="each team's ranks run as uid and gid agent_team_uid_base + the team's number in the store"
-        " (teams.rank_id), so two teams' ranks on one node cannot read or signal each other; the range must be"
-        " free of the hosts' users (and their subuid ranges); 0: every team runs as agent_rank_uid/gid",
+        description="each job's ranks run as uid agent_rank_id_base + the job's number in the store (jobs.rank_id)"
+        " and gid agent_rank_id_base + its team's (teams.rank_id), so two jobs' ranks on one node cannot read or"
+        " signal each other; the range up to 2147483646 must be free of the hosts' users (and their subuid"
+        " ranges); 0: every job runs as agent_rank_uid/gid",
     )
     agent_team_rank_ids: dict[str, tuple[int, int]] = Field(
         default_factory=dict,
-        description="team -> [uid, gid] its ranks run as, in place of the numbered user (an account of the team's"
-        " on shared storage, for example)",
+        description="team -> [uid, gid] its jobs' ranks run as, in place of the numbered users (an account of the"
+        " team's on shared storage, for example; its jobs then share that user)",
     )
     agent_rank_limits: bool = Field(
         True,

@@ -163,11 +163,12 @@ async def find_rank_lease(db: Db, job_id: str, rank: int, attempt: int | None) -
 
 
 async def load_job(db: Db, job_id: str) -> tuple[asyncpg.Record | None, list[asyncpg.Record]]:
-    """The job row (with its team's ``team_rank_id``, the number its ranks' user is made
-    from) and the live leases of its current attempt (with each node's task queue)."""
+    """The job row (with ``job_rank_id`` and its team's ``team_rank_id``, the numbers its
+    ranks' user and group are made from) and the live leases of its current attempt (with each node's task queue)."""
     async with transaction(db) as conn:
         job = await conn.fetchrow(
-            "SELECT j.*, t.rank_id AS team_rank_id FROM jobs j JOIN teams t ON t.name = j.team WHERE j.job_id = $1",
+            "SELECT j.*, j.rank_id AS job_rank_id, t.rank_id AS team_rank_id FROM jobs j"
+            " JOIN teams t ON t.name = j.team WHERE j.job_id = $1",
             job_id,
         )
         if job is None:

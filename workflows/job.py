@@ -547,6 +547,7 @@ class JobWorkflow:
             resume_from=self._checkpoint or snap.last_checkpoint,
             team=snap.team,
             team_rank_id=snap.team_rank_id,
+            job_rank_id=snap.job_rank_id,
         )
 
     async def _start_rank(self, r: _Rank, deadline: datetime | None = None) -> None:

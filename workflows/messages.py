@@ -172,9 +172,11 @@ class JobSnapshot:
     state: str = JobState.QUEUED
     attempt: int = 1
     team: str = ""
-    # the team's number in the store (teams.rank_id): agents run its ranks as their own user
-    # (agent_team_uid_base + it). Snapshots recorded before the column lack it: None.
+    # the team's and the job's numbers in the store (teams.rank_id, jobs.rank_id): agents run
+    # the job's ranks as uid agent_rank_id_base + the job's, gid + the team's. Snapshots
+    # recorded before a column lack it: None.
     team_rank_id: int | None = None
+    job_rank_id: int | None = None
     priority_class: str = "research"
     replicas: int = 1
     gpus_per_replica: int = 1

@@ -141,12 +141,12 @@ def _run_cli_checks(proc: subprocess.Popen, ports: dict[str, int], tmp_path: Pat
     cli.wait_state(job_id, "RUNNING", timeout=60)
     logs = cli.follow_until(job_id, "tick 2", timeout=30)
     assert "tick 0" in logs and "tick 1" in logs
-    # as root the dev box isolates ranks, each team as its own numbered user, and says so
+    # as root the dev box isolates ranks, each job as its own numbered user, and says so
     ranks = next(line for line in out.splitlines() if line.strip().startswith("ranks"))
     if os.geteuid() == 0 and "NOT isolated" not in ranks:
         uid = int(re.search(r"uid (\d+)", logs).group(1))  # type: ignore[union-attr]
-        assert "run as their team's own uid, 2000000000 + the team's number" in ranks, ranks
-        assert 2_000_000_000 < uid < 2_000_001_000, logs
+        assert "run as their job's own uid, 2000000000 + the job's number" in ranks, ranks
+        assert 2_001_000_000 <= uid < 2_001_001_000, logs  # jobs are numbered from 1,000,000
         # another team's rank on the same node runs as another user
         research = next(line.split()[-1] for line in out.splitlines() if line.strip().startswith("team research"))
         other = tmp_path / "other-team.yaml"
@@ -157,7 +157,7 @@ def _run_cli_checks(proc: subprocess.Popen, ports: dict[str, int], tmp_path: Pat
         r = theirs.run("logs", json.loads(r.stdout)["job_id"])
         assert r.returncode == 0, r.stdout + r.stderr
         their_uid = int(r.stdout.split()[-1])
-        assert 2_000_000_000 < their_uid < 2_000_001_000 and their_uid != uid, (uid, r.stdout)
+        assert 2_001_000_000 <= their_uid < 2_001_001_000 and their_uid != uid, (uid, r.stdout)
     else:
         assert f"uid {os.geteuid()}" in logs, (ranks, logs)
 

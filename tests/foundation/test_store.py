@@ -222,7 +222,7 @@ async def test_a_begin_cut_short_gives_the_connection_back_to_the_pool(pool, mon
 
 
 async def test_each_team_has_its_own_number_for_its_ranks_user(pool, cluster):
-    """Agents run a team's ranks as agent_team_uid_base + teams.rank_id (docs/security.md):
+    """Agents run a team's ranks as agent_rank_id_base + teams.rank_id (docs/security.md):
     the store numbers each team once, never twice the same, and no write may change it."""
     numbers = dict(await pool.fetch("SELECT name, rank_id FROM teams"))
     assert set(numbers) >= {"alpha", "beta"} and None not in numbers.values()
@@ -240,3 +240,23 @@ async def test_each_team_has_its_own_number_for_its_ranks_user(pool, cluster):
         await queued_job(conn, "j1", "beta")
     job, _ = await jobs.load_job(pool, "j1")
     assert job is not None and job["team_rank_id"] == numbers["beta"]
+
+
+async def test_each_job_has_its_own_number_above_every_teams(pool, cluster):
+    """Agents run a job's ranks as uid agent_rank_id_base + jobs.rank_id (docs/security.md):
+    one number per job, never reused or changed, and never one a team's user had (teams are
+    numbered below 1,000,000, jobs from it)."""
+    async with pool.acquire() as conn:
+        for i, team in enumerate(("alpha", "alpha", "beta")):
+            await queued_job(conn, f"j{i}", team)
+    numbered = [(await jobs.load_job(pool, f"j{i}"))[0]["job_rank_id"] for i in range(3)]
+    assert len(set(numbered)) == 3 and min(numbered) >= 1_000_000, numbered
+    assert numbered == [await pool.fetchval("SELECT rank_id FROM jobs WHERE job_id = $1", f"j{i}") for i in range(3)]
+    with pytest.raises(asyncpg.exceptions.GeneratedAlwaysError):
+        await pool.execute("UPDATE jobs SET rank_id = 1000000 WHERE job_id = 'j2'")
+    assert (
+        await pool.fetchval(
+            "SELECT seqmax FROM pg_sequence WHERE seqrelid = pg_get_serial_sequence('teams', 'rank_id')::regclass"
+        )
+        == 999_999
+    )

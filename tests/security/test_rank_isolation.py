@@ -130,18 +130,25 @@ async def test_a_rank_writes_its_progress_and_its_checkpoint_dir_as_its_user(nod
     assert node.leases["lease-ck"].step == 7
 
 
-def team_task(node: NodeAgent, lease_id: str, body: str, team: str, team_rank_id: int | None, **kw):
+def team_task(
+    node: NodeAgent, lease_id: str, body: str, team: str, team_rank_id: int | None, job_rank_id: int | None = None,
+    **kw,
+):  # fmt: skip
     task = start_task(node.node_id, lease_id, ["/bin/sh", "-c", body], **kw)
-    return dataclasses.replace(task, team=team, team_rank_id=team_rank_id)
+    return dataclasses.replace(task, team=team, team_rank_id=team_rank_id, job_rank_id=job_rank_id)
 
 
-async def test_two_teams_ranks_on_one_node_cannot_read_or_signal_each_other(node, work_root):
-    """Each team's ranks run as its own numbered user, so a rank cannot read another team's
-    work dir, checkpoints or environment (its job's env), nor signal it."""
+@pytest.mark.parametrize("teams", [("alpha", 1, "beta", 2), ("alpha", 1, "alpha", 1)], ids=["two teams", "one team"])
+async def test_two_jobs_ranks_on_one_node_cannot_read_or_signal_each_other(node, work_root, teams):
+    """Each job's ranks run as its own numbered user, so a rank cannot read another job's
+    work dir, checkpoints or environment (its job's env), nor signal it: another team's
+    job, or its own team's."""
+    mine_team, mine_number, their_team, their_number = teams
     beta_secret = "beta-weights-5f2c9a"
     beta = team_task(
-        node, "lease-beta", f'echo {beta_secret} > "$HOME/weights"; touch "$HOME/ready"; sleep 30', "beta", 2,
-        gpus=(1,), env={"BETA_KEY": beta_secret}, checkpoint_dir=f"file://{work_root / 'ckpt-beta'}",
+        node, "lease-beta", f'echo {beta_secret} > "$HOME/weights"; touch "$HOME/ready"; sleep 30', their_team,
+        their_number, 1_000_002, gpus=(1,), env={"BETA_KEY": beta_secret},
+        checkpoint_dir=f"file://{work_root / 'ckpt-beta'}",
     )  # fmt: skip
     assert (await node.start_task(beta)).accepted
     theirs = node.leases["lease-beta"]
@@ -153,19 +160,19 @@ async def test_two_teams_ranks_on_one_node_cannot_read_or_signal_each_other(node
         "environ": f"cat /proc/{theirs.pid}/environ",
         "signal": f"kill -TERM {theirs.pid}",
     }
-    body = "id -u\n" + "".join(f'echo "== {name}"; {cmd} 2>&1\n' for name, cmd in probes.items())
-    alpha = team_task(node, "lease-alpha", body, "alpha", 1, gpus=(0,))
+    body = "id -u\nid -g\n" + "".join(f'echo "== {name}"; {cmd} 2>&1\n' for name, cmd in probes.items())
+    alpha = team_task(node, "lease-alpha", body, mine_team, mine_number, 1_000_001, gpus=(0,))
     assert (await node.start_task(alpha)).accepted
     mine = node.leases["lease-alpha"]
     await wait_for(lambda: mine.exit is not None and not mine.live, timeout=20, what="alpha's probe to end")
     out = (mine.dir / sf.STDOUT).read_text()
-    assert out.splitlines()[0] == "2000000001", out  # agent_team_uid_base + alpha's number
+    assert out.splitlines()[:2] == ["2001000001", f"{2_000_000_000 + mine_number}"], out  # base + the job's, the team's
     assert beta_secret not in out, out
     for name in probes:
         section = out.split(f"== {name}\n", 1)[1].split("\n== ", 1)[0]
         assert "denied" in section or "not permitted" in section, (name, section)
     assert theirs.live and theirs.exit is None  # the signal did not reach it
-    assert os.stat(node.work_dir / "lease-beta").st_uid == 2_000_000_002
+    assert os.stat(node.work_dir / "lease-beta").st_uid == 2_001_000_002
     await node.stop_task(StopTask("lease-beta", 1, node.node_id, 0.5, "done"))
 
 
@@ -192,13 +199,16 @@ async def test_which_user_a_teams_ranks_run_as(tmp_path, work_root):
     )
     n = NodeAgent(settings, "node-u", backend=make_backend(settings, "node-u", "simulated"))
     shared = NodeAgent(
-        settings.model_copy(update={"agent_team_uid_base": 0}), "node-v",
+        settings.model_copy(update={"agent_rank_id_base": 0}), "node-v",
         backend=make_backend(settings, "node-v", "simulated"),
     )  # fmt: skip
-    assert n.rank_user("alpha", 1) == (61000, 61000)  # listed ids come first
-    assert n.rank_user("beta", 2) == (2_000_000_002, 2_000_000_002)  # else the team's numbered user
+    assert n.rank_user("alpha", 1, 1_000_007) == (61000, 61000)  # listed ids come first
+    assert n.rank_user("beta", 2, 1_000_007) == (2_001_000_007, 2_000_000_002)  # the job's user, the team's group
+    assert n.rank_user("beta", 2) == (2_000_000_002, 2_000_000_002)  # no job number (older control): the team's
     assert n.rank_user("", None) == (65534, 65534)  # no team number (burn-in, an old StartTask): the shared one
-    assert shared.rank_user("beta", 2) == (65534, 65534)  # numbering off
+    assert shared.rank_user("beta", 2, 1_000_007) == (65534, 65534)  # numbering off
+    with pytest.raises(ValueError, match="past 2147483646"):
+        n.rank_user("beta", 2, 147_483_647)  # the range is spent
     assert (2_000_000_000, 2_000_000_000) in n.rank_users()  # numbered users must reach the work root
 
 
@@ -226,10 +236,10 @@ async def test_an_agent_whose_teams_users_are_taken_refuses_to_start(tmp_path, w
     settings = make_settings(tmp_path, agent_rank_isolation=True, agent_work_dir=work_root)
     n = NodeAgent(settings, "node-c", backend=make_backend(settings, "node-c", "simulated"))
     with pytest.raises(
-        RankAccessError, match=f"not free on this host: {re.escape(taken)}.*GPUFLEET_AGENT_TEAM_UID_BASE"
+        RankAccessError, match=f"not free on this host: {re.escape(taken)}.*GPUFLEET_AGENT_RANK_ID_BASE"
     ):
         await n.start()
-    moved = settings.model_copy(update={"agent_team_uid_base": 2_050_000_000})
+    moved = settings.model_copy(update={"agent_rank_id_base": 2_050_000_000})
     n = NodeAgent(moved, "node-c", backend=make_backend(moved, "node-c", "simulated"))
     await n.start()  # a base above it
     await close_node(n)
@@ -255,3 +265,51 @@ async def test_a_checkpoint_dir_of_another_user_is_not_handed_to_a_rank(node, wo
     )
     assert not res.accepted and "belongs to uid 4242" in res.reason, res
     assert theirs.stat().st_uid == 4242  # untouched
+
+
+async def test_a_job_past_the_numbered_range_is_refused_not_run_as_someone(node):
+    res = await node.start_task(team_task(node, "lease-far", "true", "beta", 2, 147_483_647))
+    assert not res.accepted and "past 2147483646" in res.reason, res
+    assert "lease-far" not in node.leases
+
+
+async def test_a_checkpoint_dir_its_team_user_wrote_is_handed_to_the_jobs_user(node, work_root):
+    """Before jobs were numbered a job's ranks ran as its team's user; its next attempt runs
+    as the job's own and takes over what the team's user wrote (a link is given, not what
+    it points to). Another team's former dir is not taken."""
+    ckpt = work_root / "ckpt-upgraded"
+    outside = work_root / "outside"
+    outside.write_text("the host's")
+    first = await run_as(
+        node, "lease-old", f'mkdir -p "{ckpt}/step-3" && echo w > "{ckpt}/step-3/w" && ln -s "{outside}" "{ckpt}/l"',
+        "beta", 2, None, checkpoint_dir=f"file://{ckpt}",
+    )  # fmt: skip
+    assert first.exit["exit_code"] == 0 and (ckpt / "step-3" / "w").stat().st_uid == 2_000_000_002
+    body = f'cat "{ckpt}/step-3/w" && echo more > "{ckpt}/step-3/w2" && id -u'
+    res = await node.start_task(
+        team_task(node, "lease-new", body, "beta", 2, 1_000_009, checkpoint_dir=f"file://{ckpt}")
+    )
+    assert res.accepted, res
+    st = node.leases["lease-new"]
+    await wait_for(lambda: st.exit is not None and not st.live, timeout=20, what="the new attempt to end")
+    assert (st.dir / sf.STDOUT).read_text().split() == ["w", "2001000009"], (st.dir / sf.STDERR).read_text()
+    for path in (ckpt, ckpt / "step-3", ckpt / "step-3" / "w", ckpt / "l"):
+        assert os.lstat(path).st_uid == 2_001_000_009, path
+    assert outside.stat().st_uid == 0  # the link's target stays the host's
+    # a dir another team's user wrote is still refused
+    theirs = work_root / "ckpt-theirs"
+    await run_as(node, "lease-t", "true", "gamma", 3, None, checkpoint_dir=f"file://{theirs}")
+    res = await node.start_task(
+        team_task(node, "lease-x", "true", "beta", 2, 1_000_010, checkpoint_dir=f"file://{theirs}")
+    )
+    assert not res.accepted and "belongs to uid 2000000003" in res.reason, res
+
+
+async def run_as(
+    node: NodeAgent, lease_id: str, body: str, team: str, team_rank_id: int | None, job_rank_id: int | None, **kw
+):  # fmt: skip
+    """``run_sh_rank`` for a rank of this team and job."""
+    assert (await node.start_task(team_task(node, lease_id, body, team, team_rank_id, job_rank_id, **kw))).accepted
+    st = node.leases[lease_id]
+    await wait_for(lambda: st.exit is not None and not st.live, timeout=20, what=f"{lease_id} to exit")
+    return st

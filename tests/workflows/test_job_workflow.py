@@ -103,9 +103,10 @@ async def test_preempted_job_checkpoints_requeues_and_resumes_to_the_same_result
     assert res.state == "SUCCEEDED" and res.attempt == 2, (res, [dict(e) for e in await stand.events(job)])
     start2 = [s for s in stand.agent.starts if s.attempt == 2]
     assert start2 and start2[0].resume_from == ck
-    # both attempts run as the team's numbered user, so attempt 2 may read attempt 1's checkpoint
+    # both attempts run as the job's numbered user, so attempt 2 may read attempt 1's checkpoint
     alpha = await stand.pool.fetchval("SELECT rank_id FROM teams WHERE name = 'alpha'")
-    assert {s.team_rank_id for s in stand.agent.starts if s.job_id == job} == {alpha}
+    numbered = await stand.pool.fetchval("SELECT rank_id FROM jobs WHERE job_id = $1", job)
+    assert {(s.team_rank_id, s.job_rank_id) for s in stand.agent.starts if s.job_id == job} == {(alpha, numbered)}
     # each attempt writes its own dir: attempt 2 resumed from attempt 1's checkpoint
     ck_root = stand.settings.state_dir.resolve() / "checkpoints" / job
     assert ck.startswith(f"file://{ck_root}/attempt-1/") or ck.startswith(f"{ck_root}/attempt-1/"), ck

@@ -140,7 +140,7 @@ class AgentProcess:
         for problem in problems:  # the rest are still closed
             log.warning("ranks can connect to what this names: %s", problem)
         try:
-            base = int(s.agent_team_uid_base) or None
+            base = int(s.agent_rank_id_base) or None
             uids = {uid for uid, _ in rank_users.rank_users(s)}
             rank_firewall.apply(
                 rank_firewall.ruleset(s.agent_rank_firewall_table, rank_firewall.uid_set(uids, base), endpoints)

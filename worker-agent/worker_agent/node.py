@@ -69,7 +69,7 @@ from worker_agent import exit_cause, gpu_devices, rank_cgroup, rank_users
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within, local_path
 from worker_agent.nvml import GpuBackend, GpuSample
-from worker_agent.rank_access import RankAccessError, require_reachable
+from worker_agent.rank_access import RankAccessError, hand_over_tree, require_reachable
 from worker_agent.rank_limits import node_rank_limits
 from worker_agent.runtime import ContainerRuntime, ProcessRuntime
 
@@ -189,12 +189,12 @@ class NodeAgent:
             os.chmod(self.work_dir, 0o711)
             os.chmod(self.work_dir.parent, 0o711)
             clash = rank_users.host_clashes(
-                int(self.settings.agent_team_uid_base), [int(u) for u, _ in self.settings.agent_team_rank_ids.values()]
+                int(self.settings.agent_rank_id_base), [int(u) for u, _ in self.settings.agent_team_rank_ids.values()]
             )
             if clash:  # a team's ranks would run as that account, or inside that range
                 raise RankAccessError(
-                    f"the teams' users (from agent_team_uid_base {self.settings.agent_team_uid_base}) are not free"
-                    f" on this host: {'; '.join(clash[:5])}; set GPUFLEET_AGENT_TEAM_UID_BASE above them"
+                    f"the jobs' users (from agent_rank_id_base {self.settings.agent_rank_id_base}) are not free"
+                    f" on this host: {'; '.join(clash[:5])}; set GPUFLEET_AGENT_RANK_ID_BASE above them"
                 )
             for uid, gid in self.rank_users():
                 require_reachable(
@@ -324,20 +324,14 @@ class NodeAgent:
         """The users ranks run as here, for the checks that they can reach their dirs."""
         return rank_users.rank_users(self.settings)
 
-    def rank_user(self, team: str, team_rank_id: int | None = None) -> tuple[int, int] | None:
-        """The uid and gid a team's ranks run as: the team's listed ids, else its numbered user
-        (``agent_team_uid_base`` + its number in the store), else the shared one (burn-in, and
-        StartTasks sent before teams were numbered); None: as the agent's own user (no isolation)."""
+    def rank_user(
+        self, team: str, team_rank_id: int | None = None, job_rank_id: int | None = None
+    ) -> tuple[int, int] | None:
+        """The uid and gid a job's ranks run as (worker_agent.rank_users.rank_user); None: as
+        the agent's own user (no isolation). ValueError when the job's number is past the range."""
         if not self.isolated:
             return None
-        s = self.settings
-        ids = s.agent_team_rank_ids.get(team)
-        if ids:
-            return int(ids[0]), int(ids[1])
-        if s.agent_team_uid_base and team_rank_id is not None:
-            uid = int(s.agent_team_uid_base) + int(team_rank_id)
-            return uid, uid
-        return int(s.agent_rank_uid), int(s.agent_rank_gid)
+        return rank_users.rank_user(self.settings, team, team_rank_id, job_rank_id)
 
     def _work_dir(self, req: StartTask, user: tuple[int, int] | None) -> Path:
         """The rank's own working dir (0700, its user's), and its job's local checkpoint dir
@@ -350,8 +344,11 @@ class NodeAgent:
             local_text = local_path(req.checkpoint_dir)
             if local_text is not None:
                 local = Path(local_text)
-                require_reachable(
-                    local, *user, "the job's checkpoint dir", "keep checkpoints where others may pass through"
+                require_reachable(  # the way to it: the dir itself is the rank's, or handed to it, below
+                    local.parent,
+                    *user,
+                    "the way to the job's checkpoint dir",
+                    "keep checkpoints where others may pass through",
                 )
                 # the dirs above it that the agent makes (<state>/checkpoints/<job>) may be passed
                 # through, not listed: a listing would show every team's job ids to any rank
@@ -364,9 +361,14 @@ class NodeAgent:
                 except FileExistsError:
                     # hand over only a dir that is already this user's (another rank of the job's
                     # on this node, or a restart of this one), never one of the host's or of another
-                    # team's that a checkpoint path happens to name: that would give its files away
+                    # job's that a checkpoint path happens to name: that would give its files away.
+                    # One exception: the job's team's user, which ran the job's earlier attempts
+                    # before jobs were numbered, hands over the whole dir
                     owner = local.stat().st_uid
-                    if owner != user[0]:
+                    former = rank_users.team_user(self.settings, req.team_rank_id)
+                    if former is not None and owner == former[0] and owner != user[0]:
+                        hand_over_tree(local, former[0], user)
+                    elif owner != user[0]:
                         raise RankAccessError(
                             f"the job's checkpoint dir {local} exists and belongs to uid {owner},"
                             f" not to this rank's user {user[0]}"
@@ -422,7 +424,10 @@ class NodeAgent:
                 return self._start_simulated(req)
             d = self.leases_dir / req.lease_id
             d.mkdir(parents=True, exist_ok=True)
-            user = self.rank_user(req.team, req.team_rank_id)
+            try:
+                user = self.rank_user(req.team, req.team_rank_id, req.job_rank_id)
+            except ValueError as e:
+                return refuse(str(e))
             try:
                 work = self._work_dir(req, user)
             except (OSError, RankAccessError) as e:

@@ -3,7 +3,8 @@ through (its execute bit for the owner, group or others, whichever applies to th
 
 An isolated rank runs as another uid than the agent, so a work dir or a checkpoint dir under
 a private directory (``/root``, a 0700 home, pytest's tmp) cannot be reached by it at all;
-the agent says so before a job fails on it.
+the agent says so before a job fails on it. ``hand_over_tree`` gives a dir's files from one
+of the ranks' users to another.
 """
 
 from __future__ import annotations
@@ -49,3 +50,13 @@ def require_reachable(path: Path, uid: int, gid: int, what: str, fix: str) -> No
             f"{what} {path} is out of reach of the ranks' user {uid}:{gid}: {blocked} is private"
             f" (mode {mode:04o}, owner {blocked.stat().st_uid}); {fix}"
         )
+
+
+def hand_over_tree(root: Path, from_uid: int, user: tuple[int, int]) -> None:
+    """Give ``user`` every entry under ``root`` (not ``root`` itself) that ``from_uid`` owns,
+    following no link (a link is given, never what it points to)."""
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in (*dirnames, *filenames):
+            path = os.path.join(dirpath, name)
+            if os.lstat(path).st_uid == from_uid:
+                os.chown(path, *user, follow_symlinks=False)

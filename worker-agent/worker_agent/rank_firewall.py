@@ -68,7 +68,7 @@ def resolve(addresses: Iterable[tuple[str, str]]) -> tuple[list[Endpoint], list[
 
 
 def uid_set(uids: Iterable[int], numbered_from: int | None) -> str:
-    """The nft set of the ranks' uids: single ids, and the numbered teams' range."""
+    """The nft set of the ranks' uids: single ids, and the numbered jobs' range."""
     parts = [str(u) for u in sorted(set(uids)) if numbered_from is None or not numbered_from <= u <= UID_MAX]
     if numbered_from is not None:
         parts.append(f"{numbered_from}-{UID_MAX}")

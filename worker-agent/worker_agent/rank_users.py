@@ -1,12 +1,13 @@
-"""Which users a node's ranks run as, and that the numbered teams' users are nobody else's.
+"""Which users a node's ranks run as, and that the numbered users are nobody else's.
 
 As root, the agent runs a rank as an unprivileged user (docs/security.md, "Ranks on one
-node"): its team's listed ids, else its numbered user (``agent_team_uid_base`` + the
-team's number in the store), else the shared ``agent_rank_uid``. ``rank_users`` is the set
-the agent's start-up checks look at (dirs the ranks must reach, the firewall's uids).
+node"): its team's listed ids, else its job's numbered user (uid ``agent_rank_id_base`` +
+the job's number in the store, gid the base + the team's), else the shared
+``agent_rank_uid``. ``rank_users`` is the set the agent's start-up checks look at (dirs the
+ranks must reach, the firewall's uids).
 
 A host account, or a range of subordinate ids (``/etc/subuid``, ``/etc/subgid``) inside
-``agent_team_uid_base`` .. ``UID_MAX`` would let a team's ranks read that account's files,
+``agent_rank_id_base`` .. ``UID_MAX`` would let a job's ranks read that account's files,
 or a container's. ``clashes`` is pure (given the accounts and the subordinate-id files'
 text); the agent refuses to start while there is one."""
 
@@ -24,12 +25,43 @@ def ranks_isolated(settings) -> bool:
     return bool(settings.agent_rank_isolation) and os.geteuid() == 0
 
 
+def rank_user(settings, team: str, team_rank_id: int | None, job_rank_id: int | None) -> tuple[int, int]:
+    """The (uid, gid) a job's ranks run as: its team's listed ids; else uid base + the job's
+    number and gid base + the team's; a StartTask without the job's number (sent by a
+    control older than the jobs' numbering) runs as its team's user, uid and gid base + the
+    team's number; without a team number (burn-in) or with numbering off, the shared one.
+    ValueError for a number past ``UID_MAX`` (the range is spent: a lower base widens it)."""
+    ids = settings.agent_team_rank_ids.get(team)
+    if ids:
+        return int(ids[0]), int(ids[1])
+    base = int(settings.agent_rank_id_base)
+    if not base or team_rank_id is None:
+        return int(settings.agent_rank_uid), int(settings.agent_rank_gid)
+    gid = base + int(team_rank_id)
+    uid = gid if job_rank_id is None else base + int(job_rank_id)
+    if max(uid, gid) > UID_MAX:
+        raise ValueError(
+            f"the job's user {uid} (group {gid}) is past {UID_MAX}: agent_rank_id_base {base} leaves no id for"
+            f" job number {job_rank_id} of team number {team_rank_id}"
+        )
+    return uid, gid
+
+
+def team_user(settings, team_rank_id: int | None) -> tuple[int, int] | None:
+    """The user a team's ranks ran as before jobs were numbered (base + the team's number),
+    whose checkpoint dirs are handed to the job's own user; None where there is none."""
+    base = int(settings.agent_rank_id_base)
+    if not base or team_rank_id is None:
+        return None
+    return base + int(team_rank_id), base + int(team_rank_id)
+
+
 def rank_users(settings) -> set[tuple[int, int]]:
     """The (uid, gid) ranks run as: the shared one, each listed team's, and one standing for
-    every numbered team's (no team is numbered 0, and every numbered user is the same
+    every numbered job's (nothing is numbered 0, and every numbered user is the same
     stranger to the agent's dirs)."""
     ids = {(int(settings.agent_rank_uid), int(settings.agent_rank_gid))}
-    base = int(settings.agent_team_uid_base)
+    base = int(settings.agent_rank_id_base)
     if base:
         ids.add((base, base))
     return ids | {(int(u), int(g)) for u, g in settings.agent_team_rank_ids.values()}
