@@ -403,6 +403,12 @@ class Settings(BaseSettings):
         " proportion to its GPUs, after the node's reserve (the container engine's flags, or cgroups under the"
         " process runtime when agent_rank_cgroups; disk measured by the rank's supervisor)",
     )
+    agent_rank_private_proc: bool = Field(
+        True,
+        description="under the process runtime, as root, each rank starts in its own mount namespace with /proc"
+        " mounted hidepid=2, so it sees only its own user's processes, not other jobs' command lines (Linux 5.8+;"
+        " the agent says at start when it cannot)",
+    )
     agent_rank_cgroups: bool = Field(
         False,
         description="under the process runtime, put each rank in its own cgroups with its share's limits and kill"

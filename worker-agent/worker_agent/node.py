@@ -65,7 +65,7 @@ from common.contracts import (
 )
 from proto import agent_pb2 as pb
 from proto.convert import HEALTH_TO_PB, task_status_to_pb
-from worker_agent import exit_cause, gpu_devices, rank_cgroup, rank_users
+from worker_agent import exit_cause, gpu_devices, rank_cgroup, rank_proc, rank_users
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within, local_path
 from worker_agent.nvml import GpuBackend, GpuSample
@@ -159,6 +159,7 @@ class NodeAgent:
             and isinstance(self.runtime, ProcessRuntime) and not simulated_ranks
         )  # fmt: skip
         self.gpu_fence = False  # ranks denied the other GPUs' device nodes (decided at start)
+        self.private_proc = False  # ranks start with their own /proc (decided at start)
         self.poll_s = float(settings.agent_poll_s)
         self.leases: dict[str, Lease] = {}
         self.outbox: dict[int, pb.TaskStatus] = {}  # seq -> status, until acknowledged
@@ -215,6 +216,11 @@ class NodeAgent:
             if os.geteuid() != 0:
                 raise RuntimeError("agent_rank_cgroups is on but the agent is not root: it cannot create cgroups")
             self.gpu_fence = self._gpu_fence_possible()
+        self.private_proc = (
+            bool(self.settings.agent_rank_private_proc) and self.isolated
+            and isinstance(self.runtime, ProcessRuntime) and not self.simulated_ranks
+            and rank_proc.problem() is None
+        )  # fmt: skip
         self.recover()
         self._watch_task = asyncio.create_task(self._watch(), name=f"agent-watch-{self.node_id}")
 
@@ -471,6 +477,7 @@ class NodeAgent:
                     "boot_id": self.boot_id,
                     "image": req.image,
                     "cgroup": cgroup,
+                    "private_proc": self.private_proc,
                     "disk": (
                         {"limit_bytes": limits.disk_bytes, "check_s": float(self.settings.agent_rank_disk_check_s)}
                         if limits is not None and limits.disk_bytes

@@ -2,8 +2,9 @@
 
 Without it every process's command line (``/proc/<pid>/cmdline``) is readable by every user,
 so a rank on a shared node reads the commands, and any token passed as an argument, of the
-ranks of other teams beside it. The process runtime cannot change that per rank; the host
-can (``mount -o remount,hidepid=invisible,gid=<group that monitors> /proc``). The agent
+ranks of other jobs beside it. Each rank gets its own ``/proc`` where the kernel allows
+(worker_agent.rank_proc, which reads its new mount here); where it does not, the host can
+(``mount -o remount,hidepid=invisible,gid=<group that monitors> /proc``), and the agent
 checks at start and says so (docs/security.md, "What the process runtime cannot isolate").
 """
 
@@ -16,15 +17,20 @@ HIDING = {"1", "2", "noaccess", "invisible"}  # hidepid values that keep others'
 
 def proc_hides_pids(mountinfo: str, mount_point: str = "/proc") -> bool | None:
     """From ``/proc/self/mountinfo``: True if ``mount_point`` is a proc mount with a hidepid
-    that hides other users' processes, False if not, None if there is no such mount."""
+    that hides other users' processes, False if not, None if there is no such mount. Of
+    mounts stacked on the point, the last listed is the one seen (a rank's own, worker_agent.rank_proc)."""
+    seen = None
     for line in mountinfo.splitlines():
         mount, sep, fs = line.partition(" - ")  # mount fields, then: type, source, super options
         fields, fs_fields = mount.split(), fs.split()
-        if not sep or len(fields) < 6 or fields[4] != mount_point or fs_fields[:1] != ["proc"]:
+        if not sep or len(fields) < 6 or fields[4] != mount_point:
+            continue
+        if fs_fields[:1] != ["proc"]:
+            seen = None
             continue
         options = fields[5].split(",") + (fs_fields[2].split(",") if len(fs_fields) > 2 else [])
-        return any(o.removeprefix("hidepid=") in HIDING for o in options if o.startswith("hidepid="))
-    return None
+        seen = any(o.removeprefix("hidepid=") in HIDING for o in options if o.startswith("hidepid="))
+    return seen
 
 
 def this_host_hides_pids() -> bool | None:
