@@ -118,6 +118,15 @@ def fake_v2(tmp_path):
     return root
 
 
+def fake_v1(tmp_path):
+    """v1's cpu, memory and pids trees, without the devices controller."""
+    root = tmp_path / "v1"
+    for c in rank_cgroup.V1_CONTROLLERS:
+        (root / c).mkdir(parents=True)
+        (root / c / "cgroup.procs").write_text("")
+    return root
+
+
 def test_cgroup_v2_limits_and_controllers_down_to_the_parent(tmp_path):
     root = fake_v2(tmp_path)
     cg = rank_cgroup.RankCgroup.create(root, "gpufleet/node-1", "lease-1", cpus=2.5, memory_bytes=3 * GIB, pids=500)
@@ -168,10 +177,7 @@ def test_the_v2_probe_takes_the_steps_a_ranks_cgroup_takes(tmp_path, monkeypatch
     assert rank_cgroup.device_fence_problem(root, "gpufleet/node-1") is None
     assert attached == [(root / "gpufleet" / "node-1" / rank_cgroup.PROBE, [])]
     assert not attached[0][0].exists()
-    v1 = tmp_path / "v1"
-    for c in rank_cgroup.V1_CONTROLLERS:
-        (v1 / c).mkdir(parents=True)
-        (v1 / c / "cgroup.procs").write_text("")
+    v1 = fake_v1(tmp_path)
     assert rank_cgroup.device_fence_problem(v1, "gpufleet/node-1") == "no cgroup v1 devices controller"
     (v1 / "devices").mkdir()
     (v1 / "devices" / "devices.deny").write_text("")
@@ -197,10 +203,7 @@ def test_a_cgroup_that_takes_no_device_program_refuses_the_list_rather_than_igno
         rank_cgroup.RankCgroup.create(
             root, "gpufleet/node-1", "lease-1", cpus=1, memory_bytes=GIB, pids=10, deny_devices=[(195, 1)]
         )
-    v1 = tmp_path / "v1"
-    for c in rank_cgroup.V1_CONTROLLERS:
-        (v1 / c).mkdir(parents=True)
-        (v1 / c / "cgroup.procs").write_text("")
+    v1 = fake_v1(tmp_path)
     with pytest.raises(rank_cgroup.CgroupError, match="no cgroup v1 devices controller"):
         rank_cgroup.RankCgroup.create(
             v1, "gpufleet/node-1", "lease-1", cpus=1, memory_bytes=GIB, pids=10, deny_devices=[(195, 1)]

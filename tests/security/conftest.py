@@ -28,3 +28,8 @@ async def run_sh_rank(node, lease_id: str, body: str, **kw):
     st = node.leases[lease_id]
     await wait_for(lambda: st.exit is not None and not st.live, timeout=20, what=f"{lease_id} to exit")
     return st
+
+
+def sections(out: str) -> dict[str, str]:
+    """A probe's output, ``== name`` headers each followed by what its command printed."""
+    return {part.split("\n", 1)[0]: part.split("\n", 1)[1] for part in out.split("== ")[1:]}

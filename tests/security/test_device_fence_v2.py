@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.security.conftest import sections
 from worker_agent import device_bpf, gpu_devices, rank_cgroup
 
 RANK_UID = 65534
@@ -78,7 +79,7 @@ def opened_as_rank(cgroup: Path, dev: Path, names: list[str]) -> dict[str, str]:
 
     body = "".join(f'echo "== {n}"; cat "{dev / n}" 2>&1\n' for n in names) + 'echo "== null"; cat /dev/null && echo ok'
     out = subprocess.run(["/bin/sh", "-c", body], preexec_fn=enter, capture_output=True, text=True, timeout=20)
-    return {part.split("\n", 1)[0]: part.split("\n", 1)[1] for part in out.stdout.split("== ")[1:]}
+    return sections(out.stdout)
 
 
 def test_a_process_in_the_cgroup_cannot_open_the_gpus_beside_its_own(cgroup2, gpu_dev):

@@ -12,6 +12,7 @@ import subprocess
 import pytest
 
 from tests.agent.conftest import close_node, make_settings, start_task, wait_for
+from tests.security.conftest import sections
 from worker_agent import rank_proc
 from worker_agent import statefiles as sf
 from worker_agent.node import NodeAgent
@@ -59,7 +60,7 @@ async def _probe_beside(node: NodeAgent, beside_pid: int) -> dict[str, str]:
     st = node.leases["lease-probe"]
     await wait_for(lambda: st.exit is not None and not st.live, timeout=20, what="the probe to end")
     out = (st.dir / sf.STDOUT).read_text()
-    return {part.split("\n", 1)[0]: part.split("\n", 1)[1] for part in out.split("== ")[1:]}
+    return sections(out)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ program once attached (it outlives the supervisor that loaded it, and goes with 
 cgroup), and a program an ancestor holds (systemd's device policy for the slice) still
 runs beside it, so neither loosens the other.
 
-``program`` is pure (the instructions, testable anywhere); ``deny`` and ``can_attach`` call
+``program`` is pure (the instructions, testable anywhere); ``deny`` and ``attached`` call
 the kernel. Standard library only (the supervisor imports it)."""
 
 from __future__ import annotations

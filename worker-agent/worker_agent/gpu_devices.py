@@ -3,8 +3,9 @@
 ``CUDA_VISIBLE_DEVICES`` only tells CUDA which GPUs to show; a process that opens another
 GPU's device node uses that GPU anyway. Under the process runtime with cgroups, the rank's
 supervisor denies the rank the other GPUs' nodes through its cgroup (worker_agent.rank_cgroup:
-v1's devices controller, or v2's BPF device program, worker_agent.device_bpf). The shared control nodes (``nvidiactl``, ``nvidia-uvm``,
-``nvidia-modeset``) stay open: CUDA needs them and they reach no GPU by themselves.
+v1's devices controller, or v2's BPF device program, worker_agent.device_bpf). The shared
+control nodes (``nvidiactl``, ``nvidia-uvm``, ``nvidia-modeset``) stay open: CUDA needs them
+and they reach no GPU by themselves.
 
 A GPU's node is found by its minor number (NVML's, which need not equal its index), and
 matched by the device numbers of the node file, not by its name.
