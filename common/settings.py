@@ -407,7 +407,8 @@ class Settings(BaseSettings):
         True,
         description="under the process runtime, as root, each rank starts in its own mount namespace with /proc"
         " mounted hidepid=2, so it sees only its own user's processes, not other jobs' command lines (Linux 5.8+;"
-        " the agent says at start when it cannot)",
+        " the agent says at start when it cannot); where no cgroup denies a rank the GPUs beside its own, the"
+        " namespace also masks their device nodes",
     )
     agent_rank_cgroups: bool = Field(
         False,

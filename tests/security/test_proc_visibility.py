@@ -9,7 +9,7 @@ import os
 import pytest
 
 from tests.agent.conftest import make_settings
-from worker_agent import proc_visibility, rank_proc
+from worker_agent import proc_visibility, rank_mounts
 from worker_agent.agent import AgentProcess
 from worker_agent.proc_visibility import proc_hides_pids
 
@@ -63,7 +63,7 @@ async def test_the_agent_says_when_ranks_can_read_every_command_line(
     is off, or the host cannot) and the host's shows every process."""
     monkeypatch.setattr(proc_visibility, "this_host_hides_pids", lambda: hides)
     monkeypatch.setattr(
-        rank_proc, "problem", lambda: "Linux 5.4 shares procfs options" if own_proc == "cannot" else None
+        rank_mounts, "problem", lambda: "Linux 5.4 shares procfs options" if own_proc == "cannot" else None
     )
     caplog.set_level(logging.INFO, "gpufleet.agent")
     settings = make_settings(

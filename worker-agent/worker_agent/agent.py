@@ -34,7 +34,7 @@ import subprocess
 from collections.abc import Awaitable, Callable, Sequence
 
 from common.temporal import connect, make_worker
-from worker_agent import proc_visibility, rank_firewall, rank_proc, rank_users
+from worker_agent import proc_visibility, rank_firewall, rank_mounts, rank_users
 from worker_agent.link import ControlLink
 from worker_agent.log_http import LogHttpServer
 from worker_agent.node import FleetActivities, NodeAgent, build_agent_activities
@@ -160,12 +160,12 @@ class AgentProcess:
 
     def _say_whether_ranks_see_other_processes(self) -> None:
         """Under the process runtime a rank reads every process's command line unless its
-        /proc hides them: its own /proc (worker_agent.rank_proc), else the host's with hidepid.
+        /proc hides them: its own /proc (worker_agent.rank_mounts), else the host's with hidepid.
         Said once per agent process."""
         s = self.settings
         if s.agent_runtime != "process" or not rank_users.ranks_isolated(s):
             return
-        why = rank_proc.problem() if s.agent_rank_private_proc else "agent_rank_private_proc is off"
+        why = rank_mounts.problem() if s.agent_rank_private_proc else "agent_rank_private_proc is off"
         if why is None:
             log.info("ranks see only their own processes: each mounts its own /proc (hidepid=2)")
             return

@@ -24,24 +24,37 @@ from pathlib import Path
 GPU_NODE = re.compile(r"nvidia(\d+)")
 
 
-def gpu_device_numbers(dev_dir: Path | str) -> dict[int, tuple[int, int]]:
-    """minor -> (major, minor) of each GPU device node in ``dev_dir`` (a character device
-    named ``nvidiaN``; links and other files are not GPUs)."""
+def _gpu_nodes(dev_dir: Path | str) -> dict[int, tuple[str, tuple[int, int]]]:
+    """minor -> (path, (major, minor)) of each GPU device node in ``dev_dir`` (a character
+    device named ``nvidiaN``; links and other files are not GPUs)."""
     try:
         names = os.listdir(dev_dir)
     except FileNotFoundError:
         return {}
-    out: dict[int, tuple[int, int]] = {}
+    out: dict[int, tuple[str, tuple[int, int]]] = {}
     for name in names:
         if not GPU_NODE.fullmatch(name):
             continue
+        path = os.path.join(dev_dir, name)
         try:
-            st = os.stat(os.path.join(dev_dir, name), follow_symlinks=False)
+            st = os.stat(path, follow_symlinks=False)
         except OSError:
             continue
         if stat.S_ISCHR(st.st_mode):
-            out[os.minor(st.st_rdev)] = (os.major(st.st_rdev), os.minor(st.st_rdev))
+            out[os.minor(st.st_rdev)] = (path, (os.major(st.st_rdev), os.minor(st.st_rdev)))
     return out
+
+
+def gpu_device_numbers(dev_dir: Path | str) -> dict[int, tuple[int, int]]:
+    """minor -> (major, minor) of each GPU device node in ``dev_dir``."""
+    return {minor: number for minor, (_, number) in _gpu_nodes(dev_dir).items()}
+
+
+def denied_paths(dev_dir: Path | str, granted_minors: Iterable[int]) -> list[str]:
+    """The paths of every GPU node in ``dev_dir`` the rank was not granted, in order (what a
+    rank's own mount namespace masks where no cgroup denies them: worker_agent.rank_mounts)."""
+    keep = set(granted_minors)
+    return sorted(path for minor, (path, _) in _gpu_nodes(dev_dir).items() if minor not in keep)
 
 
 def denied_devices(nodes: dict[int, tuple[int, int]], granted_minors: Iterable[int]) -> list[tuple[int, int]]:

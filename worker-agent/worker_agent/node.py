@@ -65,7 +65,7 @@ from common.contracts import (
 )
 from proto import agent_pb2 as pb
 from proto.convert import HEALTH_TO_PB, task_status_to_pb
-from worker_agent import exit_cause, gpu_devices, rank_cgroup, rank_proc, rank_users
+from worker_agent import exit_cause, gpu_devices, rank_cgroup, rank_mounts, rank_users
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within, local_path
 from worker_agent.nvml import GpuBackend, GpuSample
@@ -219,7 +219,7 @@ class NodeAgent:
         self.private_proc = (
             bool(self.settings.agent_rank_private_proc) and self.isolated
             and isinstance(self.runtime, ProcessRuntime) and not self.simulated_ranks
-            and rank_proc.problem() is None
+            and rank_mounts.problem() is None
         )  # fmt: skip
         self.recover()
         self._watch_task = asyncio.create_task(self._watch(), name=f"agent-watch-{self.node_id}")
@@ -239,6 +239,18 @@ class NodeAgent:
             " another GPU's device node uses it (agent_runtime=container passes only its own)", self.node_id, why,
         )  # fmt: skip
         return False
+
+    def _masked_gpu_nodes(self, gpu_indices: list[int]) -> list[str]:
+        """The GPU nodes the rank's own mount namespace masks: where it has one and no cgroup
+        denies them, every GPU node but its own (none if a GPU's minor is unknown: its own
+        could be among them)."""
+        if not self.private_proc or self.gpu_fence:
+            return []
+        minors = [self.backend.device_minor(i) for i in range(self.backend.gpu_count())]
+        if any(m is None for m in minors):
+            return []
+        mine = [minors[i] for i in gpu_indices if 0 <= i < len(minors)]
+        return gpu_devices.denied_paths(self.settings.agent_gpu_device_dir, [m for m in mine if m is not None])
 
     def _denied_gpu_devices(self, gpu_indices: list[int]) -> list[tuple[int, int]]:
         """The device numbers of the node's GPU nodes other than these GPUs'."""
@@ -447,6 +459,10 @@ class NodeAgent:
                 )  # fmt: skip
             except ValueError as e:
                 return refuse(str(e))
+            masked = self._masked_gpu_nodes(req.gpu_indices)
+            if masked:  # an empty file of root's, mode 0: what the rank finds at those paths
+                (d / "masked").touch(mode=0o000)
+                os.chmod(d / "masked", 0o000)
             cgroup = None
             if self.cgroups and limits is not None:  # the supervisor makes it (it outlives the agent)
                 cgroup = {
@@ -478,6 +494,8 @@ class NodeAgent:
                     "image": req.image,
                     "cgroup": cgroup,
                     "private_proc": self.private_proc,
+                    "masked_gpus": masked,
+                    "mask_file": str(d / "masked") if masked else None,
                     "disk": (
                         {"limit_bytes": limits.disk_bytes, "check_s": float(self.settings.agent_rank_disk_check_s)}
                         if limits is not None and limits.disk_bytes

@@ -3,7 +3,7 @@
 Without it every process's command line (``/proc/<pid>/cmdline``) is readable by every user,
 so a rank on a shared node reads the commands, and any token passed as an argument, of the
 ranks of other jobs beside it. Each rank gets its own ``/proc`` where the kernel allows
-(worker_agent.rank_proc, which reads its new mount here); where it does not, the host can
+(worker_agent.rank_mounts, which reads its new mount here); where it does not, the host can
 (``mount -o remount,hidepid=invisible,gid=<group that monitors> /proc``), and the agent
 checks at start and says so (docs/security.md, "What the process runtime cannot isolate").
 """
@@ -18,7 +18,7 @@ HIDING = {"1", "2", "noaccess", "invisible"}  # hidepid values that keep others'
 def proc_hides_pids(mountinfo: str, mount_point: str = "/proc") -> bool | None:
     """From ``/proc/self/mountinfo``: True if ``mount_point`` is a proc mount with a hidepid
     that hides other users' processes, False if not, None if there is no such mount. Of
-    mounts stacked on the point, the last listed is the one seen (a rank's own, worker_agent.rank_proc)."""
+    mounts stacked on the point, the last listed is the one seen (a rank's own, worker_agent.rank_mounts)."""
     seen = None
     for line in mountinfo.splitlines():
         mount, sep, fs = line.partition(" - ")  # mount fields, then: type, source, super options

@@ -17,8 +17,9 @@ fork + its own session), so the agent can die or restart without touching it:
 * with ``spec.cgroup`` (the process runtime's fence, worker_agent.rank_cgroup): makes the
   rank's cgroups with its share's limits before it starts, and the rank joins them before
   it drops to its user;
-* with ``spec.private_proc``: the rank mounts its own ``/proc`` (worker_agent.rank_proc) before
-  it drops to its user, so it sees only its own user's processes;
+* with ``spec.private_proc``: the rank makes its own mount namespace (worker_agent.rank_mounts)
+  before it drops to its user: a ``/proc`` showing only its own user's processes, and
+  ``spec.masked_gpus`` (the GPU nodes beside its own, where no cgroup denies them) masked;
 * with ``spec.disk``: every ``check_s`` measures the rank's work dir, and ends a rank past
   its disk share (SIGTERM, SIGKILL after ``fence_grace_s``), saying so in its stderr;
 * when the rank exits: SIGKILL to what is left of its group (and of its cgroups: a process
@@ -42,13 +43,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from worker_agent import rank_disk, rank_logs
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within
 from worker_agent.rank_cgroup import RankCgroup
-from worker_agent.rank_proc import PrivateProc
+from worker_agent.rank_mounts import RankMounts
 
 DRAIN_S = 1.0  # after the rank's group is gone: how long to read what a stray process still writes
 
@@ -157,7 +159,7 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
                 stderr=ends["stderr"],
                 start_new_session=True,
                 close_fds=True,
-                **_as_user(user, cgroup, bool(spec.get("private_proc"))),
+                **_as_user(user, cgroup, _own_mounts(spec)),
             )
         except (OSError, subprocess.SubprocessError) as e:
             for fd in ends.values():
@@ -325,13 +327,21 @@ def _make_cgroup(c: dict) -> RankCgroup:
     )  # fmt: skip
 
 
-def _as_user(user: list[int] | None, cgroup: RankCgroup | None, private_proc: bool = False) -> dict:
+def _own_mounts(spec: dict) -> Callable[[], None] | None:
+    """What makes the rank's own mount namespace (worker_agent.rank_mounts), if asked; libc is
+    looked up here, before the fork."""
+    if not spec.get("private_proc"):
+        return None
+    mounts = RankMounts()
+    return lambda: mounts.enter(spec.get("mask_file"), list(spec.get("masked_gpus") or ()))
+
+
+def _as_user(user: list[int] | None, cgroup: RankCgroup | None, own_mounts: Callable[[], None] | None = None) -> dict:
     """Popen's arguments that start the rank as ``user`` (private files) inside ``cgroup``,
-    with its own ``/proc`` if asked. The child joins the cgroup and mounts its ``/proc`` first,
-    while it is still root, then drops to the user itself: Popen's own ``user=`` would switch
-    before any hook could run."""
-    own_proc = PrivateProc() if private_proc else None  # libc looked up before the fork
-    if cgroup is None and own_proc is None:
+    in its own mount namespace if asked. The child joins the cgroup and makes its mounts
+    first, while it is still root, then drops to the user itself: Popen's own ``user=`` would
+    switch before any hook could run."""
+    if cgroup is None and own_mounts is None:
         return {
             "user": user[0] if user else None,
             "group": user[1] if user else None,
@@ -342,8 +352,8 @@ def _as_user(user: list[int] | None, cgroup: RankCgroup | None, private_proc: bo
     def join_then_drop() -> None:
         if cgroup is not None:
             cgroup.enter()
-        if own_proc is not None:
-            own_proc.enter()
+        if own_mounts is not None:
+            own_mounts()
         if user:
             os.setgroups([])
             os.setgid(user[1])

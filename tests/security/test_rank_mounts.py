@@ -1,4 +1,4 @@
-"""A rank sees only its own user's processes (worker_agent.rank_proc; docs/security.md,
+"""A rank sees only its own user's processes (worker_agent.rank_mounts; docs/security.md,
 "The host"): it starts in its own mount namespace with a procfs mounted hidepid=2, as root
 on a kernel that keeps procfs options per mount (this one, in CI). The host's /proc is left
 as it was."""
@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import subprocess
 
 import pytest
 
 from tests.agent.conftest import close_node, make_settings, start_task, wait_for
 from tests.security.conftest import sections
-from worker_agent import rank_proc
+from worker_agent import rank_mounts
 from worker_agent import statefiles as sf
 from worker_agent.node import NodeAgent
 from worker_agent.nvml import make_backend
@@ -26,14 +27,14 @@ from worker_agent.proc_visibility import this_host_hides_pids
      ("4.18.0-513.el8.x86_64", False), ("10.0", True), ("garbage", False)],
 )  # fmt: skip
 def test_which_kernels_keep_procfs_options_per_mount(release, ok):
-    assert rank_proc.kernel_release_ok(release) is ok
+    assert rank_mounts.kernel_release_ok(release) is ok
 
 
 def _private_proc_here() -> str:
     if os.geteuid() != 0:
         return "the agent must be root to give a rank its own /proc"
-    rank_proc.problem.cache_clear()
-    return rank_proc.problem() or ""
+    rank_mounts.problem.cache_clear()
+    return rank_mounts.problem() or ""
 
 
 async def _node(tmp_path, work_root, node_id: str, **kw) -> NodeAgent:
@@ -102,3 +103,37 @@ async def test_without_its_own_proc_a_rank_reads_the_command_lines_beside_it(tmp
         assert int(found["count"].strip()) > 5, found
     finally:
         await close_node(node)
+
+
+@pytest.mark.skipif(bool(_private_proc_here()), reason=_private_proc_here() or "-")
+async def test_without_cgroups_a_rank_finds_the_gpus_beside_its_own_masked(tmp_path, work_root):
+    """No cgroup fence (agent_rank_cgroups off): the rank's own mount namespace masks every
+    GPU node but its own, so opening one is refused; its own and nvidiactl reach the driver
+    (ENXIO here: no driver behind the nodes made for the test). The host's nodes are as
+    they were."""
+    dev = work_root / "dev"
+    dev.mkdir(mode=0o755)
+    for name, minor in (("nvidia0", 0), ("nvidia1", 1), ("nvidia2", 2), ("nvidia3", 3), ("nvidiactl", 255)):
+        os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(195, minor))
+        os.chmod(dev / name, 0o666)
+    node = await _node(tmp_path, work_root, "node-mask", agent_gpu_device_dir=dev)
+    try:
+        assert node.private_proc and not node.gpu_fence
+        names = ["nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl"]
+        body = "".join(f'echo "== {n}"; cat "{dev / n}" 2>&1\n' for n in names)
+        task = dataclasses.replace(start_task(node.node_id, "lease-mask", ["/bin/sh", "-c", body], gpus=(1,)), team="a")
+        assert (await node.start_task(task)).accepted
+        st = node.leases["lease-mask"]
+        await wait_for(lambda: st.exit is not None and not st.live, timeout=20, what="the rank to end")
+        opened = sections((st.dir / sf.STDOUT).read_text())
+        assert "No such device or address" in opened["nvidia1"], opened  # its own GPU
+        assert "No such device or address" in opened["nvidiactl"], opened
+        for other in ("nvidia0", "nvidia2", "nvidia3"):
+            assert "Permission denied" in opened[other], opened
+        assert sf.read_json(st.dir / sf.SPEC)["masked_gpus"] == [
+            str(dev / n) for n in ("nvidia0", "nvidia2", "nvidia3")
+        ]
+    finally:
+        await close_node(node)
+    for name in names:  # the host's nodes are untouched: still character devices
+        assert stat.S_ISCHR(os.stat(dev / name).st_mode), name

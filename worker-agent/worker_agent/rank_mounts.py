@@ -1,4 +1,5 @@
-"""A rank's own view of ``/proc``: only its own user's processes.
+"""A rank's own mount namespace: a ``/proc`` showing only its own user's processes, and the
+GPU nodes beside its own masked where no cgroup denies them.
 
 On a shared node every process's command line is readable by every user unless ``/proc``
 is mounted with ``hidepid`` (worker_agent.proc_visibility), so a rank of one job reads the
@@ -9,6 +10,13 @@ root, in its own mount namespace with a fresh procfs mounted on ``/proc`` with
 whatever the host's ``/proc`` shows. The namespace's mounts follow the host's (``/`` is made
 a slave, so a file system the host mounts later still reaches the rank) and none of the
 rank's reach the host.
+
+Under the process runtime without a cgroup GPU fence (``agent_rank_cgroups`` off, or a host
+where it cannot work: worker_agent.rank_cgroup), the same namespace also masks each GPU
+device node the rank was not granted with an empty root-owned file of mode 0 (a bind
+mount), so opening it is refused. Weaker than the cgroup fence, which denies the device
+whatever path reaches it; the mask covers the nodes in ``agent_gpu_device_dir``, and a rank
+cannot make another (mknod needs a capability it does not hold) nor unmount the mask.
 
 Since Linux 5.8 every procfs mount is an instance with its own options; before it the
 options belonged to the one instance of the pid namespace, so mounting with ``hidepid``
@@ -31,7 +39,7 @@ from worker_agent.proc_visibility import this_host_hides_pids
 
 CLONE_NEWNS = 0x00020000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x2, 0x4, 0x8
-MS_REC, MS_SLAVE = 0x4000, 1 << 19
+MS_BIND, MS_REC, MS_SLAVE = 0x1000, 0x4000, 1 << 19
 MIN_KERNEL = (5, 8)  # per-mount procfs options
 
 
@@ -41,7 +49,7 @@ def kernel_release_ok(release: str) -> bool:
     return m is not None and (int(m.group(1)), int(m.group(2))) >= MIN_KERNEL
 
 
-class PrivateProc:
+class RankMounts:
     """The libc calls, looked up before the fork (the child only calls them)."""
 
     def __init__(self) -> None:
@@ -55,14 +63,20 @@ class PrivateProc:
             err = ctypes.get_errno()
             raise OSError(err, f"{what}: {os.strerror(err)}")
 
-    def enter(self) -> None:
-        """In the rank's process, as root, before it drops to its user."""
+    def enter(self, mask_file: str | None = None, masked: list[str] | None = None) -> None:
+        """In the rank's process, as root, before it drops to its user: its own namespace and
+        /proc, and ``mask_file`` bound over each of ``masked``."""
         self._check(self._unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
         self._check(self._mount(None, b"/", None, MS_REC | MS_SLAVE, None), "mount --make-rslave /")
         self._check(
             self._mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, b"hidepid=2"),
             "mount -t proc -o hidepid=2 proc /proc",
         )
+        for path in masked or ():
+            self._check(
+                self._mount(os.fsencode(mask_file or "/dev/null"), os.fsencode(path), None, MS_BIND, None),
+                f"mount --bind {mask_file} {path}",
+            )
 
 
 @functools.cache
@@ -79,7 +93,7 @@ def problem() -> str | None:
     pkg_root = str(Path(__file__).resolve().parent.parent)
     try:
         r = subprocess.run(
-            [sys.executable, "-m", "worker_agent.rank_proc"],
+            [sys.executable, "-m", "worker_agent.rank_mounts"],
             env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": pkg_root},
             capture_output=True, text=True, timeout=30,
         )  # fmt: skip
@@ -96,7 +110,7 @@ def _probe() -> int:
     """Take the steps in this process, then check that its /proc is the new one."""
 
     try:
-        PrivateProc().enter()
+        RankMounts().enter()
     except OSError as e:
         sys.stderr.write(f"{e.strerror}\n")
         return 1
