@@ -90,6 +90,8 @@ def _settings():
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
+        if not loc:  # a check across settings: its message names them
+            raise PlatformError(f"invalid settings: {err['msg'].removeprefix('Value error, ')}") from e
         raise PlatformError(f"invalid setting GPUFLEET_{loc.upper()}: {err['msg']}") from e
 
 

@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -81,8 +81,24 @@ class Principal(BaseModel):
     admin: bool = False
 
 
+# settings renamed when their meaning changed: one still set is refused with the new name,
+# not ignored (an operator's value would silently stop applying)
+RENAMED = {
+    "GPUFLEET_AGENT_TEAM_UID_BASE": (
+        "GPUFLEET_AGENT_RANK_ID_BASE (each job's ranks now run as uid base + the job's number, gid base + the team's)"
+    ),
+}
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GPUFLEET_", env_nested_delimiter="__", extra="ignore")
+
+    @model_validator(mode="after")
+    def _no_renamed_setting(self) -> Settings:
+        for old, new in RENAMED.items():
+            if old in os.environ:
+                raise ValueError(f"{old} was renamed {new}: set that instead, and unset {old}")
+        return self
 
     @classmethod
     def settings_customise_sources(

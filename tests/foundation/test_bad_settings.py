@@ -78,6 +78,14 @@ def test_invalid_setting_value():
     assert "GPUFLEET_API_PORT" in one_line_error(r)
 
 
+def test_a_renamed_setting_is_refused_with_its_new_name_not_ignored():
+    """GPUFLEET_AGENT_TEAM_UID_BASE numbered teams; its successor numbers jobs. An operator's
+    0 (every rank as one user, the documented upgrade step) must not silently stop applying."""
+    r = gpufleet("db", "migrate", env={"GPUFLEET_AGENT_TEAM_UID_BASE": "0"})
+    line = one_line_error(r)
+    assert "GPUFLEET_AGENT_TEAM_UID_BASE was renamed GPUFLEET_AGENT_RANK_ID_BASE" in line, line
+
+
 def test_help_lists_the_commands():
     r = gpufleet("--help")
     assert r.returncode == 0
