@@ -2,6 +2,8 @@
 agents for every node, the API in-process); the rank tests run /bin/sh ranks on a node agent
 as root, in work dirs the ranks' user can reach."""
 
+import os
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -19,6 +21,23 @@ def work_root():
     root.chmod(0o711)
     yield root
     subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+GPU_NODES = ("nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl")
+
+
+@pytest.fixture
+def gpu_dev(work_root) -> Path:
+    """Device nodes for a node's first four GPUs (NVIDIA's major, 195) and its control node
+    (minor 255), mode 0666, where the rank's user can reach them. With no driver behind them,
+    opening one that a fence lets through fails with ENXIO; one it denies, otherwise."""
+    dev = work_root / "dev"
+    dev.mkdir(mode=0o755)
+    for name in GPU_NODES:
+        minor = 255 if name == "nvidiactl" else int(name.removeprefix("nvidia"))
+        os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(195, minor))
+        os.chmod(dev / name, 0o666)
+    return dev
 
 
 async def run_sh_rank(node, lease_id: str, body: str, **kw):

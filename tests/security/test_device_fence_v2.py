@@ -10,8 +10,6 @@ opens with "No such device or address", one it denies with "Operation not permit
 from __future__ import annotations
 
 import os
-import shutil
-import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -22,7 +20,6 @@ from tests.security.conftest import sections
 from worker_agent import device_bpf, gpu_devices, rank_cgroup
 
 RANK_UID = 65534
-NVIDIA_MAJOR = 195
 
 
 def _mount_cgroup2(where: Path) -> str:
@@ -54,17 +51,6 @@ def cgroup2():
     finally:
         subprocess.run(["umount", str(where)], check=True)
         where.rmdir()
-
-
-@pytest.fixture
-def gpu_dev():
-    """A dev dir of four GPU nodes and nvidiactl, reachable by the rank user."""
-    dev = Path(tempfile.mkdtemp(prefix="gpufleet-dev-"))
-    dev.chmod(0o711)
-    for name, minor in (("nvidia0", 0), ("nvidia1", 1), ("nvidia2", 2), ("nvidia3", 3), ("nvidiactl", 255)):
-        os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, minor))
-    yield dev
-    shutil.rmtree(dev)
 
 
 def opened_as_rank(cgroup: Path, dev: Path, names: list[str]) -> dict[str, str]:

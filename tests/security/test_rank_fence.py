@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import stat
 from pathlib import Path
 
 import pytest
@@ -51,19 +50,6 @@ def parent(tmp_path):
         for sub in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
             sub.rmdir()
         d.rmdir()
-
-
-@pytest.fixture
-def gpu_dev(work_root) -> Path:
-    """Device nodes for the node's first four GPUs (NVIDIA's major, 195) and its control node,
-    where the rank's user can reach them. With no driver behind them, opening one that the
-    fence allows fails with ENXIO; one it denies, with EPERM."""
-    dev = work_root / "dev"
-    dev.mkdir(mode=0o755)
-    for name, minor in (("nvidia0", 0), ("nvidia1", 1), ("nvidia2", 2), ("nvidia3", 3), ("nvidiactl", 255)):
-        os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(195, minor))
-        os.chmod(dev / name, 0o666)
-    return dev
 
 
 @pytest.fixture

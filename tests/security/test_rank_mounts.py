@@ -106,16 +106,12 @@ async def test_without_its_own_proc_a_rank_reads_the_command_lines_beside_it(tmp
 
 
 @pytest.mark.skipif(bool(_private_proc_here()), reason=_private_proc_here() or "-")
-async def test_without_cgroups_a_rank_finds_the_gpus_beside_its_own_masked(tmp_path, work_root):
+async def test_without_cgroups_a_rank_finds_the_gpus_beside_its_own_masked(tmp_path, work_root, gpu_dev):
     """No cgroup fence (agent_rank_cgroups off): the rank's own mount namespace masks every
     GPU node but its own, so opening one is refused; its own and nvidiactl reach the driver
     (ENXIO here: no driver behind the nodes made for the test). The host's nodes are as
     they were."""
-    dev = work_root / "dev"
-    dev.mkdir(mode=0o755)
-    for name, minor in (("nvidia0", 0), ("nvidia1", 1), ("nvidia2", 2), ("nvidia3", 3), ("nvidiactl", 255)):
-        os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(195, minor))
-        os.chmod(dev / name, 0o666)
+    dev = gpu_dev
     node = await _node(tmp_path, work_root, "node-mask", agent_gpu_device_dir=dev)
     try:
         assert node.private_proc and not node.gpu_fence

@@ -160,6 +160,7 @@ class NodeAgent:
         )  # fmt: skip
         self.gpu_fence = False  # ranks denied the other GPUs' device nodes (decided at start)
         self.private_proc = False  # ranks start with their own /proc (decided at start)
+        self.gpu_mask = False  # ... and there the GPU nodes beside theirs masked (decided at start)
         self.poll_s = float(settings.agent_poll_s)
         self.leases: dict[str, Lease] = {}
         self.outbox: dict[int, pb.TaskStatus] = {}  # seq -> status, until acknowledged
@@ -221,6 +222,9 @@ class NodeAgent:
             and isinstance(self.runtime, ProcessRuntime) and not self.simulated_ranks
             and rank_mounts.problem() is None
         )  # fmt: skip
+        # the mask stands in for the cgroup fence where there is none; a GPU without a known
+        # minor could be the rank's own, so then nothing is masked
+        self.gpu_mask = self.private_proc and not self.gpu_fence and self._gpu_minors_known()
         self.recover()
         self._watch_task = asyncio.create_task(self._watch(), name=f"agent-watch-{self.node_id}")
 
@@ -230,7 +234,7 @@ class NodeAgent:
         why = rank_cgroup.device_fence_problem(
             self.settings.agent_cgroup_root, f"{self.settings.agent_cgroup_parent}/{self.node_id}"
         )
-        if why is None and any(self.backend.device_minor(i) is None for i in range(self.backend.gpu_count())):
+        if why is None and not self._gpu_minors_known():
             why = "NVML gives no device minor number for every GPU"
         if why is None:
             return True
@@ -240,23 +244,23 @@ class NodeAgent:
         )  # fmt: skip
         return False
 
+    def _gpu_minors_known(self) -> bool:
+        return all(self.backend.device_minor(i) is not None for i in range(self.backend.gpu_count()))
+
+    def _granted_minors(self, gpu_indices: list[int]) -> list[int]:
+        mine = [self.backend.device_minor(i) for i in gpu_indices]
+        return [m for m in mine if m is not None]
+
     def _masked_gpu_nodes(self, gpu_indices: list[int]) -> list[str]:
-        """The GPU nodes the rank's own mount namespace masks: where it has one and no cgroup
-        denies them, every GPU node but its own (none if a GPU's minor is unknown: its own
-        could be among them)."""
-        if not self.private_proc or self.gpu_fence:
+        """The GPU nodes the rank's own mount namespace masks: every GPU node but its own."""
+        if not self.gpu_mask:
             return []
-        minors = [self.backend.device_minor(i) for i in range(self.backend.gpu_count())]
-        if any(m is None for m in minors):
-            return []
-        mine = [minors[i] for i in gpu_indices if 0 <= i < len(minors)]
-        return gpu_devices.denied_paths(self.settings.agent_gpu_device_dir, [m for m in mine if m is not None])
+        return gpu_devices.denied_paths(self.settings.agent_gpu_device_dir, self._granted_minors(gpu_indices))
 
     def _denied_gpu_devices(self, gpu_indices: list[int]) -> list[tuple[int, int]]:
         """The device numbers of the node's GPU nodes other than these GPUs'."""
         nodes = gpu_devices.gpu_device_numbers(self.settings.agent_gpu_device_dir)
-        mine = [self.backend.device_minor(i) for i in gpu_indices]
-        return gpu_devices.denied_devices(nodes, [m for m in mine if m is not None])
+        return gpu_devices.denied_devices(nodes, self._granted_minors(gpu_indices))
 
     async def close(self) -> None:
         for t in [self._watch_task, *self._bg]:
@@ -461,7 +465,7 @@ class NodeAgent:
                 return refuse(str(e))
             masked = self._masked_gpu_nodes(req.gpu_indices)
             if masked:  # an empty file of root's, mode 0: what the rank finds at those paths
-                (d / "masked").touch(mode=0o000)
+                (d / "masked").touch()
                 os.chmod(d / "masked", 0o000)
             cgroup = None
             if self.cgroups and limits is not None:  # the supervisor makes it (it outlives the agent)

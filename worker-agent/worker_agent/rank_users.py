@@ -34,11 +34,12 @@ def rank_user(settings, team: str, team_rank_id: int | None, job_rank_id: int | 
     ids = settings.agent_team_rank_ids.get(team)
     if ids:
         return int(ids[0]), int(ids[1])
-    base = int(settings.agent_rank_id_base)
-    if not base or team_rank_id is None:
+    teams = team_user(settings, team_rank_id)
+    if teams is None:
         return int(settings.agent_rank_uid), int(settings.agent_rank_gid)
-    gid = base + int(team_rank_id)
-    uid = gid if job_rank_id is None else base + int(job_rank_id)
+    base = int(settings.agent_rank_id_base)
+    gid = teams[1]
+    uid = teams[0] if job_rank_id is None else base + int(job_rank_id)
     if max(uid, gid) > UID_MAX:
         raise ValueError(
             f"the job's user {uid} (group {gid}) is past {UID_MAX}: agent_rank_id_base {base} leaves no id for"
@@ -48,8 +49,9 @@ def rank_user(settings, team: str, team_rank_id: int | None, job_rank_id: int | 
 
 
 def team_user(settings, team_rank_id: int | None) -> tuple[int, int] | None:
-    """The user a team's ranks ran as before jobs were numbered (base + the team's number),
-    whose checkpoint dirs are handed to the job's own user; None where there is none."""
+    """The team's numbered user, base + the team's number: its jobs' group, the user of a
+    StartTask without a job number, and the one its ranks ran as before jobs were numbered
+    (whose checkpoint dirs are handed to the job's own user); None where there is none."""
     base = int(settings.agent_rank_id_base)
     if not base or team_rank_id is None:
         return None
