@@ -426,6 +426,12 @@ class Settings(BaseSettings):
         " the agent says at start when it cannot); where no cgroup denies a rank the GPUs beside its own, the"
         " namespace also masks their device nodes",
     )
+    agent_rank_private_tmp: bool = Field(
+        True,
+        description="in that namespace, a rank's /tmp and /var/tmp are one dir in its work dir: what it writes"
+        " there counts against its disk share and no other job sees it or plants a file there; paths it needs"
+        " under them (its work dir, checkpoint dir, the GPU device dir) stay reachable at the same paths",
+    )
     agent_rank_cgroups: bool = Field(
         False,
         description="under the process runtime, put each rank in its own cgroups with its share's limits and kill"

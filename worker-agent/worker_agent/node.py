@@ -43,6 +43,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -161,6 +162,7 @@ class NodeAgent:
         self.gpu_fence = False  # ranks denied the other GPUs' device nodes (decided at start)
         self.private_proc = False  # ranks start with their own /proc (decided at start)
         self.gpu_mask = False  # ... and there the GPU nodes beside theirs masked (decided at start)
+        self.private_tmp = False  # ... and their own /tmp and /var/tmp (decided at start)
         self.poll_s = float(settings.agent_poll_s)
         self.leases: dict[str, Lease] = {}
         self.outbox: dict[int, pb.TaskStatus] = {}  # seq -> status, until acknowledged
@@ -225,6 +227,7 @@ class NodeAgent:
         # the mask stands in for the cgroup fence where there is none; a GPU without a known
         # minor could be the rank's own, so then nothing is masked
         self.gpu_mask = self.private_proc and not self.gpu_fence and self._gpu_minors_known()
+        self.private_tmp = self.private_proc and bool(self.settings.agent_rank_private_tmp)
         self.recover()
         self._watch_task = asyncio.create_task(self._watch(), name=f"agent-watch-{self.node_id}")
 
@@ -256,6 +259,23 @@ class NodeAgent:
         if not self.gpu_mask:
             return []
         return gpu_devices.denied_paths(self.settings.agent_gpu_device_dir, self._granted_minors(gpu_indices))
+
+    def _private_tmp(self, work: Path, req: StartTask, user: tuple[int, int] | None) -> dict | None:
+        """The rank's own tmp dir (``<work>/tmp``, its user's, 0700) and the paths it needs that
+        its mounts must keep in reach (worker_agent.rank_mounts), or None."""
+        if not self.private_tmp or user is None:
+            return None
+        tmp = work / "tmp"
+        try:
+            tmp.mkdir(mode=0o700)
+        except FileExistsError:
+            st = tmp.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != user[0]:
+                raise RankAccessError(f"{tmp} exists and is not a dir of the rank's user") from None
+        os.chown(tmp, *user)
+        os.chmod(tmp, 0o700)
+        needed = [str(work), local_path(req.checkpoint_dir), str(self.settings.agent_gpu_device_dir)]
+        return {"dir": str(tmp), "keep": sorted({os.path.realpath(p) for p in needed if p})}
 
     def _denied_gpu_devices(self, gpu_indices: list[int]) -> list[tuple[int, int]]:
         """The device numbers of the node's GPU nodes other than these GPUs'."""
@@ -452,6 +472,7 @@ class NodeAgent:
                 return refuse(str(e))
             try:
                 work = self._work_dir(req, user)
+                private_tmp = self._private_tmp(work, req, user)
             except (OSError, RankAccessError) as e:
                 return refuse(f"cannot prepare the rank's dirs: {e}")
             progress_file = str(work / "progress.json")
@@ -500,6 +521,7 @@ class NodeAgent:
                     "private_proc": self.private_proc,
                     "masked_gpus": masked,
                     "mask_file": str(d / "masked") if masked else None,
+                    "private_tmp": private_tmp,
                     "disk": (
                         {"limit_bytes": limits.disk_bytes, "check_s": float(self.settings.agent_rank_disk_check_s)}
                         if limits is not None and limits.disk_bytes

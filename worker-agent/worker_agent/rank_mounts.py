@@ -18,6 +18,15 @@ mount), so opening it is refused. Weaker than the cgroup fence, which denies the
 whatever path reaches it; the mask covers the nodes in ``agent_gpu_device_dir``, and a rank
 cannot make another (mknod needs a capability it does not hold) nor unmount the mask.
 
+With ``agent_rank_private_tmp`` (on) the namespace also gives the rank its own ``/tmp`` and
+``/var/tmp``: one dir in its work dir (``tmp``) is bound over both. What the rank writes there
+counts against its disk share (worker_agent.rank_disk measures the work dir), so it cannot fill
+the host's root disk past its share through them, and no other job sees or plants a file
+there: a shared ``/tmp`` lets one job pre-create a path another job's program writes to or
+loads from without asking ``TMPDIR``. Paths the rank needs that lie under them (its work dir,
+its checkpoint dir, the GPU device dir, as on a test host) are bound back in at the same
+paths; the rest of the host's ``/tmp`` is out of its sight.
+
 Since Linux 5.8 every procfs mount is an instance with its own options; before it the
 options belonged to the one instance of the pid namespace, so mounting with ``hidepid``
 here would change the host's ``/proc`` too. ``problem`` refuses such kernels, and checks
@@ -33,6 +42,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from worker_agent.proc_visibility import this_host_hides_pids
@@ -41,6 +51,7 @@ CLONE_NEWNS = 0x00020000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x2, 0x4, 0x8
 MS_BIND, MS_REC, MS_SLAVE = 0x1000, 0x4000, 1 << 19
 MIN_KERNEL = (5, 8)  # per-mount procfs options
+TMP_DIRS = ("/tmp", "/var/tmp")  # what a rank's own tmp dir is bound over
 
 
 def kernel_release_ok(release: str) -> bool:
@@ -63,9 +74,18 @@ class RankMounts:
             err = ctypes.get_errno()
             raise OSError(err, f"{what}: {os.strerror(err)}")
 
-    def enter(self, mask_file: str | None = None, masked: list[str] | None = None) -> None:
+    def enter(
+        self,
+        mask_file: str | None = None,
+        masked: list[str] | None = None,
+        tmp: str | None = None,
+        keep: list[str] | None = None,
+        cwd: str | None = None,
+    ) -> None:
         """In the rank's process, as root, before it drops to its user: its own namespace and
-        /proc, and ``mask_file`` bound over each of ``masked``."""
+        /proc, ``mask_file`` bound over each of ``masked``, ``tmp`` bound over /tmp and
+        /var/tmp with each of ``keep`` under them bound back in, then into ``cwd`` again
+        (Popen entered it before these mounts, by a path they may have hidden)."""
         self._check(self._unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
         self._check(self._mount(None, b"/", None, MS_REC | MS_SLAVE, None), "mount --make-rslave /")
         self._check(
@@ -77,13 +97,64 @@ class RankMounts:
                 self._mount(os.fsencode(mask_file or "/dev/null"), os.fsencode(path), None, MS_BIND, None),
                 f"mount --bind {mask_file} {path}",
             )
+        if tmp is not None:
+            # held open: once /tmp is covered, a path under it no longer leads to the dir
+            own = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                for top in TMP_DIRS:
+                    if os.path.islink(top) or not os.path.isdir(top):
+                        continue  # a link to /tmp is covered with it
+                    for path in keep or ():
+                        rel = under(path, top)
+                        if rel is not None:
+                            self._bind_into(path, own, rel)
+                    self._check(
+                        self._mount(f"/proc/self/fd/{own}".encode(), os.fsencode(top), None, MS_BIND | MS_REC, None),
+                        f"mount --rbind {tmp} {top}",
+                    )
+            finally:
+                os.close(own)
+        if cwd is not None:
+            os.chdir(cwd)
+
+    def _bind_into(self, path: str, base: int, rel: str) -> None:
+        """Bind ``path`` at ``rel`` under the dir ``base`` is open on (the rank's own), making
+        the dirs on the way as root without following a link; mounted through the last dir's
+        descriptor."""
+        fd = os.dup(base)
+        try:
+            for part in rel.split("/"):
+                made = True
+                try:
+                    os.mkdir(part, 0o700, dir_fd=fd)
+                except FileExistsError:
+                    made = False
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = inner
+                if made:  # passed through, not listed, as on the host (the dirs above a checkpoint dir)
+                    os.fchmod(fd, 0o711)
+            self._check(
+                self._mount(os.fsencode(path), f"/proc/self/fd/{fd}".encode(), None, MS_BIND | MS_REC, None),
+                f"mount --rbind {path} <its own tmp>/{rel}",
+            )
+        finally:
+            os.close(fd)
+
+
+def under(path: str, top: str) -> str | None:
+    """``path`` relative to ``top`` when it lies under it (both real paths), else None."""
+    if not path.startswith(top.rstrip("/") + "/"):
+        return None
+    rel = path[len(top.rstrip("/")) + 1 :].strip("/")
+    return rel or None
 
 
 @functools.cache
 def problem() -> str | None:
-    """Why ranks cannot get their own ``/proc`` here, or None (asked once per agent process,
-    as root: the steps are taken in a child process, and the agent's own ``/proc`` must be
-    as it was)."""
+    """Why ranks cannot get their own ``/proc`` and ``/tmp`` here, or None (asked once per
+    agent process, as root: the steps are taken in a child process, and the agent's own
+    ``/proc`` must be as it was)."""
     if os.geteuid() != 0:
         return "the agent is not root"
     release = os.uname().release
@@ -91,14 +162,15 @@ def problem() -> str | None:
         return f"Linux {release} shares procfs options between mounts (5.8 or later keeps them apart)"
     before = this_host_hides_pids()
     pkg_root = str(Path(__file__).resolve().parent.parent)
-    try:
-        r = subprocess.run(
-            [sys.executable, "-m", "worker_agent.rank_mounts"],
-            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": pkg_root},
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"cannot run the probe: {e}"
+    with tempfile.TemporaryDirectory(prefix="gpufleet-mounts-probe-") as base:
+        try:
+            r = subprocess.run(
+                [sys.executable, "-m", "worker_agent.rank_mounts", os.path.realpath(base)],
+                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": pkg_root},
+                capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"cannot run the probe: {e}"
     if r.returncode != 0:
         return (r.stderr.strip() or f"the probe exited {r.returncode}").splitlines()[-1]
     if this_host_hides_pids() != before:
@@ -106,19 +178,30 @@ def problem() -> str | None:
     return None
 
 
-def _probe() -> int:
-    """Take the steps in this process, then check that its /proc is the new one."""
-
+def _probe(base: str) -> int:
+    """Take the steps in this process (``base/own`` as its tmp dir, ``base/kept`` bound back
+    in), then check that its /proc and /tmp are the new ones and the kept dir is reachable."""
+    own, kept = os.path.join(base, "own"), os.path.join(base, "kept")
+    os.mkdir(own, 0o700)
+    os.mkdir(kept, 0o700)
+    Path(kept, "marker").touch()
     try:
-        RankMounts().enter()
+        RankMounts().enter(tmp=own, keep=[kept], cwd=kept)
     except OSError as e:
         sys.stderr.write(f"{e.strerror}\n")
         return 1
     if this_host_hides_pids() is not True:
         sys.stderr.write("the new /proc does not hide other users' processes\n")
         return 1
+    if not os.path.exists(os.path.join(kept, "marker")) or os.getcwd() != kept:
+        sys.stderr.write(f"{kept}, under /tmp, is not reachable through the rank's own /tmp\n")
+        return 1
+    top = under(base, "/tmp")
+    if top is not None and os.listdir("/tmp") != [top.split("/")[0]]:
+        sys.stderr.write("the rank's own /tmp shows the host's\n")
+        return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_probe())
+    sys.exit(_probe(sys.argv[1]))

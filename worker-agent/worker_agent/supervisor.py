@@ -19,7 +19,8 @@ fork + its own session), so the agent can die or restart without touching it:
   it drops to its user;
 * with ``spec.private_proc``: the rank makes its own mount namespace (worker_agent.rank_mounts)
   before it drops to its user: a ``/proc`` showing only its own user's processes, and
-  ``spec.masked_gpus`` (the GPU nodes beside its own, where no cgroup denies them) masked;
+  ``spec.masked_gpus`` (the GPU nodes beside its own, where no cgroup denies them) masked,
+  and with ``spec.private_tmp`` its own dir bound over ``/tmp`` and ``/var/tmp``;
 * with ``spec.disk``: every ``check_s`` measures the rank's work dir, and ends a rank past
   its disk share (SIGTERM, SIGKILL after ``fence_grace_s``), saying so in its stderr;
 * when the rank exits: SIGKILL to what is left of its group (and of its cgroups: a process
@@ -333,7 +334,11 @@ def _own_mounts(spec: dict) -> Callable[[], None] | None:
     if not spec.get("private_proc"):
         return None
     mounts = RankMounts()
-    return lambda: mounts.enter(spec.get("mask_file"), list(spec.get("masked_gpus") or ()))
+    tmp = spec.get("private_tmp") or {}
+    return lambda: mounts.enter(
+        spec.get("mask_file"), list(spec.get("masked_gpus") or ()), tmp.get("dir"), list(tmp.get("keep") or ()),
+        spec.get("cwd"),
+    )  # fmt: skip
 
 
 def _as_user(user: list[int] | None, cgroup: RankCgroup | None, own_mounts: Callable[[], None] | None = None) -> dict:
