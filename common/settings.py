@@ -432,6 +432,12 @@ class Settings(BaseSettings):
         " there counts against its disk share and no other job sees it or plants a file there; paths it needs"
         " under them (its work dir, checkpoint dir, the GPU device dir) stay reachable at the same paths",
     )
+    agent_rank_private_shm: bool = Field(
+        True,
+        description="in that namespace, a rank's /dev/shm is its job's own dir on the host's (shared by the job's"
+        " ranks on the node, as NCCL needs), so no other job lists or opens its segments; the agent deletes it"
+        " once the job's last rank on the node has ended, giving back the shared memory a killed rank leaves",
+    )
     agent_rank_cgroups: bool = Field(
         False,
         description="under the process runtime, put each rank in its own cgroups with its share's limits and kill"

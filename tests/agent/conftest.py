@@ -7,6 +7,7 @@ kill 3 s (15 min in production), fence grace 1 s.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import textwrap
@@ -99,6 +100,7 @@ async def close_node(n) -> None:
         sup = sf.read_json(st.dir / sf.SUPERVISOR) or {}
         if sup.get("supervisor_pid") and sf.process_alive(sup["supervisor_pid"], sup.get("supervisor_start")):
             os.kill(sup["supervisor_pid"], signal.SIGKILL)
+    shutil.rmtree(n.shm_dir, ignore_errors=True)  # its jobs' /dev/shm dirs (a root agent's)
 
 
 class Control:

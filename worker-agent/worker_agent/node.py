@@ -41,6 +41,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import re
 import shutil
 import signal
 import stat
@@ -79,6 +80,7 @@ log = logging.getLogger("gpufleet.agent")
 AGENT_VERSION = "0.1.0"
 FINISHED_RETENTION_S = 3 * 24 * 3600.0  # finished, reported lease dirs (and their logs) are kept this long
 IMAGES_REFRESH_S = 60.0
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # a job id that may name a dir as it is
 TERMINAL = {TaskState.EXITED, TaskState.STOPPED, TaskState.FENCED, TaskState.LOST}
 
 
@@ -163,6 +165,9 @@ class NodeAgent:
         self.private_proc = False  # ranks start with their own /proc (decided at start)
         self.gpu_mask = False  # ... and there the GPU nodes beside theirs masked (decided at start)
         self.private_tmp = False  # ... and their own /tmp and /var/tmp (decided at start)
+        self.private_shm = False  # ... and their job's own /dev/shm (decided at start)
+        self.shm_dir = Path(rank_mounts.SHM_DIR) / "gpufleet" / node_id  # the jobs' /dev/shm dirs
+        self._recovered = False  # every lease of the state dir is known (before it, none is "the last")
         self.poll_s = float(settings.agent_poll_s)
         self.leases: dict[str, Lease] = {}
         self.outbox: dict[int, pb.TaskStatus] = {}  # seq -> status, until acknowledged
@@ -228,6 +233,9 @@ class NodeAgent:
         # minor could be the rank's own, so then nothing is masked
         self.gpu_mask = self.private_proc and not self.gpu_fence and self._gpu_minors_known()
         self.private_tmp = self.private_proc and bool(self.settings.agent_rank_private_tmp)
+        self.private_shm = (
+            self.private_proc and bool(self.settings.agent_rank_private_shm) and os.path.isdir(rank_mounts.SHM_DIR)
+        )
         self.recover()
         self._watch_task = asyncio.create_task(self._watch(), name=f"agent-watch-{self.node_id}")
 
@@ -276,6 +284,36 @@ class NodeAgent:
         os.chmod(tmp, 0o700)
         needed = [str(work), local_path(req.checkpoint_dir), str(self.settings.agent_gpu_device_dir)]
         return {"dir": str(tmp), "keep": sorted({os.path.realpath(p) for p in needed if p})}
+
+    def _job_shm(self, req: StartTask, user: tuple[int, int] | None) -> str | None:
+        """The job's own /dev/shm dir on this node (its user's, 0700), made by its first rank
+        here and shared by the rest, or None. The dirs above it may be passed through only."""
+        if not self.private_shm or user is None:
+            return None
+        if not SAFE_NAME.fullmatch(req.job_id):
+            raise RankAccessError(f"job id {req.job_id!r} cannot name a dir")
+        for above in (self.shm_dir.parent, self.shm_dir):
+            above.mkdir(mode=0o711, exist_ok=True)
+            os.chmod(above, 0o711)
+        job = self.shm_dir / req.job_id
+        try:
+            job.mkdir(mode=0o700)
+            os.chown(job, *user)
+        except FileExistsError:
+            st = job.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != user[0]:
+                raise RankAccessError(f"{job} exists and is not a dir of the rank's user") from None
+        return str(job)
+
+    def _release_shm(self, keep_jobs: set[str] | None = None) -> None:
+        """Delete the /dev/shm dir of every job with no live rank on this node (what a killed
+        rank never unlinked goes with it); ``keep_jobs`` are kept too."""
+        if not self.private_shm or not self._recovered or not self.shm_dir.is_dir():
+            return
+        live = {st.task.job_id for st in self.leases.values() if st.live} | (keep_jobs or set())
+        for d in self.shm_dir.iterdir():
+            if d.name not in live:
+                shutil.rmtree(d, ignore_errors=True)
 
     def _denied_gpu_devices(self, gpu_indices: list[int]) -> list[tuple[int, int]]:
         """The device numbers of the node's GPU nodes other than these GPUs'."""
@@ -351,6 +389,8 @@ class NodeAgent:
                 self._emit(st, TaskState.STARTED)
             self._check(st)
         self._update_busy()
+        self._recovered = True
+        self._release_shm()  # of jobs whose ranks here ended while no agent watched
 
     def _adopt_fields(self, st: Lease, sup: dict) -> None:
         st.pid = sup.get("rank_pid")
@@ -473,6 +513,7 @@ class NodeAgent:
             try:
                 work = self._work_dir(req, user)
                 private_tmp = self._private_tmp(work, req, user)
+                shm = self._job_shm(req, user)
             except (OSError, RankAccessError) as e:
                 return refuse(f"cannot prepare the rank's dirs: {e}")
             progress_file = str(work / "progress.json")
@@ -522,6 +563,7 @@ class NodeAgent:
                     "masked_gpus": masked,
                     "mask_file": str(d / "masked") if masked else None,
                     "private_tmp": private_tmp,
+                    "shm": shm,
                     "disk": (
                         {"limit_bytes": limits.disk_bytes, "check_s": float(self.settings.agent_rank_disk_check_s)}
                         if limits is not None and limits.disk_bytes
@@ -1022,6 +1064,8 @@ class NodeAgent:
     def _finish(self, st: Lease, rec: dict, emit: bool = True) -> None:
         was_live = st.live
         st.live = False
+        if was_live:
+            self._release_shm()
         st.exit = rec
         if rec.get("checkpoint_uri"):
             st.checkpoint_uri = rec["checkpoint_uri"]
@@ -1047,6 +1091,7 @@ class NodeAgent:
         self.backend.set_ranks(ranks)
 
     def _gc(self) -> None:
+        self._release_shm()  # also what a restarted agent finds of jobs that ended meanwhile
         cutoff = time.time() - FINISHED_RETENTION_S
         for lid, st in list(self.leases.items()):
             if st.live or not st.reported or not st.exit:

@@ -27,6 +27,13 @@ loads from without asking ``TMPDIR``. Paths the rank needs that lie under them (
 its checkpoint dir, the GPU device dir, as on a test host) are bound back in at the same
 paths; the rest of the host's ``/tmp`` is out of its sight.
 
+With ``agent_rank_private_shm`` (on) the rank's ``/dev/shm`` (POSIX shared memory and
+semaphores: NCCL's, PyTorch's, multiprocessing's) is its job's own dir on the host's,
+``/dev/shm/gpufleet/<node>/<job>``, shared by the job's ranks on the node (NCCL joins ranks of
+one job there) and by no other job. The agent deletes it once the job's last rank on the node
+has ended: segments a killed rank never unlinked would otherwise hold the host's memory until
+it reboots.
+
 Since Linux 5.8 every procfs mount is an instance with its own options; before it the
 options belonged to the one instance of the pid namespace, so mounting with ``hidepid``
 here would change the host's ``/proc`` too. ``problem`` refuses such kernels, and checks
@@ -52,6 +59,7 @@ MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x2, 0x4, 0x8
 MS_BIND, MS_REC, MS_SLAVE = 0x1000, 0x4000, 1 << 19
 MIN_KERNEL = (5, 8)  # per-mount procfs options
 TMP_DIRS = ("/tmp", "/var/tmp")  # what a rank's own tmp dir is bound over
+SHM_DIR = "/dev/shm"  # the host's POSIX shared memory, where its job's own dir is bound over
 
 
 def kernel_release_ok(release: str) -> bool:
@@ -81,11 +89,13 @@ class RankMounts:
         tmp: str | None = None,
         keep: list[str] | None = None,
         cwd: str | None = None,
+        shm: str | None = None,
     ) -> None:
         """In the rank's process, as root, before it drops to its user: its own namespace and
-        /proc, ``mask_file`` bound over each of ``masked``, ``tmp`` bound over /tmp and
-        /var/tmp with each of ``keep`` under them bound back in, then into ``cwd`` again
-        (Popen entered it before these mounts, by a path they may have hidden)."""
+        /proc, ``mask_file`` bound over each of ``masked``, ``shm`` over /dev/shm, ``tmp``
+        bound over /tmp and /var/tmp with each of ``keep`` under them bound back in, then
+        into ``cwd`` again (Popen entered it before these mounts, by a path they may have
+        hidden)."""
         self._check(self._unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
         self._check(self._mount(None, b"/", None, MS_REC | MS_SLAVE, None), "mount --make-rslave /")
         self._check(
@@ -96,6 +106,11 @@ class RankMounts:
             self._check(
                 self._mount(os.fsencode(mask_file or "/dev/null"), os.fsencode(path), None, MS_BIND, None),
                 f"mount --bind {mask_file} {path}",
+            )
+        if shm is not None:
+            self._check(
+                self._mount(os.fsencode(shm), os.fsencode(SHM_DIR), None, MS_BIND, None),
+                f"mount --bind {shm} {SHM_DIR}",
             )
         if tmp is not None:
             # held open: once /tmp is covered, a path under it no longer leads to the dir

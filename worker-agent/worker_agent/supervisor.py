@@ -18,9 +18,10 @@ fork + its own session), so the agent can die or restart without touching it:
   rank's cgroups with its share's limits before it starts, and the rank joins them before
   it drops to its user;
 * with ``spec.private_proc``: the rank makes its own mount namespace (worker_agent.rank_mounts)
-  before it drops to its user: a ``/proc`` showing only its own user's processes, and
-  ``spec.masked_gpus`` (the GPU nodes beside its own, where no cgroup denies them) masked,
-  and with ``spec.private_tmp`` its own dir bound over ``/tmp`` and ``/var/tmp``;
+  before it drops to its user: a ``/proc`` showing only its own user's processes;
+  ``spec.masked_gpus`` (the GPU nodes beside its own, where no cgroup denies them) masked;
+  with ``spec.private_tmp`` its own dir bound over ``/tmp`` and ``/var/tmp``; with
+  ``spec.shm`` its job's dir bound over ``/dev/shm``;
 * with ``spec.disk``: every ``check_s`` measures the rank's work dir, and ends a rank past
   its disk share (SIGTERM, SIGKILL after ``fence_grace_s``), saying so in its stderr;
 * when the rank exits: SIGKILL to what is left of its group (and of its cgroups: a process
@@ -337,7 +338,7 @@ def _own_mounts(spec: dict) -> Callable[[], None] | None:
     tmp = spec.get("private_tmp") or {}
     return lambda: mounts.enter(
         spec.get("mask_file"), list(spec.get("masked_gpus") or ()), tmp.get("dir"), list(tmp.get("keep") or ()),
-        spec.get("cwd"),
+        spec.get("cwd"), spec.get("shm"),
     )  # fmt: skip
 
 
