@@ -467,6 +467,13 @@ class Settings(BaseSettings):
         description="more host:port that ranks may not connect to (Postgres, Temporal's UI, metrics), beside"
         " Temporal's and control's",
     )
+    agent_rank_firewall_refresh_s: float = Field(
+        60.0,
+        gt=0,
+        description="how often the agent resolves those addresses again and closes any new one to ranks: a name"
+        " that moved to another address, or could not be resolved at start (an address once closed stays closed"
+        " while the agent runs)",
+    )
     agent_rank_firewall_table: str = Field(
         "gpufleet_ranks", pattern=r"^[a-z][a-z0-9_]{0,30}$", description="the nftables table (inet) of those rules"
     )

@@ -19,7 +19,7 @@ import threading
 import pytest
 
 from common.settings import Settings
-from tests.agent.conftest import make_settings
+from tests.agent.conftest import make_settings, wait_for
 from tests.security.conftest import run_sh_rank
 from worker_agent import rank_firewall
 from worker_agent import statefiles as sf
@@ -164,6 +164,54 @@ async def test_an_address_that_does_not_resolve_is_named_and_the_others_are_stil
             settings.model_copy(update={"agent_rank_firewall": "required"}), ["node-z2"], backend="simulated",
             temporal=False, control_addresses=[f"127.0.0.1:{control.port}"],
         ).start()  # fmt: skip
+
+
+@pytest.mark.skipif(bool(_firewall_here()), reason=_firewall_here() or "-")
+async def test_a_name_that_resolves_only_after_the_start_is_closed_to_ranks_then(
+    tmp_path, work_root, listeners, monkeypatch, caplog
+):
+    """DNS was down when the agent started (or a name behind a load balancer moved): the
+    address is closed to ranks once it resolves, and what was closed before stays closed."""
+    caplog.set_level(logging.INFO, "gpufleet.agent")
+    control, database = listeners[0], listeners[1]
+    resolves = threading.Event()
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kw):
+        if host == "db.moving.test":
+            if not resolves.is_set():
+                raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+            host = "127.0.0.1"
+        return real(host, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    table = f"gpufleet_test_{os.getpid()}_r"
+    settings = make_settings(
+        tmp_path, agent_rank_isolation=True, agent_work_dir=work_root, agent_rank_firewall_table=table,
+        agent_rank_blocked_addresses=[f"db.moving.test:{database.port}"], agent_rank_firewall_refresh_s=0.1,
+    )  # fmt: skip
+    agent = AgentProcess(
+        settings, ["node-r"], backend="simulated", temporal=False, control_addresses=[f"127.0.0.1:{control.port}"]
+    )
+    probe = "".join(
+        f'echo "== {name}"; bash -c "exec 3<>/dev/tcp/127.0.0.1/{lst.port} && echo connected" 2>&1\n'
+        for name, lst in (("control", control), ("database", database))
+    )
+    await agent.start()
+    try:
+        assert "cannot resolve listed address 'db.moving.test" in caplog.text
+        before = (await run_sh_rank(agent.nodes["node-r"], "lease-before", probe)).dir / sf.STDOUT
+        assert "Connection refused" in before.read_text().split("== database")[0], before.read_text()
+        assert "connected" in before.read_text().split("== database")[1]  # the hole, while it does not resolve
+        resolves.set()
+        await wait_for(lambda: "may no longer connect to 127.0.0.1:" in caplog.text, timeout=20, what="a renewal")
+        after = (await run_sh_rank(agent.nodes["node-r"], "lease-after", probe)).dir / sf.STDOUT
+        control_out, database_out = after.read_text().split("== database")
+        assert "Connection refused" in control_out and "Connection refused" in database_out, after.read_text()
+    finally:
+        await agent.stop()
+    listed = await asyncio.to_thread(take_table, table)
+    assert f"dport {control.port}" in listed.stdout and f"dport {database.port}" in listed.stdout, listed
 
 
 async def test_an_agent_that_must_keep_ranks_off_and_cannot_refuses_to_start(tmp_path, work_root, monkeypatch, caplog):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import subprocess
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from common.temporal import connect, make_worker
 from worker_agent import proc_visibility, rank_firewall, rank_mounts, rank_users
@@ -86,6 +86,10 @@ class AgentProcess:
         self._tasks: list[asyncio.Task] = []
         self._workers: list = []
         self._stopping = False  # stop() has begun: workers ending is expected, not an outage
+        # the ranks' firewall, once in: what it was asked to close, and what it closes now
+        self._firewall_addresses: list[tuple[str, str]] = []
+        self._firewall_endpoints: set[rank_firewall.Endpoint] = set()
+        self._firewall_problems: set[str] = set()
 
     async def start(self) -> None:
         s = self.settings
@@ -114,6 +118,8 @@ class AgentProcess:
             self._tasks.append(asyncio.create_task(_after(delay, link.run), name=f"link-{node_id}"))
         if self.temporal:
             self._tasks.append(asyncio.create_task(self._temporal_loop(), name="agent-temporal"))
+        if self._firewall_addresses:
+            self._tasks.append(asyncio.create_task(self._refresh_rank_firewall(), name="agent-rank-firewall"))
         log.info(
             "agent up: %d node(s) %s, NVML backend %s, runtime %s, queue mode %s, logs at %s",
             len(self.nodes), ",".join(self.node_ids[:4]) + ("..." if len(self.node_ids) > 4 else ""),
@@ -123,7 +129,8 @@ class AgentProcess:
     def _keep_ranks_off_the_control_plane(self) -> None:
         """Reject TCP connections from the ranks' users to Temporal, control and the listed
         addresses (worker_agent.rank_firewall); where that cannot be done, say so, or, with
-        ``agent_rank_firewall=required``, refuse to start."""
+        ``agent_rank_firewall=required``, refuse to start. Once the rules are in, they are
+        kept current (``_refresh_rank_firewall``)."""
         s = self.settings
         if s.agent_rank_firewall == "off" or not rank_users.ranks_isolated(s):
             return  # ranks run as the agent's own user: no uid to match (the agent says so)
@@ -138,13 +145,10 @@ class AgentProcess:
         if problems and required:
             raise RuntimeError(f"agent_rank_firewall is required but ranks cannot be kept off: {'; '.join(problems)}")
         for problem in problems:  # the rest are still closed
-            log.warning("ranks can connect to what this names: %s", problem)
+            log.warning("ranks can connect to what this names: %s (tried again every %gs)", problem,
+                        s.agent_rank_firewall_refresh_s)  # fmt: skip
         try:
-            base = int(s.agent_rank_id_base) or None
-            uids = {uid for uid, _ in rank_users.rank_users(s)}
-            rank_firewall.apply(
-                rank_firewall.ruleset(s.agent_rank_firewall_table, rank_firewall.uid_set(uids, base), endpoints)
-            )
+            self._apply_rank_firewall(endpoints)
         except (rank_firewall.FirewallError, OSError, subprocess.SubprocessError) as e:
             if required:
                 raise RuntimeError(f"agent_rank_firewall is required but ranks cannot be kept off: {e}") from e
@@ -157,6 +161,41 @@ class AgentProcess:
             "ranks may not connect to %s (nftables table inet %s)",
             ", ".join(f"{e.ip}:{e.port}" for e in endpoints), s.agent_rank_firewall_table,
         )  # fmt: skip
+        self._firewall_addresses = addresses
+        self._firewall_endpoints = set(endpoints)
+        self._firewall_problems = set(problems)
+
+    def _apply_rank_firewall(self, endpoints: Iterable[rank_firewall.Endpoint]) -> None:
+        s = self.settings
+        base = int(s.agent_rank_id_base) or None
+        uids = {uid for uid, _ in rank_users.rank_users(s)}
+        rank_firewall.apply(
+            rank_firewall.ruleset(s.agent_rank_firewall_table, rank_firewall.uid_set(uids, base), sorted(endpoints))
+        )
+
+    async def _refresh_rank_firewall(self) -> None:
+        """Resolve the addresses again now and then and close any new one: a name behind a load
+        balancer moves, and one that did not resolve at start (DNS down) would stay open for
+        the agent's life. The rules only grow: an address a name left may come back."""
+        s = self.settings
+        while True:
+            await asyncio.sleep(float(s.agent_rank_firewall_refresh_s))
+            try:
+                endpoints, problems = await asyncio.to_thread(rank_firewall.resolve, self._firewall_addresses)
+                for problem in sorted(set(problems) - self._firewall_problems):
+                    log.warning("ranks can connect to what this names: %s", problem)
+                self._firewall_problems = set(problems)
+                new = set(endpoints) - self._firewall_endpoints
+                if not new:
+                    continue
+                await asyncio.to_thread(self._apply_rank_firewall, self._firewall_endpoints | new)
+                self._firewall_endpoints |= new
+                log.info(
+                    "ranks may no longer connect to %s either (resolved again; nftables table inet %s)",
+                    ", ".join(f"{e.ip}:{e.port}" for e in sorted(new)), s.agent_rank_firewall_table,
+                )  # fmt: skip
+            except Exception as e:  # the loop outlives any one failure; the rules in place stay
+                log.warning("cannot renew the ranks' rules (the last ones stand): %s", e)
 
     def _say_whether_ranks_see_other_processes(self) -> None:
         """Under the process runtime a rank reads every process's command line unless its
