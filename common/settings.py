@@ -438,6 +438,13 @@ class Settings(BaseSettings):
         " ranks on the node, as NCCL needs), so no other job lists or opens its segments; the agent deletes it"
         " once the job's last rank on the node has ended, giving back the shared memory a killed rank leaves",
     )
+    agent_rank_private_ipc: bool = Field(
+        True,
+        description="in that namespace, a rank's System V IPC (shared memory, semaphores, message queues) is its"
+        " job's own namespace on the node, shared by the job's ranks there, so no other job lists or opens its"
+        " objects; the agent lets it go once the job's last rank on the node has ended, and every object in it"
+        " with it",
+    )
     agent_rank_cgroups: bool = Field(
         False,
         description="under the process runtime, put each rank in its own cgroups with its share's limits and kill"

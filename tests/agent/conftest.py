@@ -18,6 +18,7 @@ import pytest
 from common.contracts import StartTask, TaskStatus
 from common.settings import Settings
 from tests.support import eventually
+from worker_agent import rank_ipc
 from worker_agent import statefiles as sf
 
 PY = sys.executable
@@ -101,6 +102,8 @@ async def close_node(n) -> None:
         if sup.get("supervisor_pid") and sf.process_alive(sup["supervisor_pid"], sup.get("supervisor_start")):
             os.kill(sup["supervisor_pid"], signal.SIGKILL)
     shutil.rmtree(n.shm_dir, ignore_errors=True)  # its jobs' /dev/shm dirs (a root agent's)
+    for pinned in n.ipc_dir.glob("*") if n.ipc_dir.is_dir() else ():  # its jobs' IPC namespaces
+        rank_ipc.remove(str(n.ipc_dir / pinned.name.removesuffix(".lock")))
 
 
 class Control:

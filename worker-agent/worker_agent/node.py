@@ -67,7 +67,7 @@ from common.contracts import (
 )
 from proto import agent_pb2 as pb
 from proto.convert import HEALTH_TO_PB, task_status_to_pb
-from worker_agent import exit_cause, gpu_devices, rank_cgroup, rank_mounts, rank_users
+from worker_agent import exit_cause, gpu_devices, rank_cgroup, rank_ipc, rank_mounts, rank_users
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within, local_path
 from worker_agent.nvml import GpuBackend, GpuSample
@@ -167,7 +167,9 @@ class NodeAgent:
         self.private_tmp = False  # ... and their own /tmp and /var/tmp (decided at start)
         self.private_shm = False  # ... and their job's own /dev/shm (decided at start)
         self.shm_dir = Path(rank_mounts.SHM_DIR) / "gpufleet" / node_id  # the jobs' /dev/shm dirs
+        self.ipc_dir = self.dir / "ipc"  # where the jobs' IPC namespaces are pinned (the agent's, 0700)
         self._recovered = False  # every lease of the state dir is known (before it, none is "the last")
+        self.private_ipc = False  # ... and their job's own SysV IPC namespace (decided at start)
         self.poll_s = float(settings.agent_poll_s)
         self.leases: dict[str, Lease] = {}
         self.outbox: dict[int, pb.TaskStatus] = {}  # seq -> status, until acknowledged
@@ -236,6 +238,7 @@ class NodeAgent:
         self.private_shm = (
             self.private_proc and bool(self.settings.agent_rank_private_shm) and os.path.isdir(rank_mounts.SHM_DIR)
         )
+        self.private_ipc = self.private_proc and bool(self.settings.agent_rank_private_ipc)
         self.recover()
         self._watch_task = asyncio.create_task(self._watch(), name=f"agent-watch-{self.node_id}")
 
@@ -305,15 +308,33 @@ class NodeAgent:
                 raise RankAccessError(f"{job} exists and is not a dir of the rank's user") from None
         return str(job)
 
-    def _release_shm(self, keep_jobs: set[str] | None = None) -> None:
-        """Delete the /dev/shm dir of every job with no live rank on this node (what a killed
-        rank never unlinked goes with it); ``keep_jobs`` are kept too."""
-        if not self.private_shm or not self._recovered or not self.shm_dir.is_dir():
+    def _job_ipc(self, req: StartTask, user: tuple[int, int] | None) -> str | None:
+        """Where the job's SysV IPC namespace on this node is pinned (worker_agent.rank_ipc: its
+        first rank's supervisor makes it), or None."""
+        if not self.private_ipc or user is None:
+            return None
+        if not SAFE_NAME.fullmatch(req.job_id):
+            raise RankAccessError(f"job id {req.job_id!r} cannot name a file")
+        return str(self.ipc_dir / req.job_id)
+
+    def _release_job_spaces(self) -> None:
+        """Delete the /dev/shm dir and unpin the IPC namespace of every job with no live rank
+        on this node: what a killed rank never unlinked or removed goes with them."""
+        if not self._recovered:
             return
-        live = {st.task.job_id for st in self.leases.values() if st.live} | (keep_jobs or set())
-        for d in self.shm_dir.iterdir():
-            if d.name not in live:
-                shutil.rmtree(d, ignore_errors=True)
+        live = {st.task.job_id for st in self.leases.values() if st.live}
+        if self.private_shm and self.shm_dir.is_dir():
+            for d in self.shm_dir.iterdir():
+                if d.name not in live:
+                    shutil.rmtree(d, ignore_errors=True)
+        if self.ipc_dir.is_dir():  # also after the setting was turned off
+            for f in self.ipc_dir.iterdir():
+                job = f.name.removesuffix(".lock")
+                if job not in live:
+                    try:
+                        rank_ipc.remove(str(self.ipc_dir / job))
+                    except OSError as e:
+                        log.warning("%s: cannot let job %s's IPC namespace go: %s", self.node_id, job, e)
 
     def _denied_gpu_devices(self, gpu_indices: list[int]) -> list[tuple[int, int]]:
         """The device numbers of the node's GPU nodes other than these GPUs'."""
@@ -390,7 +411,7 @@ class NodeAgent:
             self._check(st)
         self._update_busy()
         self._recovered = True
-        self._release_shm()  # of jobs whose ranks here ended while no agent watched
+        self._release_job_spaces()  # of jobs whose ranks here ended while no agent watched
 
     def _adopt_fields(self, st: Lease, sup: dict) -> None:
         st.pid = sup.get("rank_pid")
@@ -514,6 +535,7 @@ class NodeAgent:
                 work = self._work_dir(req, user)
                 private_tmp = self._private_tmp(work, req, user)
                 shm = self._job_shm(req, user)
+                ipc = self._job_ipc(req, user)
             except (OSError, RankAccessError) as e:
                 return refuse(f"cannot prepare the rank's dirs: {e}")
             progress_file = str(work / "progress.json")
@@ -564,6 +586,7 @@ class NodeAgent:
                     "mask_file": str(d / "masked") if masked else None,
                     "private_tmp": private_tmp,
                     "shm": shm,
+                    "ipc": ipc,
                     "disk": (
                         {"limit_bytes": limits.disk_bytes, "check_s": float(self.settings.agent_rank_disk_check_s)}
                         if limits is not None and limits.disk_bytes
@@ -1065,7 +1088,7 @@ class NodeAgent:
         was_live = st.live
         st.live = False
         if was_live:
-            self._release_shm()
+            self._release_job_spaces()
         st.exit = rec
         if rec.get("checkpoint_uri"):
             st.checkpoint_uri = rec["checkpoint_uri"]
@@ -1091,7 +1114,7 @@ class NodeAgent:
         self.backend.set_ranks(ranks)
 
     def _gc(self) -> None:
-        self._release_shm()  # also what a restarted agent finds of jobs that ended meanwhile
+        self._release_job_spaces()  # also what a restarted agent finds of jobs that ended meanwhile
         cutoff = time.time() - FINISHED_RETENTION_S
         for lid, st in list(self.leases.items()):
             if st.live or not st.reported or not st.exit:

@@ -21,7 +21,9 @@ fork + its own session), so the agent can die or restart without touching it:
   before it drops to its user: a ``/proc`` showing only its own user's processes;
   ``spec.masked_gpus`` (the GPU nodes beside its own, where no cgroup denies them) masked;
   with ``spec.private_tmp`` its own dir bound over ``/tmp`` and ``/var/tmp``; with
-  ``spec.shm`` its job's dir bound over ``/dev/shm``;
+  ``spec.shm`` its job's dir bound over ``/dev/shm``; with ``spec.ipc`` it joins its job's
+  SysV IPC namespace on the node, made and pinned there by the job's first rank
+  (worker_agent.rank_ipc);
 * with ``spec.disk``: every ``check_s`` measures the rank's work dir, and ends a rank past
   its disk share (SIGTERM, SIGKILL after ``fence_grace_s``), saying so in its stderr;
 * when the rank exits: SIGKILL to what is left of its group (and of its cgroups: a process
@@ -52,6 +54,7 @@ from worker_agent import rank_disk, rank_logs
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within
 from worker_agent.rank_cgroup import RankCgroup
+from worker_agent.rank_ipc import Claim, JobIpc
 from worker_agent.rank_mounts import RankMounts
 
 DRAIN_S = 1.0  # after the rank's group is gone: how long to read what a stray process still writes
@@ -147,22 +150,32 @@ def supervise(lease_dir: Path, adopt: bool = False) -> int:
         relay = rank_logs.Relay(lease_dir, log_max, log_keep)
         user = spec.get("user")  # [uid, gid]: the rank runs as that user, files private to it
         cgroup = None
+        ipc: Claim | None = None
+        started: subprocess.Popen[bytes] | None = None
         try:
             if spec.get("cgroup"):
                 cgroup = _make_cgroup(spec["cgroup"])
                 me["cgroup"] = cgroup.as_json()  # an adopting supervisor cleans it up
                 sf.write_json_atomic(lease_dir / sf.SUPERVISOR, me)
-            proc = subprocess.Popen(
-                spec["argv"],
-                env=spec["env"],
-                cwd=spec.get("cwd") or str(lease_dir / sf.RANK_DIR),
-                stdin=subprocess.DEVNULL,
-                stdout=ends["stdout"],
-                stderr=ends["stderr"],
-                start_new_session=True,
-                close_fds=True,
-                **_as_user(user, cgroup, _own_mounts(spec)),
-            )
+            if spec.get("ipc"):  # the job's own SysV IPC namespace on this node
+                ipc = JobIpc(spec["ipc"]).claim()
+            try:
+                started = subprocess.Popen(
+                    spec["argv"],
+                    env=spec["env"],
+                    cwd=spec.get("cwd") or str(lease_dir / sf.RANK_DIR),
+                    stdin=subprocess.DEVNULL,
+                    stdout=ends["stdout"],
+                    stderr=ends["stderr"],
+                    start_new_session=True,
+                    close_fds=True,
+                    **_as_user(user, cgroup, _own_mounts(spec), ipc.enter if ipc else None),
+                )
+            finally:
+                why = ipc.pin(started.pid if started is not None else None) if ipc is not None else None
+                if why:  # the rank runs on; the job's next rank here makes a namespace of its own
+                    _log(f"the job's IPC namespace is not kept for its other ranks: {why}")
+            proc = started
         except (OSError, subprocess.SubprocessError) as e:
             for fd in ends.values():
                 os.close(fd)
@@ -342,12 +355,17 @@ def _own_mounts(spec: dict) -> Callable[[], None] | None:
     )  # fmt: skip
 
 
-def _as_user(user: list[int] | None, cgroup: RankCgroup | None, own_mounts: Callable[[], None] | None = None) -> dict:
+def _as_user(
+    user: list[int] | None,
+    cgroup: RankCgroup | None,
+    own_mounts: Callable[[], None] | None = None,
+    own_ipc: Callable[[], None] | None = None,
+) -> dict:
     """Popen's arguments that start the rank as ``user`` (private files) inside ``cgroup``,
-    in its own mount namespace if asked. The child joins the cgroup and makes its mounts
-    first, while it is still root, then drops to the user itself: Popen's own ``user=`` would
-    switch before any hook could run."""
-    if cgroup is None and own_mounts is None:
+    in its job's IPC namespace and its own mount namespace if asked. The child joins the
+    cgroup and the namespaces first, while it is still root, then drops to the user itself:
+    Popen's own ``user=`` would switch before any hook could run."""
+    if cgroup is None and own_mounts is None and own_ipc is None:
         return {
             "user": user[0] if user else None,
             "group": user[1] if user else None,
@@ -358,6 +376,8 @@ def _as_user(user: list[int] | None, cgroup: RankCgroup | None, own_mounts: Call
     def join_then_drop() -> None:
         if cgroup is not None:
             cgroup.enter()
+        if own_ipc is not None:  # first: its pinned file may lie where the mounts hide
+            own_ipc()
         if own_mounts is not None:
             own_mounts()
         if user:
