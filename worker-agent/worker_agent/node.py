@@ -48,6 +48,7 @@ import stat
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -166,7 +167,10 @@ class NodeAgent:
         self.gpu_mask = False  # ... and there the GPU nodes beside theirs masked (decided at start)
         self.private_tmp = False  # ... and their own /tmp and /var/tmp (decided at start)
         self.private_shm = False  # ... and their job's own /dev/shm (decided at start)
-        self.shm_dir = Path(rank_mounts.SHM_DIR) / "gpufleet" / node_id  # the jobs' /dev/shm dirs
+        # the jobs' /dev/shm dirs, named by the state dir too: two stacks on one host (the tests
+        # beside a developer's `make up`) never sweep each other's
+        stack = zlib.crc32(os.path.realpath(self.dir).encode())
+        self.shm_dir = Path(rank_mounts.SHM_DIR) / "gpufleet" / f"{node_id}.{stack:08x}"
         self.ipc_dir = self.dir / "ipc"  # where the jobs' IPC namespaces are pinned (the agent's, 0700)
         self._recovered = False  # every lease of the state dir is known (before it, none is "the last")
         self.private_ipc = False  # ... and their job's own SysV IPC namespace (decided at start)
@@ -323,7 +327,7 @@ class NodeAgent:
         if not self._recovered:
             return
         live = {st.task.job_id for st in self.leases.values() if st.live}
-        if self.private_shm and self.shm_dir.is_dir():
+        if self.shm_dir.is_dir():  # also after the setting was turned off
             for d in self.shm_dir.iterdir():
                 if d.name not in live:
                     shutil.rmtree(d, ignore_errors=True)
