@@ -206,7 +206,14 @@ class AgentProcess:
             return
         why = rank_mounts.problem() if s.agent_rank_private_proc else "agent_rank_private_proc is off"
         if why is None:
-            log.info("ranks see only their own processes: each mounts its own /proc (hidepid=2)")
+            own = [
+                what for on, what in (
+                    (s.agent_rank_private_tmp, "its own /tmp"), (s.agent_rank_private_shm, "its job's /dev/shm"),
+                    (s.agent_rank_private_ipc, "its job's SysV IPC"),
+                ) if on
+            ]  # fmt: skip
+            log.info("ranks see only their own processes: each mounts its own /proc (hidepid=2)%s",
+                     f", and has {', '.join(own)}" if own else "")  # fmt: skip
             return
         if proc_visibility.this_host_hides_pids() is False:
             log.warning(
