@@ -81,25 +81,30 @@ async def test_a_jobs_ranks_share_its_ipc_and_no_other_job_sees_it(node):
         gpu=0,
     )  # fmt: skip
     shmid = _shmid((await _said(holder, "end"))["made"])
-    probe = f'echo "== list"; ipcs -m | awk \'$2 == {shmid}\' | grep -c 666; echo "== end"; {WAIT_FOR_GO}'
+    probe = (
+        f'echo "== list"; ipcs -m | awk \'$2 == {shmid}\' | grep -c 666; echo "== ids"; grep -c job-a'
+        f' /proc/self/mountinfo; echo "== end"; {WAIT_FOR_GO}'
+    )
     same_job = await _start(node, "lease-a2", "job-a", 1_000_001, probe, gpu=1)
     other_job = await _start(node, "lease-b1", "job-b", 1_000_002, probe, gpu=2)
     assert (await _said(same_job, "end"))["list"].strip() == "1"  # another rank of the job, beside it
-    assert (await _said(other_job, "end"))["list"].strip() == "0"  # not there for another job
+    seen = await _said(other_job, "end")
+    assert seen["list"].strip() == "0"  # not there for another job
+    assert seen["ids"].strip() == "0"  # nor the job's id: the pins, mounts it sees, are not named by it
     listed = (await asyncio.to_thread(subprocess.run, ["ipcs", "-m"], capture_output=True, text=True)).stdout
     assert not any(line.split()[1:2] == [str(shmid)] and "666" in line for line in listed.splitlines()[3:])
-    pinned = node.ipc_dir / "job-a"
+    pinned = node.ipc_pin("job-a")
     assert rank_ipc.pinned(str(pinned)) and sf.read_json(holder.dir / sf.SPEC)["ipc"] == str(pinned)
     # the job's last rank here ends without removing its segment: the namespace goes
     for lease in ("lease-a1", "lease-a2"):
         (node.work_dir / lease / "go").touch()
         await _ended(node.leases[lease])
-    assert not pinned.exists() and not (node.ipc_dir / "job-a.lock").exists()
+    assert not pinned.exists() and not pinned.with_name(pinned.name + ".lock").exists()
     # the other job's rank, still running, held a copy of every mount: the unpinning reached it
     assert str(pinned) not in open(f"/proc/{other_job.pid}/mountinfo").read()
     (node.work_dir / "lease-b1" / "go").touch()
     await _ended(other_job)
-    assert not (node.ipc_dir / "job-b").exists()
+    assert not node.ipc_pin("job-b").exists()
 
 
 @pytest.mark.parametrize("node", [{"agent_rank_private_ipc": False}], indirect=True)
@@ -121,14 +126,14 @@ async def test_without_its_jobs_own_ipc_a_rank_lists_another_jobs_segment(node):
 
 
 async def test_a_restarted_agent_lets_go_the_ipc_of_jobs_that_ended_meanwhile(node):
-    gone = str(node.ipc_dir / "job-gone")
+    gone = str(node.ipc_pin("job-gone"))
     claim = rank_ipc.JobIpc(gone).claim()  # a namespace pinned by a rank that has since ended
     sleeper = subprocess.Popen(["sleep", "30"], preexec_fn=claim.enter)
     assert claim.pin(sleeper.pid) is None
     sleeper.kill()
     sleeper.wait()
     st = await _start(node, "lease-live", "job-live", 1_000_003, "sleep 30", gpu=0)
-    await wait_for(lambda: st.pid is not None and rank_ipc.pinned(str(node.ipc_dir / "job-live")), timeout=20,
+    await wait_for(lambda: st.pid is not None and rank_ipc.pinned(str(node.ipc_pin("job-live"))), timeout=20,
                    what="the live job's namespace")  # fmt: skip
     assert rank_ipc.pinned(gone)
     await node.close()  # the agent goes; the rank lives on
@@ -136,6 +141,6 @@ async def test_a_restarted_agent_lets_go_the_ipc_of_jobs_that_ended_meanwhile(no
     await again.start()
     try:
         assert not os.path.exists(gone)  # no rank of its job here
-        assert rank_ipc.pinned(str(again.ipc_dir / "job-live"))  # its rank was re-adopted: kept
+        assert rank_ipc.pinned(str(again.ipc_pin("job-live")))  # its rank was re-adopted: kept (the same key)
     finally:
         await close_node(again)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import os
 import re
@@ -172,6 +173,7 @@ class NodeAgent:
         stack = zlib.crc32(os.path.realpath(self.dir).encode())
         self.shm_dir = Path(rank_mounts.SHM_DIR) / "gpufleet" / f"{node_id}.{stack:08x}"
         self.ipc_dir = self.dir / "ipc"  # where the jobs' IPC namespaces are pinned (the agent's, 0700)
+        self._ipc_key: bytes | None = None  # names the pins (_ipc_pin_name); kept in the state dir
         self._recovered = False  # every lease of the state dir is known (before it, none is "the last")
         self.private_ipc = False  # ... and their job's own SysV IPC namespace (decided at start)
         self.poll_s = float(settings.agent_poll_s)
@@ -317,9 +319,19 @@ class NodeAgent:
         first rank's supervisor makes it), or None."""
         if not self.private_ipc or user is None:
             return None
-        if not SAFE_NAME.fullmatch(req.job_id):
-            raise RankAccessError(f"job id {req.job_id!r} cannot name a file")
-        return str(self.ipc_dir / req.job_id)
+        return str(self.ipc_pin(req.job_id))
+
+    def ipc_pin(self, job_id: str) -> Path:
+        """Where a job's IPC namespace is pinned, named by a keyed hash of its id, not the id. A pin is a mount, and
+        every rank's mount namespace starts as a copy of the host's: by id, any rank could
+        read the ids of the other jobs on its node in its /proc/self/mountinfo."""
+        if self._ipc_key is None:  # the same across restarts: a restarted agent finds its pins
+            key_file = self.dir / "ipc-key.json"
+            kept = sf.read_json(key_file) or {}
+            self._ipc_key = bytes.fromhex(kept["key"]) if kept.get("key") else os.urandom(16)
+            if not kept.get("key"):
+                sf.write_json_atomic(key_file, {"key": self._ipc_key.hex()}, fsync=True)
+        return self.ipc_dir / hashlib.sha256(self._ipc_key + job_id.encode()).hexdigest()[:32]
 
     def _release_job_spaces(self) -> None:
         """Delete the /dev/shm dir and unpin the IPC namespace of every job with no live rank
@@ -332,13 +344,14 @@ class NodeAgent:
                 if d.name not in live:
                     shutil.rmtree(d, ignore_errors=True)
         if self.ipc_dir.is_dir():  # also after the setting was turned off
+            pins = {self.ipc_pin(job).name for job in live}
             for f in self.ipc_dir.iterdir():
-                job = f.name.removesuffix(".lock")
-                if job not in live:
+                pin = f.name.removesuffix(".lock")
+                if pin not in pins:
                     try:
-                        rank_ipc.remove(str(self.ipc_dir / job))
+                        rank_ipc.remove(str(self.ipc_dir / pin))
                     except OSError as e:
-                        log.warning("%s: cannot let job %s's IPC namespace go: %s", self.node_id, job, e)
+                        log.warning("%s: cannot let a job's IPC namespace go (%s): %s", self.node_id, pin, e)
 
     def _denied_gpu_devices(self, gpu_indices: list[int]) -> list[tuple[int, int]]:
         """The device numbers of the node's GPU nodes other than these GPUs'."""

@@ -6,8 +6,9 @@ made with a loose mode (``shmget(key, size, IPC_CREAT | 0666)`` is common; the u
 apply to them), and an object a killed rank never removed holds its memory until the host
 reboots. With ``agent_rank_private_ipc`` (on; in the rank's own mount namespace, so under the
 process runtime as root) the first rank of a job on a node starts in a new IPC namespace, which
-its supervisor pins by bind-mounting its ``/proc/<pid>/ns/ipc`` onto ``<node state>/ipc/<job>``;
-the job's later ranks there join it. The agent unmounts it once the job's last rank on the node
+its supervisor pins by bind-mounting its ``/proc/<pid>/ns/ipc`` onto ``<node state>/ipc/<pin>``
+(named by a keyed hash of the job id: worker_agent.node.NodeAgent.ipc_pin); the job's later
+ranks there join it. The agent unmounts it once the job's last rank on the node
 has ended: the namespace goes, and every object in it with it.
 
     decided = JobIpc(path).claim()   # under a lock: join the pinned namespace, or make one
