@@ -7,7 +7,6 @@ kill 3 s (15 min in production), fence grace 1 s.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
 import textwrap
@@ -18,7 +17,6 @@ import pytest
 from common.contracts import StartTask, TaskStatus
 from common.settings import Settings
 from tests.support import eventually
-from worker_agent import rank_ipc
 from worker_agent import statefiles as sf
 
 PY = sys.executable
@@ -101,9 +99,7 @@ async def close_node(n) -> None:
         sup = sf.read_json(st.dir / sf.SUPERVISOR) or {}
         if sup.get("supervisor_pid") and sf.process_alive(sup["supervisor_pid"], sup.get("supervisor_start")):
             os.kill(sup["supervisor_pid"], signal.SIGKILL)
-    shutil.rmtree(n.shm_dir, ignore_errors=True)  # its jobs' /dev/shm dirs (a root agent's)
-    for pinned in n.ipc_dir.glob("*") if n.ipc_dir.is_dir() else ():  # its jobs' IPC namespaces
-        rank_ipc.remove(str(n.ipc_dir / pinned.name.removesuffix(".lock")))
+    n.spaces.close()  # its jobs' /dev/shm dirs and IPC namespaces (a root agent's): none lives now
 
 
 class Control:

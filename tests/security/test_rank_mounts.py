@@ -12,12 +12,11 @@ import subprocess
 
 import pytest
 
-from tests.agent.conftest import close_node, make_settings, start_task, wait_for
-from tests.security.conftest import sections
+from tests.agent.conftest import close_node, start_task, wait_for
+from tests.security.conftest import isolated_node, own_namespaces_problem, sections
 from worker_agent import rank_mounts
 from worker_agent import statefiles as sf
 from worker_agent.node import NodeAgent
-from worker_agent.nvml import make_backend
 from worker_agent.proc_visibility import this_host_hides_pids
 
 
@@ -31,17 +30,7 @@ def test_which_kernels_keep_procfs_options_per_mount(release, ok):
 
 
 def _private_proc_here() -> str:
-    if os.geteuid() != 0:
-        return "the agent must be root to give a rank its own /proc"
-    rank_mounts.problem.cache_clear()
-    return rank_mounts.problem() or ""
-
-
-async def _node(tmp_path, work_root, node_id: str, **kw) -> NodeAgent:
-    settings = make_settings(tmp_path, agent_rank_isolation=True, agent_work_dir=work_root, **kw)
-    n = NodeAgent(settings, node_id, backend=make_backend(settings, node_id, "simulated"))
-    await n.start()
-    return n
+    return own_namespaces_problem("a rank its own /proc")
 
 
 async def _probe_beside(node: NodeAgent, beside_pid: int) -> dict[str, str]:
@@ -76,7 +65,7 @@ def beside():
 @pytest.mark.skipif(bool(_private_proc_here()), reason=_private_proc_here() or "-")
 async def test_a_rank_sees_only_its_own_processes(tmp_path, work_root, beside):
     host_before = this_host_hides_pids()
-    node = await _node(tmp_path, work_root, "node-proc")
+    node = await isolated_node(tmp_path, work_root, "node-proc")
     try:
         assert node.private_proc
         found = await _probe_beside(node, beside.pid)
@@ -95,7 +84,7 @@ async def test_a_rank_sees_only_its_own_processes(tmp_path, work_root, beside):
 @pytest.mark.skipif(os.geteuid() != 0, reason="ranks run as another user only under a root agent")
 async def test_without_its_own_proc_a_rank_reads_the_command_lines_beside_it(tmp_path, work_root, beside):
     """The same probe with the setting off: what the setting takes away."""
-    node = await _node(tmp_path, work_root, "node-open", agent_rank_private_proc=False)
+    node = await isolated_node(tmp_path, work_root, "node-open", agent_rank_private_proc=False)
     try:
         assert not node.private_proc
         found = await _probe_beside(node, beside.pid)
@@ -112,7 +101,7 @@ async def test_without_cgroups_a_rank_finds_the_gpus_beside_its_own_masked(tmp_p
     (ENXIO here: no driver behind the nodes made for the test). The host's nodes are as
     they were."""
     dev = gpu_dev
-    node = await _node(tmp_path, work_root, "node-mask", agent_gpu_device_dir=dev)
+    node = await isolated_node(tmp_path, work_root, "node-mask", agent_gpu_device_dir=dev)
     try:
         assert node.private_proc and not node.gpu_fence
         names = ["nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl"]

@@ -12,12 +12,11 @@ import uuid
 
 import pytest
 
-from tests.agent.conftest import close_node, make_settings, start_task, wait_for
-from tests.security.conftest import sections
+from tests.agent.conftest import close_node, start_task, wait_for
+from tests.security.conftest import isolated_node, own_namespaces_problem, sections
 from worker_agent import rank_mounts
 from worker_agent import statefiles as sf
 from worker_agent.node import NodeAgent
-from worker_agent.nvml import make_backend
 from worker_agent.rank_limits import MIB
 
 
@@ -31,17 +30,7 @@ def test_which_paths_lie_under_a_tmp_dir(path, top, rel):
 
 
 def _own_tmp_here() -> str:
-    if os.geteuid() != 0:
-        return "the agent must be root to give a rank its own /tmp"
-    rank_mounts.problem.cache_clear()
-    return rank_mounts.problem() or ""
-
-
-async def _node(tmp_path, work_root, node_id: str, **kw) -> NodeAgent:
-    settings = make_settings(tmp_path, agent_rank_isolation=True, agent_work_dir=work_root, **kw)
-    n = NodeAgent(settings, node_id, backend=make_backend(settings, node_id, "simulated"))
-    await n.start()
-    return n
+    return own_namespaces_problem("a rank its own /tmp")
 
 
 async def _run(node: NodeAgent, lease: str, body: str, **task) -> tuple[dict[str, str], object]:
@@ -67,7 +56,7 @@ def planted():
 @pytest.mark.skipif(bool(_own_tmp_here()), reason=_own_tmp_here() or "-")
 async def test_a_rank_writes_and_reads_only_its_own_tmp(tmp_path, work_root, planted, gpu_dev):
     ckpt = work_root / "checkpoints" / "job-1"
-    node = await _node(tmp_path, work_root, "node-tmp", agent_gpu_device_dir=gpu_dev)
+    node = await isolated_node(tmp_path, work_root, "node-tmp", agent_gpu_device_dir=gpu_dev)
     mine = f"/tmp/gpufleet-rank-wrote-{uuid.uuid4().hex[:8]}"
     body = (
         f'echo "== planted"; cat {planted} 2>&1\n'
@@ -105,7 +94,7 @@ async def test_a_rank_writes_and_reads_only_its_own_tmp(tmp_path, work_root, pla
 @pytest.mark.skipif(bool(_own_tmp_here()), reason=_own_tmp_here() or "-")
 async def test_without_its_own_tmp_a_rank_reads_what_another_job_left_there(tmp_path, work_root, planted):
     """The same probe with the setting off: what the setting takes away."""
-    node = await _node(tmp_path, work_root, "node-shared-tmp", agent_rank_private_tmp=False)
+    node = await isolated_node(tmp_path, work_root, "node-shared-tmp", agent_rank_private_tmp=False)
     try:
         assert node.private_proc and not node.private_tmp
         found, st = await _run(node, "lease-shared", f'echo "== planted"; cat {planted} 2>&1\n')
@@ -118,7 +107,7 @@ async def test_without_its_own_tmp_a_rank_reads_what_another_job_left_there(tmp_
 @pytest.mark.skipif(bool(_own_tmp_here()), reason=_own_tmp_here() or "-")
 async def test_what_a_rank_writes_to_tmp_counts_against_its_disk_share(tmp_path, work_root):
     # 64 MiB for the node's work dirs, nothing reserved: one GPU of eight may hold 8 MiB
-    node = await _node(tmp_path, work_root, "node-tmp-disk", agent_node_disk_gib=0.0625,
+    node = await isolated_node(tmp_path, work_root, "node-tmp-disk", agent_node_disk_gib=0.0625,
                        agent_node_reserved_disk_gib=0, agent_rank_disk_check_s=0.1)  # fmt: skip
     try:
         _, st = await _run(node, "lease-tmp-hog", "head -c 20971520 /dev/zero > /tmp/big; echo wrote; sleep 60")

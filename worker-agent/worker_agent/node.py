@@ -39,17 +39,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import os
-import re
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -69,9 +65,10 @@ from common.contracts import (
 )
 from proto import agent_pb2 as pb
 from proto.convert import HEALTH_TO_PB, task_status_to_pb
-from worker_agent import exit_cause, gpu_devices, rank_cgroup, rank_ipc, rank_mounts, rank_users
+from worker_agent import exit_cause, gpu_devices, rank_cgroup, rank_mounts, rank_users
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within, local_path
+from worker_agent.job_spaces import JobSpaces
 from worker_agent.nvml import GpuBackend, GpuSample
 from worker_agent.rank_access import RankAccessError, hand_over_tree, require_reachable
 from worker_agent.rank_limits import node_rank_limits
@@ -82,7 +79,6 @@ log = logging.getLogger("gpufleet.agent")
 AGENT_VERSION = "0.1.0"
 FINISHED_RETENTION_S = 3 * 24 * 3600.0  # finished, reported lease dirs (and their logs) are kept this long
 IMAGES_REFRESH_S = 60.0
-SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # a job id that may name a dir as it is
 TERMINAL = {TaskState.EXITED, TaskState.STOPPED, TaskState.FENCED, TaskState.LOST}
 
 
@@ -168,14 +164,9 @@ class NodeAgent:
         self.gpu_mask = False  # ... and there the GPU nodes beside theirs masked (decided at start)
         self.private_tmp = False  # ... and their own /tmp and /var/tmp (decided at start)
         self.private_shm = False  # ... and their job's own /dev/shm (decided at start)
-        # the jobs' /dev/shm dirs, named by the state dir too: two stacks on one host (the tests
-        # beside a developer's `make up`) never sweep each other's
-        stack = zlib.crc32(os.path.realpath(self.dir).encode())
-        self.shm_dir = Path(rank_mounts.SHM_DIR) / "gpufleet" / f"{node_id}.{stack:08x}"
-        self.ipc_dir = self.dir / "ipc"  # where the jobs' IPC namespaces are pinned (the agent's, 0700)
-        self._ipc_key: bytes | None = None  # names the pins (_ipc_pin_name); kept in the state dir
-        self._recovered = False  # every lease of the state dir is known (before it, none is "the last")
         self.private_ipc = False  # ... and their job's own SysV IPC namespace (decided at start)
+        self.spaces = JobSpaces(self.dir, node_id)  # where those live on the host
+        self._recovered = False  # every lease of the state dir is known (before it, none is "the last")
         self.poll_s = float(settings.agent_poll_s)
         self.leases: dict[str, Lease] = {}
         self.outbox: dict[int, pb.TaskStatus] = {}  # seq -> status, until acknowledged
@@ -277,81 +268,23 @@ class NodeAgent:
             return []
         return gpu_devices.denied_paths(self.settings.agent_gpu_device_dir, self._granted_minors(gpu_indices))
 
-    def _private_tmp(self, work: Path, req: StartTask, user: tuple[int, int] | None) -> dict | None:
-        """The rank's own tmp dir (``<work>/tmp``, its user's, 0700) and the paths it needs that
-        its mounts must keep in reach (worker_agent.rank_mounts), or None."""
-        if not self.private_tmp or user is None:
-            return None
-        tmp = work / "tmp"
-        try:
-            tmp.mkdir(mode=0o700)
-        except FileExistsError:
-            st = tmp.lstat()
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != user[0]:
-                raise RankAccessError(f"{tmp} exists and is not a dir of the rank's user") from None
-        os.chown(tmp, *user)
-        os.chmod(tmp, 0o700)
+    def _job_spaces(self, work: Path, req: StartTask, user: tuple[int, int] | None) -> dict:
+        """The spec's fields for the rank's own tmp dir and its job's /dev/shm dir and IPC pin
+        (worker_agent.job_spaces), made here where the rank will have them."""
+        if user is None:
+            return {"private_tmp": None, "shm": None, "ipc": None}
         needed = [str(work), local_path(req.checkpoint_dir), str(self.settings.agent_gpu_device_dir)]
-        return {"dir": str(tmp), "keep": sorted({os.path.realpath(p) for p in needed if p})}
-
-    def _job_shm(self, req: StartTask, user: tuple[int, int] | None) -> str | None:
-        """The job's own /dev/shm dir on this node (its user's, 0700), made by its first rank
-        here and shared by the rest, or None. The dirs above it may be passed through only."""
-        if not self.private_shm or user is None:
-            return None
-        if not SAFE_NAME.fullmatch(req.job_id):
-            raise RankAccessError(f"job id {req.job_id!r} cannot name a dir")
-        for above in (self.shm_dir.parent, self.shm_dir):
-            above.mkdir(mode=0o711, exist_ok=True)
-            os.chmod(above, 0o711)
-        job = self.shm_dir / req.job_id
-        try:
-            job.mkdir(mode=0o700)
-            os.chown(job, *user)
-        except FileExistsError:
-            st = job.lstat()
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != user[0]:
-                raise RankAccessError(f"{job} exists and is not a dir of the rank's user") from None
-        return str(job)
-
-    def _job_ipc(self, req: StartTask, user: tuple[int, int] | None) -> str | None:
-        """Where the job's SysV IPC namespace on this node is pinned (worker_agent.rank_ipc: its
-        first rank's supervisor makes it), or None."""
-        if not self.private_ipc or user is None:
-            return None
-        return str(self.ipc_pin(req.job_id))
-
-    def ipc_pin(self, job_id: str) -> Path:
-        """Where a job's IPC namespace is pinned, named by a keyed hash of its id, not the id. A pin is a mount, and
-        every rank's mount namespace starts as a copy of the host's: by id, any rank could
-        read the ids of the other jobs on its node in its /proc/self/mountinfo."""
-        if self._ipc_key is None:  # the same across restarts: a restarted agent finds its pins
-            key_file = self.dir / "ipc-key.json"
-            kept = sf.read_json(key_file) or {}
-            self._ipc_key = bytes.fromhex(kept["key"]) if kept.get("key") else os.urandom(16)
-            if not kept.get("key"):
-                sf.write_json_atomic(key_file, {"key": self._ipc_key.hex()}, fsync=True)
-        return self.ipc_dir / hashlib.sha256(self._ipc_key + job_id.encode()).hexdigest()[:32]
+        return {
+            "private_tmp": self.spaces.rank_tmp(work, user, needed) if self.private_tmp else None,
+            "shm": self.spaces.job_shm(req.job_id, user) if self.private_shm else None,
+            "ipc": str(self.spaces.ipc_pin(req.job_id)) if self.private_ipc else None,
+        }
 
     def _release_job_spaces(self) -> None:
-        """Delete the /dev/shm dir and unpin the IPC namespace of every job with no live rank
-        on this node: what a killed rank never unlinked or removed goes with them."""
-        if not self._recovered:
-            return
-        live = {st.task.job_id for st in self.leases.values() if st.live}
-        if self.shm_dir.is_dir():  # also after the setting was turned off
-            for d in self.shm_dir.iterdir():
-                if d.name not in live:
-                    shutil.rmtree(d, ignore_errors=True)
-        if self.ipc_dir.is_dir():  # also after the setting was turned off
-            pins = {self.ipc_pin(job).name for job in live}
-            for f in self.ipc_dir.iterdir():
-                pin = f.name.removesuffix(".lock")
-                if pin not in pins:
-                    try:
-                        rank_ipc.remove(str(self.ipc_dir / pin))
-                    except OSError as e:
-                        log.warning("%s: cannot let a job's IPC namespace go (%s): %s", self.node_id, pin, e)
+        """Let go the /dev/shm dir and IPC namespace of every job with no live rank here (not
+        before every lease of the state dir is known)."""
+        if self._recovered:
+            self.spaces.release({st.task.job_id for st in self.leases.values() if st.live})
 
     def _denied_gpu_devices(self, gpu_indices: list[int]) -> list[tuple[int, int]]:
         """The device numbers of the node's GPU nodes other than these GPUs'."""
@@ -369,6 +302,8 @@ class NodeAgent:
                 except (asyncio.CancelledError, Exception):
                     pass
         self._watch_task = None
+        if self._recovered and not any(st.live for st in self.leases.values()):
+            self.spaces.close()  # no rank left to need them: the node leaves nothing in /dev/shm
         self.backend.close()
 
     def request_heartbeat(self) -> None:
@@ -550,9 +485,7 @@ class NodeAgent:
                 return refuse(str(e))
             try:
                 work = self._work_dir(req, user)
-                private_tmp = self._private_tmp(work, req, user)
-                shm = self._job_shm(req, user)
-                ipc = self._job_ipc(req, user)
+                spaces = self._job_spaces(work, req, user)
             except (OSError, RankAccessError) as e:
                 return refuse(f"cannot prepare the rank's dirs: {e}")
             progress_file = str(work / "progress.json")
@@ -601,9 +534,7 @@ class NodeAgent:
                     "private_proc": self.private_proc,
                     "masked_gpus": masked,
                     "mask_file": str(d / "masked") if masked else None,
-                    "private_tmp": private_tmp,
-                    "shm": shm,
-                    "ipc": ipc,
+                    **spaces,
                     "disk": (
                         {"limit_bytes": limits.disk_bytes, "check_s": float(self.settings.agent_rank_disk_check_s)}
                         if limits is not None and limits.disk_bytes

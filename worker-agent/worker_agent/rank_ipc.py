@@ -7,7 +7,7 @@ apply to them), and an object a killed rank never removed holds its memory until
 reboots. With ``agent_rank_private_ipc`` (on; in the rank's own mount namespace, so under the
 process runtime as root) the first rank of a job on a node starts in a new IPC namespace, which
 its supervisor pins by bind-mounting its ``/proc/<pid>/ns/ipc`` onto ``<node state>/ipc/<pin>``
-(named by a keyed hash of the job id: worker_agent.node.NodeAgent.ipc_pin); the job's later
+(named by a keyed hash of the job id: worker_agent.job_spaces); the job's later
 ranks there join it. The agent unmounts it once the job's last rank on the node
 has ended: the namespace goes, and every object in it with it.
 
