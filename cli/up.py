@@ -45,6 +45,7 @@ from common.settings import Principal, Settings
 from common.tls import api_scheme
 from proto.auth import node_credential, node_log_key
 from worker_agent import statefiles as sf
+from worker_agent.job_spaces import JobSpaces
 from worker_agent.rank_access import private_ancestor
 from worker_agent.rank_users import rank_users
 
@@ -369,6 +370,14 @@ def live_ranks(state_dir: Path) -> list[LiveRank]:
     return out
 
 
+def release_job_spaces(state_dir: Path) -> None:
+    """Once the agents are stopped and no rank is left: every node's job spaces (the jobs'
+    /dev/shm dirs and IPC pins, worker_agent.job_spaces) go, as a next agent's start would
+    let them go. An agent stopped while its ranks ran keeps them for those ranks."""
+    for node_dir in sorted(Path(state_dir).glob("agent/*/")):
+        JobSpaces(node_dir, node_dir.name).close()
+
+
 def describe_ranks(ranks: list[LiveRank]) -> str:
     """How many keep running, e.g. ``3 ranks of 2 jobs``."""
     jobs = len({r.job_id for r in ranks})
@@ -464,14 +473,15 @@ def run(settings: Settings, *, stop_jobs: bool = False, grace_s: float = 30.0, h
         if found:
             how = f"{len(killed)} killed after {grace_s:g}s" if killed else "all exited"
             print(f"stopped {describe_ranks(found)} ({how})")
-    else:
-        ranks = live_ranks(state)
-        if ranks:
-            print(
-                f"{describe_ranks(ranks)} keep running under their supervisors (jobs outlive the control"
-                f" plane; the next `gpufleet up` picks them up). To stop them too: `gpufleet stop-ranks"
-                f" --state-dir {state}`, or stop with `gpufleet up --stop-jobs` next time."
-            )
+    ranks = live_ranks(state)
+    if not ranks:
+        release_job_spaces(state)
+    elif not stop_jobs:
+        print(
+            f"{describe_ranks(ranks)} keep running under their supervisors (jobs outlive the control"
+            f" plane; the next `gpufleet up` picks them up). To stop them too: `gpufleet stop-ranks"
+            f" --state-dir {state}`, or stop with `gpufleet up --stop-jobs` next time."
+        )
     platform.stop_services()
     print("stopped")
     return code

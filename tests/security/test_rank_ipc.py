@@ -13,10 +13,12 @@ import subprocess
 
 import pytest
 
+from cli.up import release_job_spaces
 from tests.agent.conftest import close_node, wait_for
 from tests.security.conftest import ended, own_namespaces_problem, sections, start_job_rank
 from worker_agent import rank_ipc
 from worker_agent import statefiles as sf
+from worker_agent.job_spaces import JobSpaces
 from worker_agent.node import NodeAgent
 from worker_agent.nvml import make_backend
 
@@ -120,3 +122,21 @@ async def test_a_restarted_agent_lets_go_the_ipc_of_jobs_that_ended_meanwhile(jo
         assert rank_ipc.pinned(str(again.spaces.ipc_pin("job-live")))  # its rank was re-adopted: kept (the same key)
     finally:
         await close_node(again)
+
+
+def test_up_stopped_with_no_rank_left_lets_every_nodes_job_spaces_go(tmp_path):
+    """`gpufleet up` stopped while a job's ranks were ending: its agent, gone, kept their
+    spaces; with no rank left, `up` lets them go (cli.up.release_job_spaces)."""
+    node_dir = tmp_path / "state" / "agent" / "b0-n0"
+    node_dir.mkdir(parents=True)
+    spaces = JobSpaces(node_dir, "b0-n0")
+    shm = spaces.job_shm("job-a", (65534, 65534))
+    pin = str(spaces.ipc_pin("job-a"))
+    claim = rank_ipc.JobIpc(pin).claim()
+    sleeper = subprocess.Popen(["sleep", "30"], preexec_fn=claim.enter)
+    assert claim.pin(sleeper.pid) is None
+    sleeper.kill()
+    sleeper.wait()
+    assert rank_ipc.pinned(pin) and os.path.isdir(shm)
+    release_job_spaces(tmp_path / "state")
+    assert not os.path.exists(pin) and not os.path.exists(shm) and not spaces.shm_dir.exists()
