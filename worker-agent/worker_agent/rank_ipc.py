@@ -21,31 +21,12 @@ Standard library only (the supervisor imports it).
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import os
 from dataclasses import dataclass
 
-CLONE_NEWIPC = 0x08000000
-MS_BIND = 0x1000
-MNT_DETACH = 2
-
-
-class _Libc:
-    def __init__(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        self.unshare = libc.unshare
-        self.setns = libc.setns
-        self.mount = libc.mount
-        self.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-        self.umount2 = libc.umount2
-        self.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-
-    @staticmethod
-    def check(result: int, what: str) -> None:
-        if result != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"{what}: {os.strerror(err)}")
+from worker_agent import libc_calls as libc
+from worker_agent.libc_calls import CLONE_NEWIPC, MNT_DETACH, MS_BIND
 
 
 def pinned(path: str) -> bool:
@@ -63,18 +44,17 @@ class Claim:
     path: str
     join: bool
     lock_fd: int
-    libc: _Libc
 
     def enter(self) -> None:
         """In the rank's process, as root, before anything else of its own namespaces."""
         if self.join:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                self.libc.check(self.libc.setns(fd, CLONE_NEWIPC), f"setns({self.path}, CLONE_NEWIPC)")
+                libc.setns(fd, CLONE_NEWIPC, f"setns({self.path}, CLONE_NEWIPC)")
             finally:
                 os.close(fd)
         else:
-            self.libc.check(self.libc.unshare(CLONE_NEWIPC), "unshare(CLONE_NEWIPC)")
+            libc.unshare(CLONE_NEWIPC, "unshare(CLONE_NEWIPC)")
 
     def pin(self, pid: int | None) -> str | None:
         """After the start (``pid``: the rank, None if it did not start): a new namespace is
@@ -85,8 +65,12 @@ class Claim:
                 return None
             with open(self.path, "a"):
                 pass  # the mount point
-            self.libc.check(
-                self.libc.mount(f"/proc/{pid}/ns/ipc".encode(), os.fsencode(self.path), None, MS_BIND, None),
+            libc.mount(
+                f"/proc/{pid}/ns/ipc".encode(),
+                os.fsencode(self.path),
+                None,
+                MS_BIND,
+                None,
                 f"mount --bind /proc/{pid}/ns/ipc {self.path}",
             )
             return None
@@ -99,21 +83,19 @@ class Claim:
 class JobIpc:
     def __init__(self, path: str) -> None:
         self.path = path
-        self.libc = _Libc()  # looked up before the fork
 
     def claim(self) -> Claim:
         """Lock the job's namespace file (two of its ranks may start at once) and decide."""
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
         fd = os.open(self.path + ".lock", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
-        return Claim(self.path, pinned(self.path), fd, self.libc)
+        return Claim(self.path, pinned(self.path), fd)
 
 
 def remove(path: str) -> None:
     """Unpin a job's namespace (it goes once no process is left in it) and delete its files."""
     if pinned(path):
-        libc = _Libc()
-        libc.check(libc.umount2(os.fsencode(path), MNT_DETACH), f"umount {path}")
+        libc.umount(os.fsencode(path), MNT_DETACH, f"umount {path}")
     for name in (path, path + ".lock"):
         try:
             os.unlink(name)

@@ -43,7 +43,6 @@ Standard library only (the supervisor imports it)."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 import re
@@ -52,11 +51,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from worker_agent import libc_calls as libc
+from worker_agent.libc_calls import CLONE_NEWNS, MS_BIND, MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_REC, MS_SLAVE
 from worker_agent.proc_visibility import this_host_hides_pids
 
-CLONE_NEWNS = 0x00020000
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x2, 0x4, 0x8
-MS_BIND, MS_REC, MS_SLAVE = 0x1000, 0x4000, 1 << 19
 MIN_KERNEL = (5, 8)  # per-mount procfs options
 TMP_DIRS = ("/tmp", "/var/tmp")  # what a rank's own tmp dir is bound over
 SHM_DIR = "/dev/shm"  # the host's POSIX shared memory, where its job's own dir is bound over
@@ -69,18 +67,8 @@ def kernel_release_ok(release: str) -> bool:
 
 
 class RankMounts:
-    """The libc calls, looked up before the fork (the child only calls them)."""
-
-    def __init__(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        self._unshare = libc.unshare
-        self._mount = libc.mount
-        self._mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-
-    def _check(self, result: int, what: str) -> None:
-        if result != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"{what}: {os.strerror(err)}")
+    """The steps, taken in the rank's child (libc's calls are looked up at import,
+    worker_agent.libc_calls)."""
 
     def enter(
         self,
@@ -96,22 +84,27 @@ class RankMounts:
         bound over /tmp and /var/tmp with each of ``keep`` under them bound back in, then
         into ``cwd`` again (Popen entered it before these mounts, by a path they may have
         hidden)."""
-        self._check(self._unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-        self._check(self._mount(None, b"/", None, MS_REC | MS_SLAVE, None), "mount --make-rslave /")
-        self._check(
-            self._mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, b"hidepid=2"),
+        libc.unshare(CLONE_NEWNS, "unshare(CLONE_NEWNS)")
+        libc.mount(None, b"/", None, MS_REC | MS_SLAVE, None, "mount --make-rslave /")
+        libc.mount(
+            b"proc",
+            b"/proc",
+            b"proc",
+            MS_NOSUID | MS_NODEV | MS_NOEXEC,
+            b"hidepid=2",
             "mount -t proc -o hidepid=2 proc /proc",
         )
         for path in masked or ():
-            self._check(
-                self._mount(os.fsencode(mask_file or "/dev/null"), os.fsencode(path), None, MS_BIND, None),
+            libc.mount(
+                os.fsencode(mask_file or "/dev/null"),
+                os.fsencode(path),
+                None,
+                MS_BIND,
+                None,
                 f"mount --bind {mask_file} {path}",
             )
         if shm is not None:
-            self._check(
-                self._mount(os.fsencode(shm), os.fsencode(SHM_DIR), None, MS_BIND, None),
-                f"mount --bind {shm} {SHM_DIR}",
-            )
+            libc.mount(os.fsencode(shm), os.fsencode(SHM_DIR), None, MS_BIND, None, f"mount --bind {shm} {SHM_DIR}")
         if tmp is not None:
             # held open: once /tmp is covered, a path under it no longer leads to the dir
             own = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -123,8 +116,12 @@ class RankMounts:
                         rel = under(path, top)
                         if rel is not None:
                             self._bind_into(path, own, rel)
-                    self._check(
-                        self._mount(f"/proc/self/fd/{own}".encode(), os.fsencode(top), None, MS_BIND | MS_REC, None),
+                    libc.mount(
+                        f"/proc/self/fd/{own}".encode(),
+                        os.fsencode(top),
+                        None,
+                        MS_BIND | MS_REC,
+                        None,
                         f"mount --rbind {tmp} {top}",
                     )
             finally:
@@ -149,8 +146,12 @@ class RankMounts:
                 fd = inner
                 if made:  # passed through, not listed, as on the host (the dirs above a checkpoint dir)
                     os.fchmod(fd, 0o711)
-            self._check(
-                self._mount(os.fsencode(path), f"/proc/self/fd/{fd}".encode(), None, MS_BIND | MS_REC, None),
+            libc.mount(
+                os.fsencode(path),
+                f"/proc/self/fd/{fd}".encode(),
+                None,
+                MS_BIND | MS_REC,
+                None,
                 f"mount --rbind {path} <its own tmp>/{rel}",
             )
         finally:
