@@ -13,12 +13,14 @@ started too. Durations are scaled to seconds (``SCALED``).
     await stack.restart_temporal(down_s=2, hard=True)
     await stack.stop()                             # everything, ranks included; nothing left behind
 
-``leftovers()`` lists any process still tied to the state dir (the teardown kills them).
+``leftovers()`` lists any process still tied to the state dir (the teardown kills those still
+running a few seconds after it finds them, and reports them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -46,6 +48,9 @@ from store.teams import TeamQuota, set_quota
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_TYPE = "h100"
+# how long the teardown's sweep lets a process it finds finish exiting before it counts as
+# left behind (``ChaosStack._kill_leftovers``)
+_EXIT_GRACE_S = 5.0
 
 # Durations scaled to seconds (tests/e2e/conftest.py's e2e_settings and tests/health's): the
 # unconfirmed-kill window stays well above the longest control-plane outage a run injects
@@ -456,14 +461,32 @@ class ChaosStack:
                 out.append({"pid": p.info["pid"], "cmdline": cmd[:200]})
         return out
 
-    def _kill_leftovers(self) -> list[dict[str, Any]]:
-        left = self.leftovers()
-        for p in left:
+    def _kill_leftovers(self, grace_s: float = 0.0) -> list[dict[str, Any]]:
+        """SIGKILL what ``leftovers()`` finds still running ``grace_s`` after it is found,
+        and return that. The grace is for a process already on its way out: ``pg_ctl stop -w``
+        returns once the postmaster has removed its pid file, before the process is gone, and
+        an exiting process keeps its working dir (the stack's) a moment after its cmdline."""
+        import psutil
+
+        found = self.leftovers()
+        if found and grace_s > 0:
+            procs = []
+            for p in found:
+                with contextlib.suppress(psutil.Error):
+                    procs.append(psutil.Process(p["pid"]))
+            _, alive = psutil.wait_procs(procs, timeout=grace_s)
+            still = {p.pid for p in alive}
+            for p in found:
+                if p["pid"] not in still:
+                    self.log(f"teardown: pid {p['pid']} exited within {grace_s:.0f}s: {p['cmdline'][:120]}")
+            found = [p for p in found if p["pid"] in still]
+        for p in found:
+            self.log(f"teardown: killing leftover pid {p['pid']}: {p['cmdline'][:120]}")
             try:
                 os.kill(p["pid"], signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        return left
+        return found
 
     async def stop(self, *, keep: bool = False) -> list[dict[str, Any]]:
         """Stop everything this stack started, ranks included; return what had to be killed
@@ -497,7 +520,7 @@ class ChaosStack:
             except Exception as e:  # already stopped, or a restart left it half up
                 self.log(f"postgres stop: {type(e).__name__}: {e}")
         self.kill_ranks()
-        left = self._kill_leftovers()
+        left = self._kill_leftovers(grace_s=_EXIT_GRACE_S)
         if left:
             await asyncio.sleep(0.5)
             self._kill_leftovers()

@@ -51,10 +51,12 @@ async def test_a_chaos_run_injects_every_fault_and_every_invariant_holds() -> No
         )
         summary = {k: rep[k] for k in ("faults", "jobs", "invariants", "counterexamples", "durations_s", "state_dir")}
         assert all(rep["invariants"].values()), json.dumps(summary, indent=1, default=str)
+        assert rep["leftover_processes"] == [], (
+            f"the teardown found processes still running: {rep['leftover_processes']}"
+        )
         assert rep["ok"]
         missing = [k for k in FAULT_KINDS if rep["faults"].get(k, 0) < 1]
         assert not missing, f"fault kinds never injected: {missing}; {rep['fault_timeline']}"
-        assert rep["leftover_processes"] == [], "the teardown found processes still running"
         assert not rep["crashes"], f"children exited by themselves: {rep['crashes']}"
         assert sum(rep["jobs"].values()) >= 20 and rep["jobs"].get("SUCCEEDED", 0) >= 10, rep["jobs"]
         assert rep["submissions"]["sent_again_with_same_key"] >= 1
