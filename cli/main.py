@@ -118,10 +118,12 @@ def stop_ranks_cmd(
     dry_run: bool = typer.Option(False, "--dry-run", help="only say what runs"),
 ) -> None:
     """Stop the ranks this machine's agents started (they outlive `gpufleet up` and the agents):
-    SIGTERM through their supervisors, SIGKILL after the grace."""
+    SIGTERM through their supervisors, SIGKILL after the grace. With no rank left, the jobs'
+    /dev/shm dirs and IPC namespaces on every node go too, as the next agent's start would
+    let them go."""
     from pathlib import Path
 
-    from cli.up import describe_ranks, live_ranks, stop_ranks
+    from cli.up import describe_ranks, live_ranks, release_job_spaces, stop_ranks
 
     where = Path(state_dir).expanduser() if state_dir else _settings().state_dir
     if dry_run:
@@ -131,6 +133,8 @@ def stop_ranks_cmd(
             print(f"  {r.node_id:<10} {r.lease_id}")
         return
     found, killed = stop_ranks(where, grace)
+    if not live_ranks(where):
+        release_job_spaces(where)
     if not found:
         print(f"no rank runs under {where}")
         return

@@ -10,6 +10,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +33,7 @@ def _own_ipc_here() -> str:
 
 pytestmark = pytest.mark.skipif(bool(_own_ipc_here()), reason=_own_ipc_here() or "-")
 
+ROOT = Path(__file__).resolve().parents[2]
 WAIT_FOR_GO = 'while [ ! -e "$HOME/go" ]; do sleep 0.05; done'
 
 
@@ -124,10 +127,10 @@ async def test_a_restarted_agent_lets_go_the_ipc_of_jobs_that_ended_meanwhile(jo
         await close_node(again)
 
 
-def test_up_stopped_with_no_rank_left_lets_every_nodes_job_spaces_go(tmp_path):
-    """`gpufleet up` stopped while a job's ranks were ending: its agent, gone, kept their
-    spaces; with no rank left, `up` lets them go (cli.up.release_job_spaces)."""
-    node_dir = tmp_path / "state" / "agent" / "b0-n0"
+def _spaces_left_by_a_stopped_agent(state) -> tuple[JobSpaces, str, str]:
+    """A node's spaces for a job whose rank has ended while its agent was gone: a pinned IPC
+    namespace and a /dev/shm dir."""
+    node_dir = state / "agent" / "b0-n0"
     node_dir.mkdir(parents=True)
     spaces = JobSpaces(node_dir, "b0-n0")
     shm = spaces.job_shm("job-a", (65534, 65534))
@@ -138,5 +141,27 @@ def test_up_stopped_with_no_rank_left_lets_every_nodes_job_spaces_go(tmp_path):
     sleeper.kill()
     sleeper.wait()
     assert rank_ipc.pinned(pin) and os.path.isdir(shm)
+    return spaces, pin, shm
+
+
+def test_up_stopped_with_no_rank_left_lets_every_nodes_job_spaces_go(tmp_path):
+    """`gpufleet up` stopped while a job's ranks were ending: its agent, gone, kept their
+    spaces; with no rank left, `up` lets them go (cli.up.release_job_spaces)."""
+    spaces, pin, shm = _spaces_left_by_a_stopped_agent(tmp_path / "state")
     release_job_spaces(tmp_path / "state")
     assert not os.path.exists(pin) and not os.path.exists(shm) and not spaces.shm_dir.exists()
+
+
+def test_gpufleet_stop_ranks_with_no_rank_left_lets_the_job_spaces_go(tmp_path):
+    """What `up` left for ranks that ran on after it: once they are stopped (or ended by
+    themselves), `gpufleet stop-ranks` lets their spaces go."""
+    spaces, pin, shm = _spaces_left_by_a_stopped_agent(tmp_path / "state")
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "cli.main", "stop-ranks", "--state-dir", str(tmp_path / "state")],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert r.returncode == 0 and "no rank runs under" in r.stdout, r.stdout + r.stderr
+        assert not os.path.exists(pin) and not os.path.exists(shm) and not spaces.shm_dir.exists()
+    finally:
+        spaces.close()
