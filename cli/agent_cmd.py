@@ -86,6 +86,7 @@ def run(
 
     async def main() -> int:
         from worker_agent.agent import AgentProcess
+        from worker_agent.node_lock import NodeLockHeld
         from worker_agent.nvml import NvmlUnavailable
         from worker_agent.rank_access import RankAccessError
 
@@ -105,7 +106,7 @@ def run(
         )
         try:
             await agent.start()
-        except (NvmlUnavailable, RankAccessError) as e:
+        except (NvmlUnavailable, RankAccessError, NodeLockHeld) as e:
             print(f"gpufleet agent: {e}", file=sys.stderr)
             return 2
         print(

@@ -69,6 +69,7 @@ from worker_agent import exit_cause, gpu_devices, rank_cgroup, rank_mounts, rank
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within, local_path
 from worker_agent.job_spaces import JobSpaces
+from worker_agent.node_lock import NodeLock
 from worker_agent.nvml import GpuBackend, GpuSample
 from worker_agent.rank_access import RankAccessError, hand_over_tree, require_reachable
 from worker_agent.rank_limits import node_rank_limits
@@ -166,6 +167,7 @@ class NodeAgent:
         self.private_shm = False  # ... and their job's own /dev/shm (decided at start)
         self.private_ipc = False  # ... and their job's own SysV IPC namespace (decided at start)
         self.spaces = JobSpaces(self.dir, node_id)  # where those live on the host
+        self.lock = NodeLock(self.dir)  # one agent per node state dir, from start to close
         self._recovered = False  # every lease of the state dir is known (before it, none is "the last")
         self.poll_s = float(settings.agent_poll_s)
         self.leases: dict[str, Lease] = {}
@@ -188,6 +190,14 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        self.lock.acquire(self.node_id)  # NodeLockHeld: another agent serves this node
+        try:
+            await self._start()
+        except BaseException:
+            self.lock.release()
+            raise
+
+    async def _start(self) -> None:
         self.leases_dir.mkdir(parents=True, exist_ok=True)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         if self.isolated:
@@ -305,6 +315,7 @@ class NodeAgent:
         if self._recovered and not any(st.live for st in self.leases.values()):
             self.spaces.close()  # no rank left to need them: the node leaves nothing in /dev/shm
         self.backend.close()
+        self.lock.release()
 
     def request_heartbeat(self) -> None:
         self._heartbeat_requested = True
