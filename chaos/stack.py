@@ -458,7 +458,7 @@ class ChaosStack:
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
             if tied:
-                out.append({"pid": p.info["pid"], "cmdline": cmd[:200]})
+                out.append({"pid": p.info["pid"], "cmdline": cmd[:200], "cwd": cwd[:200]})
         return out
 
     def _kill_leftovers(self, grace_s: float = 0.0) -> list[dict[str, Any]]:
@@ -478,10 +478,10 @@ class ChaosStack:
             still = {p.pid for p in alive}
             for p in found:
                 if p["pid"] not in still:
-                    self.log(f"teardown: pid {p['pid']} exited within {grace_s:.0f}s: {p['cmdline'][:120]}")
+                    self.log(f"teardown: pid {p['pid']} exited within {grace_s:.0f}s: {_named(p)}")
             found = [p for p in found if p["pid"] in still]
         for p in found:
-            self.log(f"teardown: killing leftover pid {p['pid']}: {p['cmdline'][:120]}")
+            self.log(f"teardown: killing leftover pid {p['pid']}: {_named(p)}")
             try:
                 os.kill(p["pid"], signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -527,3 +527,9 @@ class ChaosStack:
         if not keep:
             shutil.rmtree(self.root, ignore_errors=True)
         return left
+
+
+def _named(p: Mapping[str, Any]) -> str:
+    """A leftover as the teardown logs it: its command line, or, once that is gone (a process
+    on its way out), the dir it works in."""
+    return (p.get("cmdline") or f"(no command line; cwd {p.get('cwd') or '?'})")[:120]
