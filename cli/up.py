@@ -46,6 +46,7 @@ from common.tls import api_scheme
 from proto.auth import node_credential, node_log_key
 from worker_agent import statefiles as sf
 from worker_agent.job_spaces import JobSpaces
+from worker_agent.node_lock import NodeLock, NodeLockHeld
 from worker_agent.rank_access import private_ancestor
 from worker_agent.rank_users import rank_users
 
@@ -373,9 +374,18 @@ def live_ranks(state_dir: Path) -> list[LiveRank]:
 def release_job_spaces(state_dir: Path) -> None:
     """Once the agents are stopped and no rank is left: every node's job spaces (the jobs'
     /dev/shm dirs and IPC pins, worker_agent.job_spaces) go, as a next agent's start would
-    let them go. An agent stopped while its ranks ran keeps them for those ranks."""
+    let them go. An agent stopped while its ranks ran keeps them for those ranks. A node an
+    agent still serves (it holds the node's lock) is left to it: it may be starting a rank."""
     for node_dir in sorted(Path(state_dir).glob("agent/*/")):
-        JobSpaces(node_dir, node_dir.name).close()
+        lock = NodeLock(node_dir)
+        try:
+            lock.acquire(node_dir.name)
+        except NodeLockHeld:
+            continue
+        try:
+            JobSpaces(node_dir, node_dir.name).close()
+        finally:
+            lock.release()
 
 
 def describe_ranks(ranks: list[LiveRank]) -> str:

@@ -22,6 +22,7 @@ from worker_agent import rank_ipc
 from worker_agent import statefiles as sf
 from worker_agent.job_spaces import JobSpaces
 from worker_agent.node import NodeAgent
+from worker_agent.node_lock import NodeLock
 from worker_agent.nvml import make_backend
 
 
@@ -150,6 +151,21 @@ def test_up_stopped_with_no_rank_left_lets_every_nodes_job_spaces_go(tmp_path):
     spaces, pin, shm = _spaces_left_by_a_stopped_agent(tmp_path / "state")
     release_job_spaces(tmp_path / "state")
     assert not os.path.exists(pin) and not os.path.exists(shm) and not spaces.shm_dir.exists()
+
+
+def test_job_spaces_of_a_node_an_agent_still_serves_are_left_to_it(tmp_path):
+    """`stop-ranks` run beside a running agent: that agent may be starting a rank of the
+    job, so the node's spaces are its to let go (it holds the node's lock)."""
+    _, pin, shm = _spaces_left_by_a_stopped_agent(tmp_path / "state")
+    agent = NodeLock(tmp_path / "state" / "agent" / "b0-n0")
+    agent.acquire("b0-n0")
+    try:
+        release_job_spaces(tmp_path / "state")
+        assert rank_ipc.pinned(pin) and os.path.isdir(shm)
+    finally:
+        agent.release()
+    release_job_spaces(tmp_path / "state")
+    assert not os.path.exists(pin) and not os.path.exists(shm)
 
 
 def test_gpufleet_stop_ranks_with_no_rank_left_lets_the_job_spaces_go(tmp_path):
