@@ -65,6 +65,9 @@ class JobRow:
     attempt: int
     submitted_at: float
     finished_at: float | None
+    # why a job not yet finished waits, as placement last said (the report's unfinished_at_end)
+    pending_reason: str | None = None
+    pending_detail: str | None = None
 
 
 @dataclass(frozen=True)
@@ -241,10 +244,12 @@ async def read_postgres(dsn: str, scope: str | None = None) -> dict[str, Any]:
                     r["attempt"],
                     r["submitted_at"].timestamp(),
                     _ts(r["finished_at"]),
+                    r["pending_reason"],
+                    r["pending_detail"],
                 )
                 for r in await conn.fetch(
                     "SELECT job_id, name, team, submitted_by, priority_class, replicas, state, attempt,"
-                    " submitted_at, finished_at FROM jobs"
+                    " submitted_at, finished_at, pending_reason, pending_detail FROM jobs"
                 )
             }
             out["events"] = tuple(

@@ -8,7 +8,9 @@ The report (JSON): ``faults`` (count by kind), ``jobs`` (count by final state),
 ``invariants`` and ``counterexamples`` (``chaos.checker``), ``measurements`` (takeover
 times, failure-to-restart times, the largest attempt overlap, kills no fault explains),
 ``submissions``, ``fault_timeline``, ``crashes`` (children that exited by themselves and
-were started again), ``leftover_processes`` (what the teardown still found), ``durations_s``,
+were started again), ``leftover_processes`` (what the teardown still found),
+``unfinished_at_end`` (each job not finished when the settle ended, with the reason
+placement last gave for its wait), ``durations_s``,
 ``settings`` (the scaled durations) and ``notes``.
 """
 
@@ -257,6 +259,17 @@ def report(
         "leaders": [{"epoch": x.epoch, "holder": x.holder, "acquired": rel(x.acquired_at)} for x in record.leaders],
         "crashes": [{**c, "at": rel(c["at"])} for c in stack.crashes],
         "leftover_processes": left,
+        "unfinished_at_end": [
+            {
+                "job_id": j.job_id,
+                "state": j.state,
+                "attempt": j.attempt,
+                "pending_reason": j.pending_reason,
+                "pending_detail": j.pending_detail,
+            }
+            for j in sorted(history.jobs.values(), key=lambda j: j.job_id)
+            if j.state not in TERMINAL_STATES
+        ],
         "durations_s": durations,
         "settings": {k: getattr(s, k) for k in SCALED if k in Settings.model_fields}
         | {"test_faults": list(opts.layout.test_faults), "control_job_workers": s.control_job_workers},
@@ -296,6 +309,11 @@ def summary(rep: dict[str, Any]) -> None:
         + f"\nlargest attempt overlap: {m.get('attempt_overlap_max_s')}s (bound {m.get('attempt_overlap_bound_s')}s)"
         + f"; unexplained kills: {len(m.get('unexplained_kills') or [])}"
         + (f"\npostgres failovers: {m['postgres_failovers']}" if m.get("postgres_failovers") else "")
+        + "".join(
+            f"\nunfinished: {u['job_id']} {u['state']} (attempt {u['attempt']}): {u['pending_reason'] or '-'}"
+            f" {u['pending_detail'] or ''}".rstrip()
+            for u in rep["unfinished_at_end"]
+        )
         + f"\nleftover processes: {len(rep['leftover_processes'])}; crashes: {len(rep['crashes'])}"
         + f"; {rep['durations_s']}"
     )  # fmt: skip

@@ -20,6 +20,17 @@ from chaos.run import ChaosOptions, run_chaos
 from chaos.stack import Layout
 from chaos.timeline import ALL_FAULT_KINDS, FAULT_KINDS
 
+# what a failed run's assertion shows
+SUMMARY = (
+    "faults",
+    "jobs",
+    "invariants",
+    "counterexamples",
+    "fault_timeline",
+    "leftover_processes",
+    "unfinished_at_end",
+)
+
 SEED = 3
 KINDS = ("postgres_failover", "postgres_restart", "leader_kill")
 
@@ -53,10 +64,7 @@ async def test_the_primary_postgres_sigkilled_under_submissions_loses_nothing() 
             ),
             log=lines.append,
         )  # fmt: skip
-        summary = {
-            k: rep[k]
-            for k in ("faults", "jobs", "invariants", "counterexamples", "fault_timeline", "leftover_processes")
-        }
+        summary = {k: rep[k] for k in SUMMARY}
         assert rep["ok"] and all(rep["invariants"].values()), json.dumps(summary, indent=1, default=str)
         assert rep["faults"]["postgres_failover"] >= 1, summary
         assert not rep["crashes"], rep["crashes"]

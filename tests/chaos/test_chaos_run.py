@@ -22,6 +22,9 @@ from chaos.run import ChaosOptions, run_chaos
 from chaos.stack import Layout
 from chaos.timeline import FAULT_KINDS
 
+# what a failed run's assertion shows
+SUMMARY = ("faults", "jobs", "invariants", "counterexamples", "durations_s", "state_dir", "unfinished_at_end")
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SEED = 5
@@ -49,7 +52,7 @@ async def test_a_chaos_run_injects_every_fault_and_every_invariant_holds() -> No
             ),
             log=lines.append,
         )
-        summary = {k: rep[k] for k in ("faults", "jobs", "invariants", "counterexamples", "durations_s", "state_dir")}
+        summary = {k: rep[k] for k in SUMMARY}
         assert all(rep["invariants"].values()), json.dumps(summary, indent=1, default=str)
         assert rep["leftover_processes"] == [], (
             f"the teardown found processes still running: {rep['leftover_processes']}"
