@@ -133,8 +133,7 @@ def stop_ranks_cmd(
             print(f"  {r.node_id:<10} {r.lease_id}")
         return
     found, killed = stop_ranks(where, grace)
-    if not live_ranks(where):
-        release_job_spaces(where)
+    release_job_spaces(where)
     if not found:
         print(f"no rank runs under {where}")
         return

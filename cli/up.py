@@ -372,10 +372,12 @@ def live_ranks(state_dir: Path) -> list[LiveRank]:
 
 
 def release_job_spaces(state_dir: Path) -> None:
-    """Once the agents are stopped and no rank is left: every node's job spaces (the jobs'
-    /dev/shm dirs and IPC pins, worker_agent.job_spaces) go, as a next agent's start would
-    let them go. An agent stopped while its ranks ran keeps them for those ranks. A node an
-    agent still serves (it holds the node's lock) is left to it: it may be starting a rank."""
+    """Once no rank is left: every node's job spaces (the jobs' /dev/shm dirs and IPC pins,
+    worker_agent.job_spaces) go, as a next agent's start would let them go. While any rank
+    runs, nothing goes: its agent, stopped, keeps them for it. A node an agent still serves
+    (it holds the node's lock) is left to it: it may be starting a rank."""
+    if live_ranks(state_dir):
+        return
     for node_dir in sorted(Path(state_dir).glob("agent/*/")):
         lock = NodeLock(node_dir)
         try:
@@ -483,10 +485,9 @@ def run(settings: Settings, *, stop_jobs: bool = False, grace_s: float = 30.0, h
         if found:
             how = f"{len(killed)} killed after {grace_s:g}s" if killed else "all exited"
             print(f"stopped {describe_ranks(found)} ({how})")
+    release_job_spaces(state)
     ranks = live_ranks(state)
-    if not ranks:
-        release_job_spaces(state)
-    elif not stop_jobs:
+    if ranks and not stop_jobs:
         print(
             f"{describe_ranks(ranks)} keep running under their supervisors (jobs outlive the control"
             f" plane; the next `gpufleet up` picks them up). To stop them too: `gpufleet stop-ranks"
