@@ -123,7 +123,8 @@ def stop_ranks_cmd(
     let them go."""
     from pathlib import Path
 
-    from cli.up import describe_ranks, live_ranks, release_job_spaces, stop_ranks
+    from cli.up import describe_ranks, release_job_spaces, stop_ranks
+    from worker_agent.live_ranks import live_ranks
 
     where = Path(state_dir).expanduser() if state_dir else _settings().state_dir
     if dry_run:

@@ -44,8 +44,8 @@ from common.secrets import role_env
 from common.settings import Principal, Settings
 from common.tls import api_scheme
 from proto.auth import node_credential, node_log_key
-from worker_agent import statefiles as sf
 from worker_agent.job_spaces import JobSpaces
+from worker_agent.live_ranks import LiveRank, live_ranks
 from worker_agent.node_lock import NodeLock, NodeLockHeld
 from worker_agent.rank_access import private_ancestor
 from worker_agent.rank_users import rank_users
@@ -335,40 +335,6 @@ class Platform:
             self.pair.stop()
         if self.postgres is not None:
             self.postgres.stop()
-
-
-@dataclass(frozen=True)
-class LiveRank:
-    """A rank (or its supervisor) still alive, as the agent's state dir records it."""
-
-    node_id: str
-    lease_id: str
-    job_id: str
-    supervisor_pid: int | None
-    pgid: int | None
-
-
-def live_ranks(state_dir: Path) -> list[LiveRank]:
-    """The ranks whose supervisor or rank process still runs, from
-    ``<state_dir>/agent/<node>/leases/<lease>/supervisor.json`` (pids checked by start time)."""
-    out: list[LiveRank] = []
-    for sup_file in sorted(Path(state_dir).glob(f"agent/*/leases/*/{sf.SUPERVISOR}")):
-        lease_dir = sup_file.parent
-        sup = sf.read_json(sup_file) or {}
-        spid = sup.get("supervisor_pid")
-        sup_alive = sf.process_alive(spid, sup.get("supervisor_start"))
-        pgid = sup.get("pgid")
-        # by pid and start time: a pid (or group id) reused since is never signalled
-        rank_alive = sf.process_alive(sup.get("rank_pid"), sup.get("rank_start"))
-        if not (sup_alive or rank_alive):
-            continue
-        task = sf.read_json(lease_dir / sf.TASK) or {}
-        job_id = str(task.get("job_id") or lease_dir.name.split(".")[0])
-        out.append(
-            LiveRank(lease_dir.parents[1].name, lease_dir.name, job_id, spid if sup_alive else None,
-                     pgid if rank_alive else None)
-        )  # fmt: skip
-    return out
 
 
 def release_job_spaces(state_dir: Path) -> None:

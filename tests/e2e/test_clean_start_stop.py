@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from cli.up import live_ranks, stop_ranks
+from cli.up import stop_ranks
 from common.embedded import any_free_port
 from worker_agent import statefiles as sf
+from worker_agent.live_ranks import live_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = """\
