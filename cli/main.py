@@ -120,13 +120,15 @@ def stop_ranks_cmd(
     """Stop the ranks this machine's agents started (they outlive `gpufleet up` and the agents):
     SIGTERM through their supervisors, SIGKILL after the grace. With no rank left, the jobs'
     /dev/shm dirs and IPC namespaces on every node go too, as the next agent's start would
-    let them go."""
+    let them go, and so do the ranks' firewall rules of the state dir."""
     from pathlib import Path
 
     from cli.up import describe_ranks, release_job_spaces, stop_ranks
     from worker_agent.live_ranks import live_ranks
+    from worker_agent.rank_firewall import release_if_unused, table_for
 
-    where = Path(state_dir).expanduser() if state_dir else _settings().state_dir
+    settings = _settings()
+    where = Path(state_dir).expanduser() if state_dir else settings.state_dir
     if dry_run:
         ranks = live_ranks(where)
         print(f"{describe_ranks(ranks)} running under {where}")
@@ -135,6 +137,7 @@ def stop_ranks_cmd(
         return
     found, killed = stop_ranks(where, grace)
     release_job_spaces(where)
+    release_if_unused(where, table_for(settings.agent_rank_firewall_table, where))
     if not found:
         print(f"no rank runs under {where}")
         return

@@ -48,6 +48,7 @@ from worker_agent.job_spaces import JobSpaces
 from worker_agent.live_ranks import LiveRank, live_ranks
 from worker_agent.node_lock import NodeLock, NodeLockHeld
 from worker_agent.rank_access import private_ancestor
+from worker_agent.rank_firewall import release_if_unused, table_for
 from worker_agent.rank_users import rank_users
 
 
@@ -452,6 +453,7 @@ def run(settings: Settings, *, stop_jobs: bool = False, grace_s: float = 30.0, h
             how = f"{len(killed)} killed after {grace_s:g}s" if killed else "all exited"
             print(f"stopped {describe_ranks(found)} ({how})")
     release_job_spaces(state)
+    release_if_unused(state, table_for(platform.settings.agent_rank_firewall_table, state))
     ranks = live_ranks(state)
     if ranks and not stop_jobs:
         print(

@@ -479,10 +479,13 @@ class Settings(BaseSettings):
         gt=0,
         description="how often the agent resolves those addresses again and closes any new one to ranks: a name"
         " that moved to another address, or could not be resolved at start (an address once closed stays closed"
-        " while the agent runs)",
+        " while the agent runs); a table gone from the host (a flushed ruleset) is put back then",
     )
     agent_rank_firewall_table: str = Field(
-        "gpufleet_ranks", pattern=r"^[a-z][a-z0-9_]{0,30}$", description="the nftables table (inet) of those rules"
+        "gpufleet_ranks",
+        pattern=r"^[a-z][a-z0-9_]{0,30}$",
+        description="the nftables table (inet) of those rules, with a hash of the state dir after it (<name>_<hash>):"
+        " two stacks on one host keep their own",
     )
     agent_node_cpus: float | None = Field(
         None, gt=0, description="the node's CPUs for rank shares (unset: the CPUs this agent may run on)"

@@ -43,26 +43,30 @@ TEMPLATE_DB = "gpufleet_template"
 
 @pytest.fixture(scope="session", autouse=True)
 def _rank_firewall_left_as_found():
-    """`gpufleet up` under the tests (as root, with nftables) puts its ranks' rules in the
-    host's ruleset (worker_agent.rank_firewall); take the table away after the session
-    unless it was there before it (a developer's own `make up`)."""
+    """An agent under the tests (as root, with nftables) puts its ranks' rules in the host's
+    ruleset, one table per state dir (worker_agent.rank_firewall), and leaves it while a rank
+    of it may run; take every such table the session made away after it, and none that was
+    there before it (a developer's own `make up`)."""
     import shutil
     import subprocess
 
     from common.settings import Settings
     from worker_agent import rank_firewall
 
-    table = Settings.model_fields["agent_rank_firewall_table"].default
+    prefix = Settings.model_fields["agent_rank_firewall_table"].default + "_"
     nft = shutil.which("nft")
 
-    def present() -> bool:
-        return nft is not None and os.geteuid() == 0 and subprocess.run(
-            [nft, "list", "table", "inet", table], capture_output=True, check=False
-        ).returncode == 0  # fmt: skip
+    def tables() -> set[str]:
+        if nft is None or os.geteuid() != 0:
+            return set()
+        out = subprocess.run([nft, "list", "tables", "inet"], capture_output=True, text=True, check=False).stdout
+        return {
+            line.split()[-1] for line in out.splitlines() if line.split()[-1:] and line.split()[-1].startswith(prefix)
+        }
 
-    before = present()
+    before = tables()
     yield
-    if not before and present():
+    for table in sorted(tables() - before):
         rank_firewall.remove(table)
 
 

@@ -14,17 +14,22 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from common.settings import Settings
-from tests.agent.conftest import make_settings, wait_for
-from tests.security.conftest import run_sh_rank
+from tests.agent.conftest import make_settings, start_task, wait_for
+from tests.security.conftest import run_sh_rank, sections
 from worker_agent import rank_firewall
 from worker_agent import statefiles as sf
 from worker_agent.agent import AgentProcess
+from worker_agent.node_lock import NodeLock
 from worker_agent.rank_firewall import Endpoint
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_rules_reject_the_ranks_users_and_nobody_else():
@@ -43,6 +48,39 @@ def test_the_rules_reject_the_ranks_users_and_nobody_else():
         ' counter reject with tcp reset comment "temporal"' in text
     )
     assert 'ip6 daddr ::1 tcp dport 50051 counter reject with tcp reset comment "control drop"' in text
+
+
+def test_each_state_dir_has_its_own_table(tmp_path):
+    """Two stacks on one host (the tests beside a developer's `make up`) never replace or
+    remove each other's rules: the table is named by the state dir too."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    a = rank_firewall.table_for("gpufleet_ranks", tmp_path / "a")
+    assert a.startswith("gpufleet_ranks_") and len(a) == len("gpufleet_ranks_") + 8
+    assert rank_firewall.table_for("gpufleet_ranks", tmp_path / "b") == a  # the same dir by another path
+    assert rank_firewall.table_for("gpufleet_ranks", tmp_path / "c") != a
+
+
+def test_the_rules_go_only_once_no_rank_runs_and_no_agent_serves(tmp_path, monkeypatch):
+    """What ``release_if_unused`` reads in the state dir: a live rank, or a node an agent
+    serves, keeps the rules; a supervisor whose rank has ended is waited for a moment."""
+    removed: list[str] = []
+    monkeypatch.setattr(rank_firewall, "remove", removed.append)
+    lease = tmp_path / "agent" / "n0" / "leases" / "j-1.a1.r0"
+    lease.mkdir(parents=True)
+    me = {"supervisor_pid": os.getpid(), "supervisor_start": sf.process_start_ticks(os.getpid())}
+    sf.write_json_atomic(lease / sf.SUPERVISOR, {**me, "rank_pid": os.getpid(), "rank_start": me["supervisor_start"],
+                                                 "pgid": os.getpgid(0)})  # fmt: skip
+    assert not rank_firewall.release_if_unused(tmp_path, "t", settle_s=60)  # a rank runs: at once, kept
+    sf.write_json_atomic(lease / sf.SUPERVISOR, me)  # its supervisor outlives it ...
+    assert not rank_firewall.release_if_unused(tmp_path, "t", settle_s=0.2)  # ... past the settle: kept
+    (lease / sf.SUPERVISOR).unlink()
+    lock = NodeLock(tmp_path / "agent" / "n0")
+    lock.acquire("n0")
+    assert not rank_firewall.release_if_unused(tmp_path, "t")  # an agent serves the node
+    lock.release()
+    assert removed == []
+    assert rank_firewall.release_if_unused(tmp_path, "t") and removed == ["t"]
 
 
 def test_addresses_resolve_and_bad_ones_are_refused():
@@ -69,11 +107,9 @@ def _firewall_here() -> str:
     return "" if r.returncode == 0 else f"nft cannot run here: {r.stderr.strip()}"
 
 
-def take_table(table: str) -> subprocess.CompletedProcess:
-    """``nft list`` of the agent's table, then the table removed (it outlives the agent)."""
-    listed = subprocess.run(["nft", "list", "table", "inet", table], capture_output=True, text=True, check=False)
-    rank_firewall.remove(table)
-    return listed
+def list_table(table: str) -> subprocess.CompletedProcess:
+    """``nft list`` of an agent's table."""
+    return subprocess.run(["nft", "list", "table", "inet", table], capture_output=True, text=True, check=False)
 
 
 class Listener:
@@ -111,11 +147,12 @@ async def test_a_rank_cannot_connect_to_control_or_a_listed_address_and_others_c
 ):
     caplog.set_level(logging.INFO, "gpufleet.agent")
     control, database, storage = listeners
-    table = f"gpufleet_test_{os.getpid()}"
     settings = make_settings(
         tmp_path, agent_rank_isolation=True, agent_work_dir=work_root, agent_rank_firewall="required",
-        agent_rank_firewall_table=table, agent_rank_blocked_addresses=[f"localhost:{database.port}"],
+        agent_rank_firewall_table=f"gpufleet_test_{os.getpid()}",
+        agent_rank_blocked_addresses=[f"localhost:{database.port}"],
     )  # fmt: skip
+    table = rank_firewall.table_for(settings.agent_rank_firewall_table, settings.state_dir)
     agent = AgentProcess(
         settings, ["node-w"], backend="simulated", temporal=False, control_addresses=[f"127.0.0.1:{control.port}"]
     )
@@ -134,11 +171,12 @@ async def test_a_rank_cannot_connect_to_control_or_a_listed_address_and_others_c
         assert sections["storage"].strip() == "connected", out  # everything else is the rank's to reach
         # the agent's own user (and every user but the ranks') still reaches control
         socket.create_connection(("127.0.0.1", control.port), timeout=5).close()
-        # the rules stay when the agent stops: ranks outlive it
+        listed = await asyncio.to_thread(list_table, table)
+        assert listed.returncode == 0 and f"dport {control.port}" in listed.stdout, listed
     finally:
         await agent.stop()
-    listed = await asyncio.to_thread(take_table, table)
-    assert listed.returncode == 0 and f"dport {control.port}" in listed.stdout, listed
+    # no rank of the state dir is left: the rules go with the agent
+    assert not await asyncio.to_thread(rank_firewall.present, table)
 
 
 @pytest.mark.skipif(bool(_firewall_here()), reason=_firewall_here() or "-")
@@ -146,17 +184,17 @@ async def test_an_address_that_does_not_resolve_is_named_and_the_others_are_stil
     tmp_path, work_root, listeners, caplog
 ):
     control = listeners[0]
-    table = f"gpufleet_test_{os.getpid()}_b"
     settings = make_settings(
-        tmp_path, agent_rank_isolation=True, agent_work_dir=work_root, agent_rank_firewall_table=table,
-        agent_rank_blocked_addresses=["no-such-host.invalid:5432"],
+        tmp_path, agent_rank_isolation=True, agent_work_dir=work_root,
+        agent_rank_firewall_table=f"gpufleet_test_{os.getpid()}_b", agent_rank_blocked_addresses=["no-such-host.invalid:5432"],
     )  # fmt: skip
+    table = rank_firewall.table_for(settings.agent_rank_firewall_table, settings.state_dir)
     agent = AgentProcess(
         settings, ["node-z"], backend="simulated", temporal=False, control_addresses=[f"127.0.0.1:{control.port}"]
     )
     await agent.start()
+    listed = await asyncio.to_thread(list_table, table)
     await agent.stop()
-    listed = await asyncio.to_thread(take_table, table)
     assert f"dport {control.port}" in listed.stdout, listed
     assert "cannot resolve listed address 'no-such-host.invalid:5432'" in caplog.text
     with pytest.raises(RuntimeError, match="required but ranks cannot be kept off: cannot resolve"):
@@ -185,11 +223,12 @@ async def test_a_name_that_resolves_only_after_the_start_is_closed_to_ranks_then
         return real(host, *args, **kw)
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-    table = f"gpufleet_test_{os.getpid()}_r"
     settings = make_settings(
-        tmp_path, agent_rank_isolation=True, agent_work_dir=work_root, agent_rank_firewall_table=table,
+        tmp_path, agent_rank_isolation=True, agent_work_dir=work_root,
+        agent_rank_firewall_table=f"gpufleet_test_{os.getpid()}_r",
         agent_rank_blocked_addresses=[f"db.moving.test:{database.port}"], agent_rank_firewall_refresh_s=0.1,
     )  # fmt: skip
+    table = rank_firewall.table_for(settings.agent_rank_firewall_table, settings.state_dir)
     agent = AgentProcess(
         settings, ["node-r"], backend="simulated", temporal=False, control_addresses=[f"127.0.0.1:{control.port}"]
     )
@@ -208,10 +247,10 @@ async def test_a_name_that_resolves_only_after_the_start_is_closed_to_ranks_then
         after = (await run_sh_rank(agent.nodes["node-r"], "lease-after", probe)).dir / sf.STDOUT
         control_out, database_out = after.read_text().split("== database")
         assert "Connection refused" in control_out and "Connection refused" in database_out, after.read_text()
+        listed = await asyncio.to_thread(list_table, table)
+        assert f"dport {control.port}" in listed.stdout and f"dport {database.port}" in listed.stdout, listed
     finally:
         await agent.stop()
-    listed = await asyncio.to_thread(take_table, table)
-    assert f"dport {control.port}" in listed.stdout and f"dport {database.port}" in listed.stdout, listed
 
 
 async def test_an_agent_that_must_keep_ranks_off_and_cannot_refuses_to_start(tmp_path, work_root, monkeypatch, caplog):
@@ -231,3 +270,108 @@ async def test_an_agent_that_must_keep_ranks_off_and_cannot_refuses_to_start(tmp
     await auto.start()
     await auto.stop()
     assert "ranks can connect to 127.0.0.1:1: nft (nftables) is not installed" in caplog.text
+
+
+def connect_probe(**ports: int) -> str:
+    """A rank's shell: for each name, whether a TCP connection to 127.0.0.1:port opens."""
+    return "".join(
+        f'echo "== {name}"; bash -c "exec 3<>/dev/tcp/127.0.0.1/{port} && echo connected" 2>&1\n'
+        for name, port in ports.items()
+    )
+
+
+@pytest.mark.skipif(bool(_firewall_here()), reason=_firewall_here() or "-")
+async def test_two_stacks_on_one_host_keep_each_others_rules(tmp_path, work_root, listeners):
+    """A second stack's agent (another state dir, other endpoints) starts and stops beside the
+    first: the first's ranks stay kept off the first's control plane throughout. With one
+    table for the host, the second's start replaced the first's rules with its own."""
+    control_a, control_b = listeners[0], listeners[1]
+    agents = {}
+    for name, control in (("a", control_a), ("b", control_b)):
+        settings = make_settings(
+            tmp_path / name, agent_rank_isolation=True, agent_work_dir=work_root / name,
+            agent_rank_firewall="required",
+        )  # fmt: skip
+        agents[name] = AgentProcess(
+            settings, [f"node-{name}"], backend="simulated", temporal=False,
+            control_addresses=[f"127.0.0.1:{control.port}"],
+        )  # fmt: skip
+    probe = connect_probe(a=control_a.port, b=control_b.port)
+    await agents["a"].start()
+    try:
+        await agents["b"].start()
+        try:
+            for name in ("a", "b"):
+                st = await run_sh_rank(agents[name].nodes[f"node-{name}"], f"lease-{name}", probe)
+                out = sections((st.dir / sf.STDOUT).read_text())
+                # its own stack's control is closed to it (and the other's: the ranks' users are the same)
+                assert "Connection refused" in out["a"] and "Connection refused" in out["b"], out
+        finally:
+            await agents["b"].stop()
+        tables = {n: rank_firewall.table_for(a.settings.agent_rank_firewall_table, a.settings.state_dir)
+                  for n, a in agents.items()}  # fmt: skip
+        assert not rank_firewall.present(tables["b"]) and rank_firewall.present(tables["a"])
+        st = await run_sh_rank(agents["a"].nodes["node-a"], "lease-a2", probe)
+        out = sections((st.dir / sf.STDOUT).read_text())
+        assert "Connection refused" in out["a"], out  # the second stack's stop took only its own rules
+    finally:
+        await agents["a"].stop()
+    assert not rank_firewall.present(tables["a"])
+
+
+@pytest.mark.skipif(bool(_firewall_here()), reason=_firewall_here() or "-")
+async def test_rules_flushed_from_the_host_are_put_back(tmp_path, work_root, listeners, caplog):
+    """A firewall service's reload (`nft flush ruleset`, firewalld's reload) takes the ranks'
+    table with the rest: the agent puts it back within its refresh, and says so."""
+    caplog.set_level(logging.INFO, "gpufleet.agent")
+    control = listeners[0]
+    settings = make_settings(
+        tmp_path, agent_rank_isolation=True, agent_work_dir=work_root, agent_rank_firewall_refresh_s=0.1
+    )
+    table = rank_firewall.table_for(settings.agent_rank_firewall_table, settings.state_dir)
+    agent = AgentProcess(
+        settings, ["node-f"], backend="simulated", temporal=False, control_addresses=[f"127.0.0.1:{control.port}"]
+    )
+    await agent.start()
+    try:
+        assert await asyncio.to_thread(rank_firewall.present, table)
+        await asyncio.to_thread(rank_firewall.remove, table)
+        await wait_for(lambda: "were gone from the host" in caplog.text, timeout=20, what="the rules put back")
+        assert f"dport {control.port}" in (await asyncio.to_thread(list_table, table)).stdout
+        st = await run_sh_rank(agent.nodes["node-f"], "lease-f", connect_probe(control=control.port))
+        assert "Connection refused" in (st.dir / sf.STDOUT).read_text()
+    finally:
+        await agent.stop()
+
+
+@pytest.mark.skipif(bool(_firewall_here()), reason=_firewall_here() or "-")
+async def test_the_rules_stay_while_a_rank_runs_on_and_go_with_it(tmp_path, work_root, listeners):
+    """An agent stopped while its rank runs on leaves the rules for that rank; once
+    `gpufleet stop-ranks` has stopped it, they go."""
+    control = listeners[0]
+    prefix = f"gpufleet_test_{os.getpid()}_s"
+    settings = make_settings(
+        tmp_path, agent_rank_isolation=True, agent_work_dir=work_root, agent_rank_firewall_table=prefix
+    )
+    table = rank_firewall.table_for(prefix, settings.state_dir)
+    agent = AgentProcess(
+        settings, ["node-s"], backend="simulated", temporal=False, control_addresses=[f"127.0.0.1:{control.port}"]
+    )
+    await agent.start()
+    try:
+        res = await agent.nodes["node-s"].start_task(start_task("node-s", "lease-s", ["/bin/sh", "-c", "sleep 60"]))
+        assert res.accepted, res
+    finally:
+        await agent.stop()
+    try:
+        assert await asyncio.to_thread(rank_firewall.present, table)  # the rank runs on: its rules stay
+        r = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "cli.main", "stop-ranks", "--state-dir", str(settings.state_dir), "--grace", "5"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+            env={**os.environ, "GPUFLEET_AGENT_RANK_FIREWALL_TABLE": prefix},
+        )  # fmt: skip
+        assert r.returncode == 0 and "stopped 1 rank of 1 job" in r.stdout, r.stdout + r.stderr
+        assert not await asyncio.to_thread(rank_firewall.present, table)
+    finally:
+        await asyncio.to_thread(rank_firewall.remove, table)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import subprocess
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from common.temporal import connect, make_worker
@@ -90,6 +91,8 @@ class AgentProcess:
         self._firewall_addresses: list[tuple[str, str]] = []
         self._firewall_endpoints: set[rank_firewall.Endpoint] = set()
         self._firewall_problems: set[str] = set()
+        self._firewall_table = rank_firewall.table_for(settings.agent_rank_firewall_table, settings.state_dir)
+        self._firewall_mutex = threading.Lock()  # renewals (in threads) against the stop's removal
 
     async def start(self) -> None:
         s = self.settings
@@ -159,7 +162,7 @@ class AgentProcess:
             return
         log.info(
             "ranks may not connect to %s (nftables table inet %s)",
-            ", ".join(f"{e.ip}:{e.port}" for e in endpoints), s.agent_rank_firewall_table,
+            ", ".join(f"{e.ip}:{e.port}" for e in endpoints), self._firewall_table,
         )  # fmt: skip
         self._firewall_addresses = addresses
         self._firewall_endpoints = set(endpoints)
@@ -170,13 +173,14 @@ class AgentProcess:
         base = int(s.agent_rank_id_base) or None
         uids = {uid for uid, _ in rank_users.rank_users(s)}
         rank_firewall.apply(
-            rank_firewall.ruleset(s.agent_rank_firewall_table, rank_firewall.uid_set(uids, base), sorted(endpoints))
+            rank_firewall.ruleset(self._firewall_table, rank_firewall.uid_set(uids, base), sorted(endpoints))
         )
 
     async def _refresh_rank_firewall(self) -> None:
         """Resolve the addresses again now and then and close any new one: a name behind a load
         balancer moves, and one that did not resolve at start (DNS down) would stay open for
-        the agent's life. The rules only grow: an address a name left may come back."""
+        the agent's life. The rules only grow: an address a name left may come back. A table
+        gone from the host (a firewall service's reload flushes the whole ruleset) is put back."""
         s = self.settings
         while True:
             await asyncio.sleep(float(s.agent_rank_firewall_refresh_s))
@@ -186,16 +190,39 @@ class AgentProcess:
                     log.warning("ranks can connect to what this names: %s", problem)
                 self._firewall_problems = set(problems)
                 new = set(endpoints) - self._firewall_endpoints
-                if not new:
-                    continue
-                await asyncio.to_thread(self._apply_rank_firewall, self._firewall_endpoints | new)
-                self._firewall_endpoints |= new
-                log.info(
-                    "ranks may no longer connect to %s either (resolved again; nftables table inet %s)",
-                    ", ".join(f"{e.ip}:{e.port}" for e in sorted(new)), s.agent_rank_firewall_table,
-                )  # fmt: skip
+                gone = await asyncio.to_thread(self._renew_rank_firewall, new)
+                if gone is None:
+                    return  # stopping: the rules are the stop's to keep or remove
+                if gone:
+                    log.warning(
+                        "the ranks' rules were gone from the host (nftables table inet %s): put back",
+                        self._firewall_table,
+                    )  # fmt: skip
+                if new:
+                    log.info(
+                        "ranks may no longer connect to %s either (resolved again; nftables table inet %s)",
+                        ", ".join(f"{e.ip}:{e.port}" for e in sorted(new)), self._firewall_table,
+                    )  # fmt: skip
             except Exception as e:  # the loop outlives any one failure; the rules in place stay
                 log.warning("cannot renew the ranks' rules (the last ones stand): %s", e)
+
+    def _renew_rank_firewall(self, new: set[rank_firewall.Endpoint]) -> bool | None:
+        """Apply the rules again with ``new`` if there are new endpoints or the table is gone
+        from the host; whether it was gone, or None once the agent is stopping. Under the
+        lock the stop's removal takes too: a renewal still running when the loop is cancelled
+        must not put the table back after the stop removed it."""
+        with self._firewall_mutex:
+            if self._stopping:
+                return None
+            gone = not rank_firewall.present(self._firewall_table)
+            if new or gone:
+                self._apply_rank_firewall(self._firewall_endpoints | new)
+                self._firewall_endpoints |= new
+            return gone
+
+    def _release_rank_firewall(self) -> bool:
+        with self._firewall_mutex:
+            return rank_firewall.release_if_unused(self.settings.state_dir, self._firewall_table)
 
     def _say_whether_ranks_see_other_processes(self) -> None:
         """Under the process runtime a rank reads every process's command line unless its
@@ -283,6 +310,12 @@ class AgentProcess:
         self._tasks.clear()
         for node in self.nodes.values():
             await node.close()
+        if self._firewall_addresses:  # the rules go with the state dir's last rank and agent
+            try:
+                if await asyncio.to_thread(self._release_rank_firewall):
+                    log.info("no rank left: the ranks' rules are gone (nftables table inet %s)", self._firewall_table)
+            except Exception as e:  # stopping goes on; the next start replaces the table
+                log.warning("cannot remove the ranks' rules (nftables table inet %s): %s", self._firewall_table, e)
         if self._http_log_server is not None:
             await self._http_log_server.stop()
             self._http_log_server = None

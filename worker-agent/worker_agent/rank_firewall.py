@@ -9,21 +9,29 @@ the ranks' uids (the shared rank user, every numbered team's, every listed team'
 addresses, as resolved at start. Other users and every other destination are untouched:
 a rank may still reach the API, its storage and its peers.
 
-The table is replaced whole in one nft transaction, so a restarted agent never leaves a
-gap, and it stays after the agent stops: ranks outlive their agent.
+The table is the state dir's own (``table_for``: the setting's name and a hash of the state
+dir), so two stacks on one host (the tests beside a developer's `make up`) never replace or
+remove each other's. It is replaced whole in one nft transaction, so a restarted agent never
+leaves a gap; it stays after the agent stops while any rank of the state dir runs (ranks
+outlive their agent) and goes with the last one (``release_if_unused``).
 
-``ruleset`` is pure (tested as text); ``apply`` runs ``nft -f -``.
+``ruleset`` and ``table_for`` are pure (tested as text); ``apply`` runs ``nft -f -``.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import shutil
 import socket
 import subprocess
+import time
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
+from worker_agent.live_ranks import live_ranks, nodes_served
 from worker_agent.rank_users import UID_MAX
 
 
@@ -40,6 +48,11 @@ class Endpoint:
     @property
     def family(self) -> str:
         return "ip6" if ipaddress.ip_address(self.ip).version == 6 else "ip"
+
+
+def table_for(name: str, state_dir: Path | str) -> str:
+    """The state dir's own table: ``<name>_<crc32 of the state dir's real path>``."""
+    return f"{name}_{zlib.crc32(os.path.realpath(state_dir).encode()):08x}"
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -114,3 +127,32 @@ def remove(table: str, timeout_s: float = 10.0) -> None:
     nft = shutil.which("nft")
     if nft is not None:
         subprocess.run([nft, "delete", "table", "inet", table], capture_output=True, timeout=timeout_s, check=False)
+
+
+def present(table: str, timeout_s: float = 10.0) -> bool:
+    """Whether the host's ruleset has the table (a firewall service's reload flushes the
+    whole ruleset, ours with it)."""
+    nft = shutil.which("nft")
+    if nft is None:
+        raise FirewallError("nft (nftables) is not installed")
+    r = subprocess.run([nft, "list", "table", "inet", table], capture_output=True, timeout=timeout_s, check=False)
+    return r.returncode == 0
+
+
+def release_if_unused(state_dir: Path | str, table: str, settle_s: float = 5.0, poll_s: float = 0.05) -> bool:
+    """Remove the state dir's table once no rank of it runs and no agent serves any of its
+    nodes (an agent that starts meanwhile puts it back within its refresh); True if it went.
+    A supervisor whose rank has ended is given ``settle_s`` to finish its exit record; one
+    still there after it keeps the rules (it may be about to start its rank)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        ranks = live_ranks(Path(state_dir))
+        if any(r.pgid for r in ranks) or nodes_served(Path(state_dir)):
+            return False
+        if not ranks:
+            break
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    remove(table)
+    return True
