@@ -118,9 +118,9 @@ def stop_ranks_cmd(
     dry_run: bool = typer.Option(False, "--dry-run", help="only say what runs"),
 ) -> None:
     """Stop the ranks this machine's agents started (they outlive `gpufleet up` and the agents):
-    SIGTERM through their supervisors, SIGKILL after the grace. With no rank left, the jobs'
-    /dev/shm dirs and IPC namespaces on every node go too, as the next agent's start would
-    let them go, and so do the ranks' firewall rules of the state dir."""
+    SIGTERM through their supervisors, SIGKILL after the grace. On each node with no rank
+    left, the jobs' /dev/shm dirs and IPC namespaces go too, as the next agent's start would
+    let them go; with none left anywhere, so do the ranks' firewall rules of the state dir."""
     from pathlib import Path
 
     from cli.up import describe_ranks, release_job_spaces, stop_ranks

@@ -339,13 +339,14 @@ class Platform:
 
 
 def release_job_spaces(state_dir: Path) -> None:
-    """Once no rank is left: every node's job spaces (the jobs' /dev/shm dirs and IPC pins,
-    worker_agent.job_spaces) go, as a next agent's start would let them go. While any rank
-    runs, nothing goes: its agent, stopped, keeps them for it. A node an agent still serves
-    (it holds the node's lock) is left to it: it may be starting a rank."""
-    if live_ranks(state_dir):
-        return
+    """Each node with no rank left: its job spaces (the jobs' /dev/shm dirs and IPC pins,
+    worker_agent.job_spaces) go, as a next agent's start would let them go. A node where a
+    rank runs keeps them all: its agent, stopped, keeps them for it. A node an agent still
+    serves (it holds the node's lock) is left to it: it may be starting a rank."""
+    running = {r.node_id for r in live_ranks(state_dir)}
     for node_dir in sorted(Path(state_dir).glob("agent/*/")):
+        if node_dir.name in running:
+            continue
         lock = NodeLock(node_dir)
         try:
             lock.acquire(node_dir.name)

@@ -128,12 +128,12 @@ async def test_a_restarted_agent_lets_go_the_ipc_of_jobs_that_ended_meanwhile(jo
         await close_node(again)
 
 
-def _spaces_left_by_a_stopped_agent(state) -> tuple[JobSpaces, str, str]:
+def _spaces_left_by_a_stopped_agent(state, node_id: str = "b0-n0") -> tuple[JobSpaces, str, str]:
     """A node's spaces for a job whose rank has ended while its agent was gone: a pinned IPC
     namespace and a /dev/shm dir."""
-    node_dir = state / "agent" / "b0-n0"
+    node_dir = state / "agent" / node_id
     node_dir.mkdir(parents=True)
-    spaces = JobSpaces(node_dir, "b0-n0")
+    spaces = JobSpaces(node_dir, node_id)
     shm = spaces.job_shm("job-a", (65534, 65534))
     pin = str(spaces.ipc_pin("job-a"))
     claim = rank_ipc.JobIpc(pin).claim()
@@ -151,6 +151,25 @@ def test_up_stopped_with_no_rank_left_lets_every_nodes_job_spaces_go(tmp_path):
     spaces, pin, shm = _spaces_left_by_a_stopped_agent(tmp_path / "state")
     release_job_spaces(tmp_path / "state")
     assert not os.path.exists(pin) and not os.path.exists(shm) and not spaces.shm_dir.exists()
+
+
+def test_a_node_with_no_rank_left_lets_its_job_spaces_go_while_another_nodes_rank_runs(tmp_path):
+    """`up` stopped with one node's rank still running: that node keeps its spaces for it,
+    and every other node's go (until this, one rank anywhere kept every node's)."""
+    state = tmp_path / "state"
+    idle, idle_pin, idle_shm = _spaces_left_by_a_stopped_agent(state, "b0-n0")
+    busy, busy_pin, busy_shm = _spaces_left_by_a_stopped_agent(state, "b0-n1")
+    lease = state / "agent" / "b0-n1" / "leases" / "job-b.a1.r0"
+    lease.mkdir(parents=True)
+    start = sf.process_start_ticks(os.getpid())  # this process stands in for the rank that runs on
+    sf.write_json_atomic(lease / sf.SUPERVISOR, {"rank_pid": os.getpid(), "rank_start": start, "pgid": os.getpgid(0)})
+    try:
+        release_job_spaces(state)
+        assert not os.path.exists(idle_pin) and not os.path.exists(idle_shm) and not idle.shm_dir.exists()
+        assert rank_ipc.pinned(busy_pin) and os.path.isdir(busy_shm)
+    finally:
+        idle.close()
+        busy.close()
 
 
 def test_job_spaces_of_a_node_an_agent_still_serves_are_left_to_it(tmp_path):
