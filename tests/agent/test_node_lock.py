@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from tests.agent.conftest import close_node, make_settings, pid_alive, script, start_task, wait_for
 from worker_agent import statefiles as sf
+from worker_agent.agent import AgentProcess
 from worker_agent.node import NodeAgent
 from worker_agent.node_lock import NodeLock, NodeLockHeld
 from worker_agent.nvml import make_backend
@@ -64,6 +66,27 @@ async def test_an_agent_that_fails_to_start_leaves_the_node_free(tmp_path):
     n = _node(make_settings(tmp_path), "node-x")
     await n.start()
     await close_node(n)
+
+
+async def test_an_agent_process_that_cannot_start_one_node_lets_the_others_go(tmp_path):
+    """`AgentProcess` hosting two nodes, the second served by another agent: the start fails
+    naming it, and the first node, started before, is free again (it was held until the
+    process exited), with nothing left listening for logs."""
+    settings = make_settings(tmp_path)
+    other = NodeLock(sf.node_dir(settings.state_dir, "node-q"))
+    other.acquire("node-q")
+    agent = AgentProcess(settings, ["node-p", "node-q"], backend="simulated", temporal=False)
+    try:
+        with pytest.raises(NodeLockHeld, match="node node-q: another agent serves"):
+            await agent.start()
+    finally:
+        other.release()
+    again = _node(settings, "node-p")
+    await again.start()
+    await close_node(again)
+    host, port = agent.http_log_addr.rsplit(":", 1)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
 
 
 async def test_a_sigkilled_agent_frees_its_node(tmp_path):

@@ -106,14 +106,20 @@ class AgentProcess:
         self._http_log_server = LogHttpServer(s, self.nodes)
         self.http_log_addr = await self._http_log_server.start(self.listen or s.agent_http_listen)
         runtime = make_runtime(s)
-        for node_id in self.node_ids:
-            backend = make_backend(s, node_id, self.backend_kind)  # NvmlUnavailable: a clear error
-            node = NodeAgent(
-                s, node_id, backend=backend, runtime=runtime, boot_id=self.boot_id, agent_addr=self.http_log_addr,
-                simulated_ranks=self.simulated_ranks,
-            )  # fmt: skip
-            await node.start()
-            self.nodes[node_id] = node
+        try:
+            for node_id in self.node_ids:
+                backend = make_backend(s, node_id, self.backend_kind)  # NvmlUnavailable: a clear error
+                node = NodeAgent(
+                    s, node_id, backend=backend, runtime=runtime, boot_id=self.boot_id, agent_addr=self.http_log_addr,
+                    simulated_ranks=self.simulated_ranks,
+                )  # fmt: skip
+                await node.start()
+                self.nodes[node_id] = node
+        except BaseException:
+            # a node that cannot start (another agent serves it, no NVML) fails the whole
+            # start: the nodes started before it let their locks go, as a stop would
+            await self.stop()
+            raise
         for i, (node_id, node) in enumerate(self.nodes.items()):
             link = ControlLink(s, node, self.control_addresses, own_connection=self.link_own_connection)
             self.links[node_id] = link
