@@ -185,3 +185,4 @@ class HeartbeatReport:
     free_disk_bytes: int = 0
     cached_images: tuple[str, ...] = ()
     agent_addr: str = ""
+    node_faults: tuple[str, ...] = ()  # what keeps the node from hosting new ranks (worker_agent.node_fitness)

@@ -506,6 +506,18 @@ class Settings(BaseSettings):
     agent_node_reserved_disk_gib: float = Field(
         100.0, ge=0, description="disk of the work dirs' filesystem kept for images, logs and the OS"
     )
+    agent_min_free_disk_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description="free disk the node's state dir and ranks' work dir keep, below which the agent reports the"
+        " node unfit for new ranks (its running ranks go on)",
+    )
+    agent_node_fitness_check_s: float = Field(
+        30.0,
+        gt=0,
+        description="how often the agent checks that the node can host new ranks (those dirs written, fsynced and"
+        " above agent_min_free_disk_bytes); also at the next heartbeat after a start that could not prepare its dirs",
+    )
     agent_rank_disk_check_s: float = Field(
         30.0,
         gt=0,

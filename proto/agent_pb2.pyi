@@ -112,7 +112,7 @@ class RunningLease(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., job_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., checkpoint_uri: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., step_age_s: _Optional[float] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., unconfirmed_s: _Optional[float] = ..., gpu_util: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("node_id", "boot_id", "seq", "sent_at", "gpus", "running", "free_disk_bytes", "cached_images", "agent_addr", "agent_version")
+    __slots__ = ("node_id", "boot_id", "seq", "sent_at", "gpus", "running", "free_disk_bytes", "cached_images", "agent_addr", "agent_version", "node_faults")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class Heartbeat(_message.Message):
     CACHED_IMAGES_FIELD_NUMBER: _ClassVar[int]
     AGENT_ADDR_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_FAULTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     boot_id: str
     seq: int
@@ -133,7 +134,8 @@ class Heartbeat(_message.Message):
     cached_images: _containers.RepeatedScalarFieldContainer[str]
     agent_addr: str
     agent_version: str
-    def __init__(self, node_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuStatus, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningLease, _Mapping]]] = ..., free_disk_bytes: _Optional[int] = ..., cached_images: _Optional[_Iterable[str]] = ..., agent_addr: _Optional[str] = ..., agent_version: _Optional[str] = ...) -> None: ...
+    node_faults: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., boot_id: _Optional[str] = ..., seq: _Optional[int] = ..., sent_at: _Optional[float] = ..., gpus: _Optional[_Iterable[_Union[GpuStatus, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningLease, _Mapping]]] = ..., free_disk_bytes: _Optional[int] = ..., cached_images: _Optional[_Iterable[str]] = ..., agent_addr: _Optional[str] = ..., agent_version: _Optional[str] = ..., node_faults: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LeaseRef(_message.Message):
     __slots__ = ("lease_id", "epoch", "reason")

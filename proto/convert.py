@@ -119,4 +119,5 @@ def heartbeat_report_from_pb(h: pb.Heartbeat) -> HeartbeatReport:
         free_disk_bytes=h.free_disk_bytes,
         cached_images=tuple(h.cached_images),
         agent_addr=h.agent_addr,
+        node_faults=tuple(h.node_faults),
     )

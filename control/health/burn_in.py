@@ -101,7 +101,7 @@ class BurnIns:
     ) -> Decision | None:
         """Start, watch and judge the node's burn-in; returns the decision to apply.
         ``report``: the node's latest heartbeat report heard by this leadership, or None."""
-        if d is not None and d.event in (Event.LOST, Event.FATAL, Event.HANG):
+        if d is not None and d.event in (Event.LOST, Event.FATAL, Event.HANG, Event.UNFIT):
             return d  # the table fails the burn-in
         b = self.running.get(node_id)
         if b is None:

@@ -280,12 +280,14 @@ class HealthMonitor:
         entry = self._entry(node_id)
         gpus: tuple[GpuView, ...] = ()
         running: tuple[RankView, ...] = ()
+        node_faults: tuple[str, ...] = ()
         if entry is not None:
             rep = entry.report()
             gpus = tuple(
                 GpuView(g.index, g.health, g.sm_util, g.ecc_dbe, tuple(g.xids), tuple(g.faults)) for g in rep.gpus
             )
             running = tuple(r for r in rank_views(rep) if not is_burn_in(r.lease_id))
+            node_faults = rep.node_faults
         return NodeObservation(
             node_id=node_id,
             state=self.states[node_id],
@@ -295,6 +297,7 @@ class HealthMonitor:
             running=running,
             live_leases=frozenset(self._live(node_id)),
             silent_since=self.silent_since.get(node_id),
+            node_faults=node_faults,
         )
 
     async def _node(self, epoch: int, node_id: str, now: float) -> None:

@@ -33,6 +33,7 @@ class Event(StrEnum):
     LOST = "lost"  # no heartbeat for down_after_s
     FATAL = "fatal"  # fatal Xid, double-bit ECC, NVLink down, InfiniBand flaps past the threshold
     HANG = "hang"  # a rank's step counter stalled hang_after_s with its GPUs idle
+    UNFIT = "unfit"  # its agent reports it cannot host new ranks (a full or read-only disk)
     CLEAR = "clear"  # fresh heartbeat, no fault, no live lease, no rank left on the node: may burn in
     BURN_IN_PASSED = "burn_in_passed"
     BURN_IN_FAILED = "burn_in_failed"
@@ -73,6 +74,7 @@ TABLE: dict[tuple[NodeState, Event], Transition] = {
     (R, E.LOST): _t(D, "no heartbeat for down_after_s (first seen already long silent): recover its gangs", _REC),
     (R, E.FATAL): _t(C, "fatal GPU or link fault: cordon at once and restart its gangs elsewhere", _REC),
     (R, E.HANG): _t(C, "a gang hangs on it (stalled steps, idle GPUs): cordon, restart the gang", _REC),
+    (R, E.UNFIT): _t(C, "cannot host new ranks (disk full or read-only): cordon; its running ranks go on"),
     (R, E.CLEAR): _t(R, "already in service"),
     (R, E.BURN_IN_PASSED): _t(R, "stale burn-in result: ignored"),
     (R, E.BURN_IN_FAILED): _t(R, "stale burn-in result: ignored"),
@@ -83,6 +85,7 @@ TABLE: dict[tuple[NodeState, Event], Transition] = {
     (S, E.LOST): _t(D, "silent for down_after_s: down, recover its gangs", _REC),
     (S, E.FATAL): _t(C, "fatal GPU or link fault: cordon and restart its gangs", _REC),
     (S, E.HANG): _t(C, "a gang hangs on it: cordon, restart the gang", _REC),
+    (S, E.UNFIT): _t(C, "heard from again, but cannot host new ranks: cordon; its running ranks go on"),
     (S, E.CLEAR): _t(R, "heard from again (and empty): back in service"),
     (S, E.BURN_IN_PASSED): _t(S, "stale burn-in result: ignored"),
     (S, E.BURN_IN_FAILED): _t(S, "stale burn-in result: ignored"),
@@ -93,6 +96,7 @@ TABLE: dict[tuple[NodeState, Event], Transition] = {
     (D, E.LOST): _t(D, "already down (recovery re-tried while it still holds live leases)", _REC),
     (D, E.FATAL): _t(C, "back with a fatal fault: cordoned until repaired and burnt in", _REC),
     (D, E.HANG): _t(D, "down: its gangs are already being recovered", _REC),
+    (D, E.UNFIT): _t(D, "back, but cannot host new ranks: stays down until it can, is clear and burnt in"),
     (D, E.CLEAR): _t(B, "back, no leases, its agent confirms no rank is left: burn in before reuse", _BURN),
     (D, E.BURN_IN_PASSED): _t(D, "stale burn-in result: ignored"),
     (D, E.BURN_IN_FAILED): _t(D, "stale burn-in result: ignored"),
@@ -103,6 +107,7 @@ TABLE: dict[tuple[NodeState, Event], Transition] = {
     (C, E.LOST): _t(C, "out of service already (recovery re-tried while it holds live leases)", _REC),
     (C, E.FATAL): _t(C, "still faulty (recovery re-tried while it holds live leases)", _REC),
     (C, E.HANG): _t(C, "already cordoned (recovery re-tried)", _REC),
+    (C, E.UNFIT): _t(C, "still cannot host new ranks: burn-in waits until it can"),
     (C, E.CLEAR): _t(B, "repaired (no fault), empty, no rank left: run burn-in", _BURN),
     (C, E.BURN_IN_PASSED): _t(C, "stale burn-in result: ignored"),
     (C, E.BURN_IN_FAILED): _t(C, "stale burn-in result: ignored"),
@@ -113,6 +118,7 @@ TABLE: dict[tuple[NodeState, Event], Transition] = {
     (DR, E.LOST): _t(D, "silent for down_after_s: down, recover its gangs", _REC),
     (DR, E.FATAL): _t(C, "fatal fault while draining: cordon, restart its gangs now", _REC),
     (DR, E.HANG): _t(C, "a gang hangs while draining: cordon, restart it", _REC),
+    (DR, E.UNFIT): _t(DR, "draining: no new placements anyway; its running work is the drain's"),
     (DR, E.CLEAR): _t(DR, "drained: waits for an admin return"),
     (DR, E.BURN_IN_PASSED): _t(DR, "stale burn-in result: ignored"),
     (DR, E.BURN_IN_FAILED): _t(DR, "stale burn-in result: ignored"),
@@ -123,6 +129,7 @@ TABLE: dict[tuple[NodeState, Event], Transition] = {
     (B, E.LOST): _t(D, "lost during burn-in: down (it burns in again once back and clear)"),
     (B, E.FATAL): _t(C, "fatal fault during burn-in: failed, cordoned"),
     (B, E.HANG): _t(C, "the burn-in hangs: failed, cordoned"),
+    (B, E.UNFIT): _t(C, "cannot host ranks during burn-in: failed, cordoned until it can"),
     (B, E.CLEAR): _t(B, "burn-in running"),
     (B, E.BURN_IN_PASSED): _t(R, "burn-in passed: back in service"),
     (B, E.BURN_IN_FAILED): _t(C, "burn-in failed: cordoned (tried again once clear, after a back-off)"),
@@ -189,6 +196,7 @@ class NodeObservation:
     running: tuple[RankView, ...] = ()  # ranks the agent reports running
     live_leases: frozenset[str] = frozenset()  # live leases on the node in the store
     silent_since: float | None = None  # when it went silent (for the fence window after a return)
+    node_faults: tuple[str, ...] = ()  # what its agent says keeps it from hosting new ranks
 
 
 def fatal_faults(gpus: Iterable[GpuView], params: HealthParams) -> list[str]:
@@ -279,6 +287,8 @@ def derive_event(
                 f"{len(hung)} rank(s) stalled {params.hang_after_s:.0f}s with idle GPUs: {what}",
                 tuple(hung),
             )
+        if obs.node_faults:
+            return Event.UNFIT, "; ".join(obs.node_faults[:4]), ()
         fenced = obs.silent_since is not None and now - obs.silent_since >= params.fence_window_s
         if not obs.live_leases and (not obs.running or fenced):
             return (

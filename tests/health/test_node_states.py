@@ -53,6 +53,8 @@ for s, e in itertools.product(NodeState, Event):
         to = NodeState.CORDONED
     elif e == Event.HANG and s in (NodeState.READY, NodeState.SUSPECT, NodeState.DRAINING, NodeState.BURN_IN):
         to = NodeState.CORDONED
+    elif e == Event.UNFIT and s in (NodeState.READY, NodeState.SUSPECT, NodeState.BURN_IN):
+        to = NodeState.CORDONED
     elif e == Event.CLEAR and s in (NodeState.DOWN, NodeState.CORDONED):
         to = NodeState.BURN_IN
     elif e == Event.RETURN and s == NodeState.DRAINING:
@@ -80,12 +82,13 @@ def test_every_state_event_pair(state, event):
             (NodeState.SUSPECT, Event.CLEAR),
             (NodeState.BURN_IN, Event.BURN_IN_PASSED),
         }
-    # leaving service because of a failure always recovers the gangs there
+    # leaving service because of a failure always recovers the gangs there, except a node that
+    # only cannot take new ranks (a full disk): what runs there goes on
     if state in (NodeState.READY, NodeState.SUSPECT, NodeState.DRAINING) and t.to in (
         NodeState.DOWN,
         NodeState.CORDONED,
     ):
-        assert Action.RECOVER in t.actions
+        assert (Action.RECOVER in t.actions) == (event != Event.UNFIT)
     # burn-in is started exactly when a node enters burn_in
     assert (Action.BURN_IN in t.actions) == (t.to == NodeState.BURN_IN and state != NodeState.BURN_IN)
     # suspicion alone never stops running work
@@ -96,8 +99,11 @@ def test_every_state_event_pair(state, event):
 # --------------------------------------------------------------------------- decisions
 
 
-def obs(state="ready", *, hb=100.0, took=0.0, gpus=(), running=(), live=(), silent_since=None):
-    return NodeObservation("n1", NodeState(state), hb, took, tuple(gpus), tuple(running), frozenset(live), silent_since)
+def obs(state="ready", *, hb=100.0, took=0.0, gpus=(), running=(), live=(), silent_since=None, node_faults=()):
+    return NodeObservation(
+        "n1", NodeState(state), hb, took, tuple(gpus), tuple(running), frozenset(live), silent_since,
+        tuple(node_faults),
+    )  # fmt: skip
 
 
 def rank(lid="j.a1.r0", step=10, age=0.0, gpus=(0,), epoch=1):
@@ -168,6 +174,24 @@ def test_hang_needs_a_stalled_step_and_idle_gpus():
         decide(obs(gpus=idle, running=[rank(step=None, age=9999, gpus=(0,))], live=["j.a1.r0"]), P, 100).event
         == Event.HEARTBEAT
     )
+
+
+def test_a_node_that_cannot_host_new_ranks_is_cordoned_and_its_ranks_go_on():
+    full = ["disk /var/lib/gpufleet/agent/n1: 12.0 MiB free, below 1.00 GiB (agent_min_free_disk_bytes)"]
+    d = decide(obs(node_faults=full, live=["j.a1.r0"], running=[rank()]), P, 100.0)
+    assert (d.event, d.transition.to, d.transition.actions) == (Event.UNFIT, NodeState.CORDONED, ())
+    assert "12.0 MiB free" in d.detail
+    # a fatal GPU fault outranks it (and recovers the gangs)
+    d = decide(obs(node_faults=full, gpus=[GpuView(0, xids=(79,))], live=["j.a1.r0"]), P, 100.0)
+    assert d.event == Event.FATAL and Action.RECOVER in d.transition.actions
+    # cordoned and empty, but still unfit: no burn-in yet (it would fail to start)
+    d = decide(obs("cordoned", node_faults=full), P, 100.0)
+    assert (d.event, d.changes) == (Event.UNFIT, False)
+    # the disk freed: clear, burn-in
+    d = decide(obs("cordoned"), P, 100.0)
+    assert (d.event, d.transition.to) == (Event.CLEAR, NodeState.BURN_IN)
+    # a node heard from only long ago: its old report is no evidence now
+    assert decide(obs(hb=0.0, node_faults=full), P, 200.0).event == Event.LOST
 
 
 def test_a_down_node_returns_only_when_clear_or_past_the_fence_window():

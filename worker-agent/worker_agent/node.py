@@ -69,6 +69,7 @@ from worker_agent import exit_cause, gpu_devices, rank_cgroup, rank_mounts, rank
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within, local_path
 from worker_agent.job_spaces import JobSpaces
+from worker_agent.node_fitness import NodeFitness
 from worker_agent.node_lock import NodeLock
 from worker_agent.nvml import GpuBackend, GpuSample
 from worker_agent.rank_access import RankAccessError, hand_over_tree, require_reachable
@@ -168,6 +169,11 @@ class NodeAgent:
         self.private_ipc = False  # ... and their job's own SysV IPC namespace (decided at start)
         self.spaces = JobSpaces(self.dir, node_id)  # where those live on the host
         self.lock = NodeLock(self.dir)  # one agent per node state dir, from start to close
+        # whether new ranks can start here (simulated ranks write nothing: benchmarks skip it)
+        self.fitness = NodeFitness(
+            node_id, [self.dir, self.work_dir], int(settings.agent_min_free_disk_bytes),
+            float(settings.agent_node_fitness_check_s),
+        )  # fmt: skip
         self._recovered = False  # every lease of the state dir is known (before it, none is "the last")
         self.poll_s = float(settings.agent_poll_s)
         self.leases: dict[str, Lease] = {}
@@ -498,6 +504,8 @@ class NodeAgent:
                 work = self._work_dir(req, user)
                 spaces = self._job_spaces(work, req, user)
             except (OSError, RankAccessError) as e:
+                if isinstance(e, OSError):
+                    self.fitness.recheck()  # a full or read-only disk: say so in the next heartbeat
                 return refuse(f"cannot prepare the rank's dirs: {e}")
             progress_file = str(work / "progress.json")
             try:
@@ -870,6 +878,8 @@ class NodeAgent:
         except OSError:
             pass
         hb.cached_images.extend(await self._cached_images())
+        if not self.simulated_ranks:
+            hb.node_faults.extend(await self.fitness.faults())
         return hb
 
     async def _cached_images(self) -> list[str]:
