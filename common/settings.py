@@ -516,7 +516,8 @@ class Settings(BaseSettings):
         30.0,
         gt=0,
         description="how often the agent checks that the node can host new ranks (those dirs written, fsynced and"
-        " above agent_min_free_disk_bytes); also at the next heartbeat after a start that could not prepare its dirs",
+        " above agent_min_free_disk_bytes; the container engine answering); also at the next heartbeat after a start"
+        " that could not prepare its dirs",
     )
     agent_rank_disk_check_s: float = Field(
         30.0,

@@ -1,6 +1,8 @@
 """Whether a node can host new ranks (worker_agent.node_fitness): the dirs a rank's start
-writes are checked for room and for a write that reaches the disk, and what is found goes
-out in the node's heartbeat; real filesystems where root may mount them."""
+writes are checked for room and for a write that reaches the disk, and the container engine
+for an answer; what is found goes out in the node's heartbeat. Real filesystems where root
+may mount them; no container engine runs here, so a script on PATH answers as a daemon
+that is down or up does."""
 
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ from tests.agent.conftest import close_node, make_settings
 from worker_agent.node import NodeAgent
 from worker_agent.node_fitness import NodeFitness, check
 from worker_agent.nvml import make_backend
+from worker_agent.runtime import ContainerRuntime, ProcessRuntime
 
+DAEMON_DOWN = "Cannot connect to the Docker daemon at unix:///var/run/docker.sock. Is the docker daemon running?"
+SLEEP = shutil.which("sleep")  # found before a test narrows PATH
 MOUNTS = os.geteuid() == 0 and shutil.which("mount") is not None
 
 
@@ -86,3 +91,37 @@ async def test_a_change_is_logged_once(tmp_path, caplog):
     (tmp_path / "gone").mkdir()
     assert await fitness.faults() == []
     assert "node-l: can host new ranks again" in caplog.text
+
+
+def engine(tmp_path, monkeypatch, body: str) -> None:
+    """``docker`` on PATH as a shell script with this body (only it: no real engine here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "docker").write_text(f"#!/bin/sh\n{body}\n")
+    (bin_dir / "docker").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+
+
+def test_a_container_engine_that_does_not_answer_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert ContainerRuntime("docker").problem() == "container engine docker: not installed"
+    engine(tmp_path, monkeypatch, f'echo "{DAEMON_DOWN}" >&2; exit 1')
+    assert ContainerRuntime("docker").problem() == f"container engine docker: {DAEMON_DOWN}"
+    engine(tmp_path, monkeypatch, f"exec {SLEEP} 5")  # a hung daemon
+    assert "no answer to `docker info` within 0.2s" in (ContainerRuntime("docker").problem(timeout_s=0.2) or "")
+    engine(tmp_path, monkeypatch, 'echo "28.0.1"')
+    assert ContainerRuntime("docker").problem() is None
+    assert ProcessRuntime().problem() is None
+
+
+async def test_a_node_whose_container_daemon_is_down_says_so_in_its_heartbeat(tmp_path, monkeypatch):
+    engine(tmp_path, monkeypatch, f'echo "{DAEMON_DOWN}" >&2; exit 1')
+    settings = make_settings(tmp_path, agent_node_fitness_check_s=3600)
+    node = NodeAgent(
+        settings, "node-d", backend=make_backend(settings, "node-d", "simulated"), runtime=ContainerRuntime("docker")
+    )
+    await node.start()
+    try:
+        assert list((await node.heartbeat()).node_faults) == [f"container engine docker: {DAEMON_DOWN}"]
+    finally:
+        await close_node(node)

@@ -172,7 +172,7 @@ class NodeAgent:
         # whether new ranks can start here (simulated ranks write nothing: benchmarks skip it)
         self.fitness = NodeFitness(
             node_id, [self.dir, self.work_dir], int(settings.agent_min_free_disk_bytes),
-            float(settings.agent_node_fitness_check_s),
+            float(settings.agent_node_fitness_check_s), probes=[self.runtime.problem],
         )  # fmt: skip
         self._recovered = False  # every lease of the state dir is known (before it, none is "the last")
         self.poll_s = float(settings.agent_poll_s)

@@ -1,9 +1,10 @@
 """Whether a node can host new ranks, as its agent finds it: every dir a rank's start writes
 (the node's state dir, its ranks' work dir) takes a small file written, fsynced and removed,
-and keeps at least ``agent_min_free_disk_bytes`` free. A full disk, or one the kernel
-remounted read-only after an I/O error, refuses every StartTask while the node's GPUs still
-look healthy: without this the leader would place job after job there, each refused and
-re-queued at the front of its class, onto the same empty node again.
+and keeps at least ``agent_min_free_disk_bytes`` free; under the container runtime, its
+engine answers. A full disk, one the kernel remounted read-only after an I/O error, or a
+container daemon that is down fails every rank there while the node's GPUs still look
+healthy: without this the leader would place job after job on it, each failing (and, where
+the rank itself exits non-zero, counted against the job) and placed there again.
 
 What it finds goes out in every heartbeat (``node_faults``); the leader takes a node that
 reports any out of new placements (event ``unfit``: cordoned, its running ranks left alone)
@@ -19,7 +20,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 log = logging.getLogger("gpufleet.agent")
@@ -59,13 +60,22 @@ def check(dirs: Iterable[Path], min_free_bytes: int) -> list[str]:
 
 class NodeFitness:
     """The node's faults as of the latest check, checked again once ``every_s`` has passed
-    (or at once after ``recheck``); a change is logged."""
+    (or at once after ``recheck``); a change is logged. ``probes`` say what else keeps the
+    node from starting ranks (the container engine's), or None."""
 
-    def __init__(self, node_id: str, dirs: list[Path], min_free_bytes: int, every_s: float) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        dirs: list[Path],
+        min_free_bytes: int,
+        every_s: float,
+        probes: Sequence[Callable[[], str | None]] = (),
+    ) -> None:
         self.node_id = node_id
         self.dirs = dirs
         self.min_free_bytes = min_free_bytes
         self.every_s = every_s
+        self.probes = list(probes)
         self.latest: list[str] = []
         self._at = -1e18  # monotonic, of the latest check
 
@@ -76,7 +86,7 @@ class NodeFitness:
     async def faults(self) -> list[str]:
         if time.monotonic() - self._at >= self.every_s:
             self._at = time.monotonic()
-            found = await asyncio.to_thread(check, self.dirs, self.min_free_bytes)
+            found = await asyncio.to_thread(self._check)
             if found != self.latest:
                 if found:
                     log.warning("%s: cannot host new ranks: %s", self.node_id, "; ".join(found))
@@ -84,3 +94,6 @@ class NodeFitness:
                     log.info("%s: can host new ranks again (%s)", self.node_id, "; ".join(self.latest))
             self.latest = found
         return self.latest
+
+    def _check(self) -> list[str]:
+        return check(self.dirs, self.min_free_bytes) + [p for p in (probe() for probe in self.probes) if p]

@@ -136,6 +136,11 @@ class ProcessRuntime:
     def cached_images(self) -> list[str]:
         return []
 
+    def problem(self) -> str | None:
+        """What keeps this runtime from starting ranks now (worker_agent.node_fitness): nothing
+        of its own; the rank's command is the job's."""
+        return None
+
 
 class ContainerRuntime:
     """``docker run`` / ``podman run`` command lines (no engine runs in tests)."""
@@ -227,6 +232,26 @@ class ContainerRuntime:
         except (OSError, subprocess.SubprocessError):
             return []
         return sorted({line.strip() for line in out.stdout.splitlines() if line.strip() and "<none>" not in line})
+
+    def problem(self, timeout_s: float = 10.0) -> str | None:
+        """Whether the engine answers (``<engine> info``): a daemon that is down or hung fails
+        every rank's ``run`` (exit 125, or 127 with no engine), which would read as the job's
+        own failure. None when it answers."""
+        import subprocess
+
+        argv = [self.engine, "info", "--format", "{{.ServerVersion}}"]
+        try:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+        except FileNotFoundError:
+            return f"container engine {self.engine}: not installed"
+        except subprocess.TimeoutExpired:
+            return f"container engine {self.engine}: no answer to `{self.engine} info` within {timeout_s:g}s"
+        except OSError as e:
+            return f"container engine {self.engine}: {e}"
+        if r.returncode != 0:
+            said = (r.stderr.strip() or r.stdout.strip()).splitlines()
+            return f"container engine {self.engine}: {said[-1][:300] if said else f'exit {r.returncode}'}"
+        return None
 
 
 def make_runtime(settings) -> ProcessRuntime | ContainerRuntime:
