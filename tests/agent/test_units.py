@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
+import subprocess
+import sys
 import types
 from datetime import UTC, datetime
 
@@ -274,6 +277,31 @@ def test_job_helper_checkpoints_resume_and_latest(tmp_path):
             Job(env={**env, "GPUFLEET_CHECKPOINT_DIR": "s3://bucket/x"}, handle_sigterm=False).checkpoint(
                 1, {}, sync=True
             )
+
+
+@pytest.mark.parametrize("ending", ["returns", "checkpoints and returns", "exits for preemption"])
+def test_job_helper_removes_the_staging_dir_it_made(tmp_path, ending):
+    """A rank's local checkpoint staging dir goes with the rank: ranks that run as the agent's
+    user share the host's /tmp, where every rank of a CI run used to leave one."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    body = {
+        "returns": "job = Job(env=env, handle_sigterm=False)",
+        "checkpoints and returns": "job = Job(env=env, handle_sigterm=False); job.checkpoint(1, {'v': 1}, sync=True)",
+        "exits for preemption": "job = Job(env=env, handle_sigterm=False); job.exit_for_preemption(2, {'v': 2})",
+    }[ending]
+    code = (
+        f"from worker_agent.jobhelper import Job\nenv = {{'GPUFLEET_CHECKPOINT_DIR': 'file://{tmp_path}/ck'}}\n{body}\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True,
+                       text=True, timeout=60, check=False)  # fmt: skip
+    assert r.returncode in (0, 143), r.stderr
+    assert list(tmp.iterdir()) == []
+    if ending != "returns":
+        assert list((tmp_path / "ck").glob("step-*/rank-0/COMPLETE"))
+    kept = Job(env={}, handle_sigterm=False, local_dir=str(tmp))  # given, not made: left to its owner
+    kept._remove_local_dir()
+    assert tmp.is_dir()
 
 
 def test_job_helper_sigterm_sets_the_flag():

@@ -29,6 +29,7 @@ rank never looks like a successful one.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -98,6 +99,7 @@ class Job:
         self.every_steps = checkpoint_every_steps
         self.every_s = checkpoint_every_s
         self.local_dir = Path(local_dir or tempfile.mkdtemp(prefix=f"gpufleet-ckpt-{self.rank}-"))
+        self._own_local_dir = local_dir is None  # made here: removed at exit (a host's /tmp fills up)
         self.stop_requested = False
         self._progress: dict[str, Any] = {"step": None, "checkpoint_uri": None, "checkpoint_step": None}
         self._last_progress_write = 0.0
@@ -109,6 +111,8 @@ class Job:
         self._errors: list[BaseException] = []
         self._copier = threading.Thread(target=self._copy_loop, name="gpufleet-ckpt-copy", daemon=True)
         self._copier.start()
+        if self._own_local_dir:
+            atexit.register(self._remove_local_dir)
         if handle_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -192,6 +196,12 @@ class Job:
                 done.set()
                 self._copies.task_done()
 
+    def _remove_local_dir(self) -> None:
+        """The staging dir this Job made, once no copy from it is pending (one still copying
+        at exit may yet finish in its thread: its dir stays)."""
+        if self._own_local_dir and not self._copies.unfinished_tasks:
+            shutil.rmtree(self.local_dir, ignore_errors=True)
+
     def _publish(self, local: Path, step_uri: str) -> None:
         rank_part = f"rank-{self.rank}"
         dest = _local(step_uri)
@@ -271,6 +281,7 @@ class Job:
         """Checkpoint synchronously, record it, and exit with 143."""
         self.report_step(step, force=True)
         self.checkpoint(step, state, sync=True)
+        self._remove_local_dir()  # os._exit skips atexit
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_PREEMPTED)
