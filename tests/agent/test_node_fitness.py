@@ -85,10 +85,13 @@ async def test_the_heartbeat_says_what_keeps_the_node_from_new_ranks(small_fs, t
 
 async def test_a_change_is_logged_once(tmp_path, caplog):
     caplog.set_level(logging.INFO, "gpufleet.agent")
-    fitness = NodeFitness("node-l", [tmp_path / "gone"], 0, every_s=0)
-    assert len(await fitness.faults()) == 1 and len(await fitness.faults()) == 1
+    free = iter(range(100, 0, -1))  # a disk filling up: each check finds another figure
+    fitness = NodeFitness("node-l", [tmp_path / "gone"], 0, every_s=0, probes=[lambda: f"disk /d: {next(free)} B free"])
+    assert len(await fitness.faults()) == 2 and len(await fitness.faults()) == 2
+    assert "/d: 99 B free" in fitness.latest[1]
     assert caplog.text.count("node-l: cannot host new ranks: disk") == 1
     (tmp_path / "gone").mkdir()
+    fitness.probes = []
     assert await fitness.faults() == []
     assert "node-l: can host new ranks again" in caplog.text
 

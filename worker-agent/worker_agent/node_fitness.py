@@ -58,6 +58,11 @@ def check(dirs: Iterable[Path], min_free_bytes: int) -> list[str]:
     return faults
 
 
+def _what(faults: list[str]) -> set[str]:
+    """What each fault is about (``disk <dir>``, ``container engine <name>``)."""
+    return {f.split(": ", 1)[0] for f in faults}
+
+
 class NodeFitness:
     """The node's faults as of the latest check, checked again once ``every_s`` has passed
     (or at once after ``recheck``); a change is logged. ``probes`` say what else keeps the
@@ -87,7 +92,7 @@ class NodeFitness:
         if time.monotonic() - self._at >= self.every_s:
             self._at = time.monotonic()
             found = await asyncio.to_thread(self._check)
-            if found != self.latest:
+            if _what(found) != _what(self.latest):  # not each new free-space figure
                 if found:
                     log.warning("%s: cannot host new ranks: %s", self.node_id, "; ".join(found))
                 else:
