@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
@@ -47,7 +48,6 @@ def _rank_firewall_left_as_found():
     ruleset, one table per state dir (worker_agent.rank_firewall), and leaves it while a rank
     of it may run; take every such table the session made away after it, and none that was
     there before it (a developer's own `make up`)."""
-    import shutil
     import subprocess
 
     from common.settings import Settings
@@ -82,6 +82,7 @@ def pg_admin_dsn() -> str:
     dsn = server.start()
     yield dsn
     server.stop()
+    shutil.rmtree(root, ignore_errors=True)  # 64 MB of pgdata per session, else left in /tmp
 
 
 @pytest.fixture(scope="session")
