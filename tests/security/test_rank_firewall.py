@@ -112,6 +112,14 @@ def list_table(table: str) -> subprocess.CompletedProcess:
     return subprocess.run(["nft", "list", "table", "inet", table], capture_output=True, text=True, check=False)
 
 
+def connect_probe(**ports: int) -> str:
+    """A rank's shell: for each name, whether a TCP connection to 127.0.0.1:port opens."""
+    return "".join(
+        f'echo "== {name}"; bash -c "exec 3<>/dev/tcp/127.0.0.1/{port} && echo connected" 2>&1\n'
+        for name, port in ports.items()
+    )
+
+
 class Listener:
     """A TCP server on 127.0.0.1 that accepts and closes, standing in for an endpoint."""
 
@@ -159,16 +167,13 @@ async def test_a_rank_cannot_connect_to_control_or_a_listed_address_and_others_c
     await agent.start()
     try:
         assert f"nftables table inet {table}" in caplog.text
-        probe = "".join(
-            f'echo "== {name}"; bash -c "exec 3<>/dev/tcp/127.0.0.1/{lst.port} && echo connected" 2>&1\n'
-            for name, lst in (("control", control), ("database", database), ("storage", storage))
-        )
+        probe = connect_probe(control=control.port, database=database.port, storage=storage.port)
         st = await run_sh_rank(agent.nodes["node-w"], "lease-net", probe)
         out = (st.dir / sf.STDOUT).read_text()
-        sections = {n: out.split(f"== {n}\n", 1)[1].split("\n== ", 1)[0] for n in ("control", "database", "storage")}
-        assert "Connection refused" in sections["control"], out
-        assert "Connection refused" in sections["database"], out  # resolved from localhost
-        assert sections["storage"].strip() == "connected", out  # everything else is the rank's to reach
+        got = sections(out)
+        assert "Connection refused" in got["control"], out
+        assert "Connection refused" in got["database"], out  # resolved from localhost
+        assert got["storage"].strip() == "connected", out  # everything else is the rank's to reach
         # the agent's own user (and every user but the ranks') still reaches control
         socket.create_connection(("127.0.0.1", control.port), timeout=5).close()
         listed = await asyncio.to_thread(list_table, table)
@@ -232,10 +237,7 @@ async def test_a_name_that_resolves_only_after_the_start_is_closed_to_ranks_then
     agent = AgentProcess(
         settings, ["node-r"], backend="simulated", temporal=False, control_addresses=[f"127.0.0.1:{control.port}"]
     )
-    probe = "".join(
-        f'echo "== {name}"; bash -c "exec 3<>/dev/tcp/127.0.0.1/{lst.port} && echo connected" 2>&1\n'
-        for name, lst in (("control", control), ("database", database))
-    )
+    probe = connect_probe(control=control.port, database=database.port)
     await agent.start()
     try:
         assert "cannot resolve listed address 'db.moving.test" in caplog.text
@@ -270,14 +272,6 @@ async def test_an_agent_that_must_keep_ranks_off_and_cannot_refuses_to_start(tmp
     await auto.start()
     await auto.stop()
     assert "ranks can connect to 127.0.0.1:1: nft (nftables) is not installed" in caplog.text
-
-
-def connect_probe(**ports: int) -> str:
-    """A rank's shell: for each name, whether a TCP connection to 127.0.0.1:port opens."""
-    return "".join(
-        f'echo "== {name}"; bash -c "exec 3<>/dev/tcp/127.0.0.1/{port} && echo connected" 2>&1\n'
-        for name, port in ports.items()
-    )
 
 
 @pytest.mark.skipif(bool(_firewall_here()), reason=_firewall_here() or "-")
