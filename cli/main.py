@@ -123,9 +123,8 @@ def stop_ranks_cmd(
     let them go; with none left anywhere, so do the ranks' firewall rules of the state dir."""
     from pathlib import Path
 
-    from cli.up import describe_ranks, release_job_spaces, stop_ranks
+    from cli.up import describe_ranks, release_after_ranks, stop_ranks
     from worker_agent.live_ranks import live_ranks
-    from worker_agent.rank_firewall import release_if_unused, table_for
 
     settings = _settings()
     where = Path(state_dir).expanduser() if state_dir else settings.state_dir
@@ -136,8 +135,7 @@ def stop_ranks_cmd(
             print(f"  {r.node_id:<10} {r.lease_id}")
         return
     found, killed = stop_ranks(where, grace)
-    release_job_spaces(where)
-    release_if_unused(where, table_for(settings.agent_rank_firewall_table, where))
+    release_after_ranks(where, settings.agent_rank_firewall_table)
     if not found:
         print(f"no rank runs under {where}")
         return

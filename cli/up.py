@@ -358,6 +358,14 @@ def release_job_spaces(state_dir: Path) -> None:
             lock.release()
 
 
+def release_after_ranks(state_dir: Path, firewall_table: str) -> None:
+    """What the state dir's ranks needed on the host, once they are gone (`up`'s stop and
+    `stop-ranks`): each node's job spaces, then the ranks' firewall table (``firewall_table``,
+    the ``agent_rank_firewall_table`` setting)."""
+    release_job_spaces(state_dir)
+    release_if_unused(state_dir, table_for(firewall_table, state_dir))
+
+
 def describe_ranks(ranks: list[LiveRank]) -> str:
     """How many keep running, e.g. ``3 ranks of 2 jobs``."""
     jobs = len({r.job_id for r in ranks})
@@ -453,8 +461,7 @@ def run(settings: Settings, *, stop_jobs: bool = False, grace_s: float = 30.0, h
         if found:
             how = f"{len(killed)} killed after {grace_s:g}s" if killed else "all exited"
             print(f"stopped {describe_ranks(found)} ({how})")
-    release_job_spaces(state)
-    release_if_unused(state, table_for(platform.settings.agent_rank_firewall_table, state))
+    release_after_ranks(state, platform.settings.agent_rank_firewall_table)
     ranks = live_ranks(state)
     if ranks and not stop_jobs:
         print(
