@@ -114,11 +114,15 @@ def ruleset(table: str, uids: str, endpoints: Iterable[Endpoint]) -> str:
     )
 
 
-def apply(text: str, timeout_s: float = 10.0) -> None:
+def _nft() -> str:
     nft = shutil.which("nft")
     if nft is None:
         raise FirewallError("nft (nftables) is not installed")
-    r = subprocess.run([nft, "-f", "-"], input=text, capture_output=True, text=True, timeout=timeout_s, check=False)
+    return nft
+
+
+def apply(text: str, timeout_s: float = 10.0) -> None:
+    r = subprocess.run([_nft(), "-f", "-"], input=text, capture_output=True, text=True, timeout=timeout_s, check=False)
     if r.returncode != 0:
         raise FirewallError(f"nft refused the ranks' rules: {r.stderr.strip() or r.stdout.strip()}")
 
@@ -132,10 +136,7 @@ def remove(table: str, timeout_s: float = 10.0) -> None:
 def present(table: str, timeout_s: float = 10.0) -> bool:
     """Whether the host's ruleset has the table (a firewall service's reload flushes the
     whole ruleset, ours with it)."""
-    nft = shutil.which("nft")
-    if nft is None:
-        raise FirewallError("nft (nftables) is not installed")
-    r = subprocess.run([nft, "list", "table", "inet", table], capture_output=True, timeout=timeout_s, check=False)
+    r = subprocess.run([_nft(), "list", "table", "inet", table], capture_output=True, timeout=timeout_s, check=False)
     return r.returncode == 0
 
 
