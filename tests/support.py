@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import shutil
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -173,3 +175,15 @@ async def workflow_status(client: Any, workflow_id: str) -> dict[str, Any]:
         if e.status == RPCStatusCode.NOT_FOUND or "not scheduled yet" in str(e):
             return {}
         raise
+
+
+def fill_disk(path: Path) -> None:
+    """Write ``path`` until its filesystem has no byte left (a small tmpfs of a test's)."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(bytes(65536))
+                f.flush()
+        except OSError:
+            pass
+    assert shutil.disk_usage(path.parent).free < 65536

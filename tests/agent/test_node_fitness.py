@@ -14,6 +14,7 @@ import subprocess
 import pytest
 
 from tests.agent.conftest import close_node, make_settings
+from tests.support import fill_disk
 from worker_agent.node import NodeAgent
 from worker_agent.node_fitness import NodeFitness, check
 from worker_agent.nvml import make_backend
@@ -48,13 +49,7 @@ def test_a_dir_with_room_that_takes_a_write_is_fit_and_a_missing_one_is_not(tmp_
 
 def test_a_full_disk_and_a_read_only_one_are_named(small_fs):
     assert check([small_fs], 256 * 1024) == []
-    with open(small_fs / "filler", "wb") as f:  # a byte short of nothing left
-        try:
-            while True:
-                f.write(bytes(65536))
-                f.flush()
-        except OSError:
-            pass
+    fill_disk(small_fs / "filler")
     (full,) = check([small_fs], 256 * 1024)
     assert "0.0 MiB free, below 0.2 MiB" in full, full
     (full,) = check([small_fs], 0)  # no floor: the write itself fails

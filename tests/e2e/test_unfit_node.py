@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from tests.e2e.conftest import PY
-from tests.support import eventually
+from tests.support import eventually, fill_disk
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("mount") is None, reason="mounting a small tmpfs needs root"
@@ -41,24 +40,12 @@ def stack_overrides(tmp_path):
         subprocess.run(["umount", "-l", str(work)], check=False)
 
 
-def fill(path: Path) -> None:
-    """Write ``path`` until its filesystem has no byte left."""
-    with open(path, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
-    assert shutil.disk_usage(path.parent).free < 65536
-
-
 async def test_a_node_whose_disk_is_full_is_cordoned_and_its_jobs_run_elsewhere(stack):
     full, other = stack.nodes[0], stack.nodes[1]
     assert full == FULL
     work = stack.agent.nodes[full].work_dir
     assert os.path.ismount(work)
-    fill(work / "filler")
+    fill_disk(work / "filler")
     row = await eventually(
         lambda: stack.pool.fetchrow("SELECT state, reason FROM nodes WHERE node_id = $1 AND state <> 'ready'", full),
         timeout=20, what=f"{full} out of service",
