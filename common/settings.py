@@ -434,9 +434,11 @@ class Settings(BaseSettings):
     )
     agent_rank_private_shm: bool = Field(
         True,
-        description="in that namespace, a rank's /dev/shm is its job's own dir on the host's (shared by the job's"
-        " ranks on the node, as NCCL needs), so no other job lists or opens its segments; the agent deletes it"
-        " once the job's last rank on the node has ended, giving back the shared memory a killed rank leaves",
+        description="in that namespace, a rank's /dev/shm is its job's own tmpfs (shared by the job's ranks on the"
+        " node, as NCCL needs), sized to their memory share (the host's /dev/shm's size with agent_rank_limits"
+        " off), so no other job lists or opens its segments and none can fill the /dev/shm the node's other jobs"
+        " use; the agent unmounts it once the job's last rank on the node has ended, giving back the shared"
+        " memory a killed rank leaves",
     )
     agent_rank_private_ipc: bool = Field(
         True,

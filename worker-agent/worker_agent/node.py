@@ -65,7 +65,7 @@ from common.contracts import (
 )
 from proto import agent_pb2 as pb
 from proto.convert import HEALTH_TO_PB, task_status_to_pb
-from worker_agent import exit_cause, gpu_devices, rank_cgroup, rank_mounts, rank_users
+from worker_agent import exit_cause, gpu_devices, job_spaces, rank_cgroup, rank_mounts, rank_users
 from worker_agent import statefiles as sf
 from worker_agent.checkpoints import checkpoint_within, local_path
 from worker_agent.job_spaces import JobSpaces
@@ -73,7 +73,7 @@ from worker_agent.node_fitness import NodeFitness
 from worker_agent.node_lock import NodeLock
 from worker_agent.nvml import GpuBackend, GpuSample
 from worker_agent.rank_access import RankAccessError, hand_over_tree, require_reachable
-from worker_agent.rank_limits import node_rank_limits
+from worker_agent.rank_limits import filesystem_bytes, node_rank_limits
 from worker_agent.runtime import ContainerRuntime, ProcessRuntime
 
 log = logging.getLogger("gpufleet.agent")
@@ -166,6 +166,7 @@ class NodeAgent:
         self.gpu_mask = False  # ... and there the GPU nodes beside theirs masked (decided at start)
         self.private_tmp = False  # ... and their own /tmp and /var/tmp (decided at start)
         self.private_shm = False  # ... and their job's own /dev/shm (decided at start)
+        self.shm_tmpfs = False  # ... a tmpfs of its own, sized to its memory share (decided at start)
         self.private_ipc = False  # ... and their job's own SysV IPC namespace (decided at start)
         self.spaces = JobSpaces(self.dir, node_id)  # where those live on the host
         self.lock = NodeLock(self.dir)  # one agent per node state dir, from start to close
@@ -252,8 +253,18 @@ class NodeAgent:
             self.private_proc and bool(self.settings.agent_rank_private_shm) and os.path.isdir(rank_mounts.SHM_DIR)
         )
         self.private_ipc = self.private_proc and bool(self.settings.agent_rank_private_ipc)
+        self.shm_tmpfs = self.private_shm and self._shm_tmpfs_possible()
         self.recover()
         self._watch_task = asyncio.create_task(self._watch(), name=f"agent-watch-{self.node_id}")
+
+    def _shm_tmpfs_possible(self) -> bool:
+        why = job_spaces.tmpfs_problem()
+        if why is not None:
+            log.warning(
+                "%s: a job's /dev/shm is a dir on the host's, not a tmpfs of its own sized to its memory share (%s):"
+                " one job can fill the host's /dev/shm", self.node_id, why,
+            )  # fmt: skip
+        return why is None
 
     def _gpu_fence_possible(self) -> bool:
         """Whether ranks can be denied the other GPUs' device nodes here; if not, say why
@@ -292,9 +303,22 @@ class NodeAgent:
         needed = [str(work), local_path(req.checkpoint_dir), str(self.settings.agent_gpu_device_dir)]
         return {
             "private_tmp": self.spaces.rank_tmp(work, user, needed) if self.private_tmp else None,
-            "shm": self.spaces.job_shm(req.job_id, user) if self.private_shm else None,
+            "shm": self.spaces.job_shm(req.job_id, user, self._job_shm_bytes(req)) if self.private_shm else None,
             "ipc": str(self.spaces.ipc_pin(req.job_id)) if self.private_ipc else None,
         }
+
+    def _job_shm_bytes(self, req: StartTask) -> int | None:
+        """The size of the job's own /dev/shm on this node: the memory share of the GPUs its
+        live ranks here and this one hold (the container runtime's ``--shm-size`` is the
+        rank's); the host's /dev/shm's size when ranks have no share (``agent_rank_limits``
+        off). None: no tmpfs of its own here."""
+        if not self.shm_tmpfs:
+            return None
+        gpus = len(req.gpu_indices) + sum(
+            len(o.task.gpu_indices) for o in self.leases.values() if o.live and o.task.job_id == req.job_id
+        )
+        limits = node_rank_limits(self.settings, gpus=gpus, node_gpus=self.backend.gpu_count())
+        return limits.memory_bytes if limits is not None else filesystem_bytes(rank_mounts.SHM_DIR)
 
     def _release_job_spaces(self) -> None:
         """Let go the /dev/shm dir and IPC namespace of every job with no live rank here (not

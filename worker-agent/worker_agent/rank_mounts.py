@@ -28,11 +28,11 @@ its checkpoint dir, the GPU device dir, as on a test host) are bound back in at 
 paths; the rest of the host's ``/tmp`` is out of its sight.
 
 With ``agent_rank_private_shm`` (on) the rank's ``/dev/shm`` (POSIX shared memory and
-semaphores: NCCL's, PyTorch's, multiprocessing's) is its job's own dir on the host's,
-``/dev/shm/gpufleet/<node>.<state dir hash>/<job>``, shared by the job's ranks on the node
-(NCCL joins ranks of one job there) and by no other job. The agent deletes it once the job's
-last rank on the node has ended: segments a killed rank never unlinked would otherwise hold
-the host's memory until it reboots.
+semaphores: NCCL's, PyTorch's, multiprocessing's) is its job's own tmpfs of its memory
+share, mounted under ``/dev/shm/gpufleet/<node>.<state dir hash>/`` (worker_agent.job_spaces),
+shared by the job's ranks on the node (NCCL joins ranks of one job there) and by no other
+job. The agent unmounts it once the job's last rank on the node has ended: segments a killed
+rank never unlinked would otherwise hold the host's memory until it reboots.
 
 Since Linux 5.8 every procfs mount is an instance with its own options; before it the
 options belonged to the one instance of the pid namespace, so mounting with ``hidepid``
