@@ -527,7 +527,7 @@ class NodeAgent:
             try:
                 work = self._work_dir(req, user)
                 spaces = self._job_spaces(work, req, user)
-            except (OSError, RankAccessError) as e:
+            except (OSError, RankAccessError, ValueError) as e:  # ValueError: no share (node_rank_limits)
                 if isinstance(e, OSError):
                     self.fitness.recheck()  # a full or read-only disk: say so in the next heartbeat
                 return refuse(f"cannot prepare the rank's dirs: {e}")
