@@ -69,6 +69,13 @@ transaction's start time); a rank *runs* from ``supervisor.json``'s ``started_at
 ``job_transitions_valid``
     Every state change in ``job_events`` is an edge of the job state table
     (``job_state_changes``).
+``no_stuck_job``
+    At the end every job not finished still moves: none has been STARTING, PREEMPTING or
+    CANCELLING for more than ``stuck_bound_s`` (the state entered, from ``job_events``); no
+    RUNNING job had every rank of its attempt ended (the agents' exit records), or no live
+    lease, for more than that (an exit the control plane never acted on: a report dropped
+    on the way); no job QUEUED for more than that has no pending reason (placement never
+    judged it). Safety alone holds for a platform that stops doing anything.
 """
 
 from __future__ import annotations
@@ -94,6 +101,7 @@ INVARIANTS = (
     "no_duplicate_submission",
     "no_gpu_shared_by_ranks",
     "job_transitions_valid",
+    "no_stuck_job",
 )
 MAX_EXAMPLES = 20
 ACTIVE_STATES = frozenset({"STARTING", "RUNNING", "PREEMPTING", "CANCELLING"})
@@ -113,6 +121,7 @@ class CheckParams:
     epoch_slack_s: float = 0.5
     slack_s: float = 0.0
     leader_ttl_s: float = 15.0
+    stuck_bound_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -679,6 +688,47 @@ def job_transitions_valid(h: History, at: _Clock) -> list[dict[str, Any]]:
     ]
 
 
+def _entered(h: History, job: JobRow) -> float:
+    """When the job entered the state it is in (its last event into it; its submission if none)."""
+    times = [e.at for e in h.events if e.job_id == job.job_id and e.to_state == job.state]
+    return max(times, default=job.submitted_at)
+
+
+def no_stuck_job(h: History, p: CheckParams, at: _Clock) -> list[dict[str, Any]]:
+    bad: list[dict[str, Any]] = []
+    live: dict[tuple[str, int], list[LeaseRow]] = defaultdict(list)
+    released: dict[tuple[str, int], float] = {}
+    for lz in h.leases:
+        key = (lz.job_id, lz.attempt)
+        if lz.live:
+            live[key].append(lz)
+        elif lz.released_at is not None:
+            released[key] = max(released.get(key, 0.0), lz.released_at)
+    ranks = {r.lease_id: r for r in h.ranks}
+    late = h.read_at - p.stuck_bound_s
+    for job in sorted(h.jobs.values(), key=lambda j: j.job_id):
+        if job.state in TERMINAL_STATES:
+            continue
+        since = _entered(h, job)
+        key = (job.job_id, job.attempt)
+        why = None
+        if job.state in ("STARTING", "PREEMPTING", "CANCELLING") and since < late:
+            why = f"{job.state} since {at(since)}"
+        elif job.state == "RUNNING" and since < late:
+            leases = live.get(key, [])
+            records = [ranks.get(lz.lease_id) for lz in leases]
+            ended = [r.finished_at for r in records if r is not None and r.finished_at is not None]
+            if not leases and released.get(key, since) < late:
+                why = f"RUNNING with no live lease since {at(released.get(key, since))}"
+            elif leases and len(ended) == len(leases) and max(ended) < late:
+                why = f"RUNNING, every rank of the attempt ended by {at(max(ended))}"
+        elif job.state == "QUEUED" and since < late and not job.pending_reason:
+            why = f"QUEUED since {at(since)} with no pending reason"
+        if why:
+            bad.append({"job": job.job_id, "name": job.name, "attempt": job.attempt, "why": why})
+    return bad
+
+
 # ---------------------------------------------------------------------------- measurements
 
 
@@ -784,6 +834,7 @@ def check(h: History, rec: RunRecord, params: CheckParams | None = None) -> Verd
         "no_duplicate_submission": lambda: no_duplicate_submission(h, rec),
         "no_gpu_shared_by_ranks": lambda: no_gpu_shared_by_ranks(h, p, at),
         "job_transitions_valid": lambda: job_transitions_valid(h, at),
+        "no_stuck_job": lambda: no_stuck_job(h, p, at),
     }
     invariants: dict[str, bool] = {}
     examples: dict[str, list[dict[str, Any]]] = {}

@@ -68,14 +68,19 @@ def check_params(s: Settings) -> CheckParams:
       supervisor fences them: ``unconfirmed_kill_s`` without a word from the agent, then
       ``agent_fence_grace_s`` for the rank to go, plus 10 s for the new attempt's start;
     * a fault explains an attempt's end within the time the platform takes to act on a
-      node fault: ``down_after_s``, a stop's grace and margin, and three start-task tries.
+      node fault: ``down_after_s``, a stop's grace and margin, and three start-task tries;
+    * a job in flight moves on within that, plus a lease's bound without a workflow (one
+      reconcile after a takeover and a Temporal restart): past both it is stuck.
     """
+    leak_bound_s = 2 * s.workflow_reconcile_s + s.leader_ttl_s + s.takeover_quiet_s + TEMPORAL_RESTART_S
+    explain_window_s = max(45.0, s.down_after_s + s.default_grace_s + s.stop_margin_s + 3 * s.start_task_timeout_s)
     return CheckParams(
-        leak_bound_s=2 * s.workflow_reconcile_s + s.leader_ttl_s + s.takeover_quiet_s + TEMPORAL_RESTART_S,
+        leak_bound_s=leak_bound_s,
         overlap_bound_s=s.unconfirmed_kill_s + s.agent_fence_grace_s + 10.0,
-        explain_window_s=max(45.0, s.down_after_s + s.default_grace_s + s.stop_margin_s + 3 * s.start_task_timeout_s),
+        explain_window_s=explain_window_s,
         epoch_slack_s=0.5,
         leader_ttl_s=s.leader_ttl_s,
+        stuck_bound_s=leak_bound_s + explain_window_s,
     )
 
 

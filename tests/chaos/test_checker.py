@@ -42,7 +42,9 @@ EDGES = frozenset(
         ("QUEUED", "CANCELLED"),
     }
 )
-PARAMS = CheckParams(leak_bound_s=10.0, overlap_bound_s=3.0, explain_window_s=5.0, epoch_slack_s=0.5)
+PARAMS = CheckParams(
+    leak_bound_s=10.0, overlap_bound_s=3.0, explain_window_s=5.0, epoch_slack_s=0.5, stuck_bound_s=30.0
+)
 
 
 def _event(i: int, event: str, frm: str | None, to: str, at: float, attempt: int = 1, **detail: Any) -> JobEvent:
@@ -155,6 +157,39 @@ def _placed_second_attempt(placed: float) -> Change:
         return dataclasses.replace(h, leases=(*h.leases, lease)), r
 
     return change
+
+
+def _running_at_end(rank_ended: float | None) -> Change:
+    """j1 RUNNING at the end (read at 100) with its lease live, its rank ended at ``rank_ended``
+    (None: still running) and no report of it acted on."""
+
+    def fn(h: History, r: RunRecord) -> dict[str, Any]:
+        job = dataclasses.replace(h.jobs["j1"], state="RUNNING", finished_at=None)
+        return {
+            "jobs": {"j1": job},
+            "events": h.events[:3],
+            "leases": (_lease(live=True, released_at=None, release_reason=None),),
+            "audit": h.audit[:1],
+            "task_reports": (),
+            "workflows": {"j1": (WorkflowRun("j1", "r1", "RUNNING", 1.0, None),)},
+            "ranks": (_rank(finished_at=rank_ended, exit_state="EXITED" if rank_ended else None, reported_at=None),),
+        }
+
+    return _with(fn)
+
+
+def _in_state_at_end(state: str, since: float, pending_reason: str | None = None) -> Change:
+    """j1 in ``state`` since ``since`` at the end (read at 100), its lease released."""
+
+    def fn(h: History, r: RunRecord) -> dict[str, Any]:
+        job = dataclasses.replace(h.jobs["j1"], state=state, finished_at=None, pending_reason=pending_reason)
+        return {
+            "jobs": {"j1": job},
+            "events": (*h.events[:3], _event(4, "moved", "RUNNING", state, since)),
+            "workflows": {"j1": (WorkflowRun("j1", "r1", "RUNNING", 1.0, None),)},
+        }
+
+    return _with(fn)
 
 
 # (invariant, what the violating change does, violating change, near miss that is allowed)
@@ -446,6 +481,36 @@ CASES: list[tuple[str, str, Change, Change]] = [
                 ),
             )
         ),
+    ),
+    (
+        "no_stuck_job",
+        "a RUNNING job's only rank ended 75 s before the end (its exit never acted on); the near miss ended 25 s before",
+        _running_at_end(25.0),
+        _running_at_end(75.0),
+    ),
+    (
+        "no_stuck_job",
+        "a RUNNING job's rank still runs is not stuck: the near miss; a job PREEMPTING for 80 s is",
+        _in_state_at_end("PREEMPTING", 20.0),
+        _running_at_end(None),
+    ),
+    (
+        "no_stuck_job",
+        "a RUNNING job whose only lease was released 70 s before the end; the near miss's lease is live",
+        _in_state_at_end("RUNNING", 12.5),
+        _running_at_end(None),
+    ),
+    (
+        "no_stuck_job",
+        "a job STARTING for 90 s; the near miss entered STARTING 20 s before the end",
+        _in_state_at_end("STARTING", 10.0),
+        _in_state_at_end("STARTING", 80.0),
+    ),
+    (
+        "no_stuck_job",
+        "a job QUEUED for 90 s with no pending reason; the near miss has one",
+        _in_state_at_end("QUEUED", 10.0),
+        _in_state_at_end("QUEUED", 10.0, pending_reason="capacity"),
     ),
     (
         "job_transitions_valid",
