@@ -106,6 +106,8 @@ def failure_view(
             f"yes (attempt {job['attempt']}): an infrastructure failure does not count against the job"
             f" ({left} of {limit} failures of its own left)"
         )
+    if kind in ("failed", "infrastructure") and will_retry and culprit is not None and culprit.state != "STOPPED":
+        retry += f"; not on {culprit.node_id} again while another node is free"  # jobs.avoid_nodes
     exit_code = job["exit_code"]
     if exit_code is None and culprit is not None and state == JobState.FAILED:
         exit_code = culprit.exit_code

@@ -915,10 +915,17 @@ class _Cycle:
             hit = self.memo.get(key)
             if hit is not None:
                 return hit, None
-        search = Search(state, ti, excl, restrict)
+        search = Search(state, ti, excl, restrict, job.avoid_nodes)
         if policy.align_node_ends:
             search.end = self.now + job.max_runtime_s
         r = find_placement(search, job, shape, borrowed, policy)
+        if isinstance(r, PendingReason) and job.avoid_nodes:
+            # the nodes its attempts failed on, rather than none (a memo miss: the memo holds
+            # what a search without them found, and this one can find no more)
+            search = Search(state, ti, excl, restrict)
+            if policy.align_node_ends:
+                search.end = self.now + job.max_runtime_s
+            r = find_placement(search, job, shape, borrowed, policy)
         if isinstance(r, PendingReason):
             if memo_ok:
                 self.memo[key] = r

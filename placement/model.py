@@ -164,7 +164,9 @@ class JobSpec:
     A job that cannot is still preemptible by the class rules; all its work since
     start counts as lost. ``preemption_times`` are the times it was preempted (the
     engine counts those within ``Policy.preemption_window_s``). ``front`` puts a
-    re-queued job (failed attempt, node failure) ahead of its class.
+    re-queued job (failed attempt, node failure) ahead of its class. ``avoid_nodes`` are
+    the nodes where its earlier attempts failed first (the failing rank's node): the
+    engine places it elsewhere when free capacity allows, and there only when not.
     """
 
     job_id: str
@@ -183,6 +185,7 @@ class JobSpec:
     last_checkpoint_at: float | None = None
     preemption_times: tuple[float, ...] = ()
     front: bool = False
+    avoid_nodes: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not isinstance(self.priority, PriorityClass):
@@ -195,6 +198,8 @@ class JobSpec:
                 raise TypeError("topology must be a Topology or a dict")
         if not isinstance(self.preemption_times, tuple):
             object.__setattr__(self, "preemption_times", tuple(self.preemption_times))
+        if not isinstance(self.avoid_nodes, frozenset):
+            object.__setattr__(self, "avoid_nodes", frozenset(self.avoid_nodes))
 
     @property
     def total_gpus(self) -> int:

@@ -68,9 +68,10 @@ def _shape(job: JobSpec, node_gpus: int) -> Shape | str:
 
 
 class Search:
-    """One job's view of the free capacity: which reservations it may not use, which nodes only."""
+    """One job's view of the free capacity: which reservations it may not use, which nodes only,
+    which nodes not."""
 
-    __slots__ = ("any_excl", "avail", "end", "excl", "node_res", "own_pre", "restrict", "state", "ti")
+    __slots__ = ("any_excl", "avail", "avoid", "end", "excl", "node_res", "own_pre", "restrict", "state", "ti")
 
     def __init__(
         self,
@@ -78,12 +79,14 @@ class Search:
         ti: _TypeIndex,
         excl: Container[str] = (),
         restrict: Collection[str] | None = None,
+        avoid: frozenset[str] = frozenset(),
     ) -> None:
         self.state = state
         self.ti = ti
         self.end: float | None = None  # the placed job's expected end (Policy.align_node_ends)
         self.excl = excl  # reservation owners whose nodes this job may not use
         self.restrict = restrict  # if set, only these nodes
+        self.avoid = avoid  # not these nodes (JobSpec.avoid_nodes, on the first try)
         self.node_res = state._node_res
         self.any_excl = bool(excl)  # a Search lives within one decision: the set cannot change
         # the job's own preemption reservation: its nodes are usable whoever else holds them
@@ -93,6 +96,8 @@ class Search:
 
     def ok(self, nid: str) -> bool:
         if self.restrict is not None and nid not in self.restrict:
+            return False
+        if self.avoid and nid in self.avoid:
             return False
         if self.any_excl:
             owners = self.node_res.get(nid)
@@ -106,7 +111,7 @@ class Search:
     def block_avail(self, bid: str) -> int:
         """Free whole nodes of the block this job may use (O(owner sets held there))."""
         blk = self.ti.blocks[bid]
-        if self.restrict is None:
+        if self.restrict is None and not self.avoid:
             n = len(blk.free_nodes)
             if not n or not self.any_excl:
                 return n

@@ -25,6 +25,8 @@ from store.errors import UnknownSubject
 from store.leadership import check_epoch
 from store.tx import Db, transaction
 
+AVOID_NODES_KEPT = 8  # jobs.avoid_nodes: the newest nodes a job's attempts failed on
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -188,7 +190,12 @@ async def requeue_job(
             conn, job_id, attempt, reason="preempted" if cause == "preempted" else "attempt_failed", actor=actor
         )
         resume_from = checkpoint_uri or job["last_checkpoint"]
+        avoid_node = None
         if cause == "failed":
+            # the failing rank's report is on record (the workflow learned of the failure from it)
+            culprit = task_reports.failing(await task_reports.rank_ends(conn, job_id, attempt))
+            if culprit is not None and culprit.state != "STOPPED":  # a stop is ours, not the node's
+                avoid_node = culprit.node_id
             await write_job_event(
                 conn,
                 job_id,
@@ -198,13 +205,12 @@ async def requeue_job(
                 None,
                 actor,
                 reason,
-                {"job_fault": job_fault, "released": released},
+                {"job_fault": job_fault, "released": released}
+                | ({"failed_on": avoid_node, "rank": culprit.rank} if avoid_node and culprit else {}),
             )
             faults = await job_faults_within(conn, job_id, failure_window_s)
             if job_fault and faults >= max_failed_attempts:
-                # the job's exit code is the failing rank's (its report is on record: the
-                # workflow learned of the failure from it)
-                culprit = task_reports.failing(await task_reports.rank_ends(conn, job_id, attempt))
+                # the job's exit code is the failing rank's
                 await conn.execute(
                     "UPDATE jobs SET state = 'FAILED', finished_at = now(), failed_attempts = failed_attempts + 1,"
                     " last_checkpoint = $2, exit_code = $3, updated_at = now() WHERE job_id = $1",
@@ -228,12 +234,18 @@ async def requeue_job(
             " front_of_class = $2, failed_attempts = failed_attempts + $3::int,"
             " last_checkpoint = $4,"
             " last_checkpoint_at = CASE WHEN $5::text IS NULL THEN last_checkpoint_at ELSE now() END,"
+            # the newest AVOID_NODES_KEPT nodes its attempts failed on, this one's last
+            " avoid_nodes = CASE WHEN $6::text IS NULL THEN avoid_nodes ELSE"
+            "  (array_remove(avoid_nodes, $6::text) || $6::text)"
+            "  [greatest(1, cardinality(array_remove(avoid_nodes, $6::text)) + 2 - $7::int):] END,"
             " started_at = NULL, updated_at = now() WHERE job_id = $1",
             job_id,
             cause == "failed",
             1 if (cause == "failed" and job_fault) else 0,
             resume_from,
             checkpoint_uri,
+            avoid_node,
+            AVOID_NODES_KEPT,
         )
         await write_job_event(
             conn,

@@ -16,7 +16,7 @@ from store.tx import Db
 
 JOB_COLUMNS = (
     "job_id, team, priority_class, gpu_type, replicas, gpus_per_replica, spec, state, attempt, submitted_at,"
-    " started_at, max_runtime_s, last_checkpoint_at, preempted_at, front_of_class"
+    " started_at, max_runtime_s, last_checkpoint_at, preempted_at, front_of_class, avoid_nodes"
 )
 NODE_COLUMNS = "node_id, block_id, gpu_type, gpus, state, task_queue, agent_addr"
 _LIVE_LEASES = (

@@ -78,6 +78,7 @@ def spec_from_row(row: Any, default_grace_s: float) -> JobSpec:
         last_checkpoint_at=_ts(row["last_checkpoint_at"]),
         preemption_times=tuple(t.timestamp() for t in (row["preempted_at"] or ())),
         front=bool(row["front_of_class"]),
+        avoid_nodes=frozenset(row["avoid_nodes"] or ()),
     )
 
 

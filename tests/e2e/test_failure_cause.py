@@ -103,7 +103,8 @@ async def test_a_failed_attempt_that_is_retried_says_which_attempt_comes(stack):
     f = j["failure"]
     assert j["exit_code"] is None  # the job has not ended
     assert (f["kind"], f["attempt"], f["exit_code"], f["will_retry"], f["attempts_left"]) == ("failed", 1, 3, True, 1)
-    assert f["retry"] == "yes (attempt 2 of 2)"
+    assert f["retry"] == f"yes (attempt 2 of 2); not on {f['node_id']} again while another node is free"
+    assert await _node_of(stack, job, 2, 0) != f["node_id"]  # the stack has another node free
     e = await _get(stack, f"/v1/jobs/{job}/explain")
     assert "Before: attempt 1 failed: rank 0 on " in e["message"] and "exited with code 3" in e["message"]
     assert (await stack.cancel(job)).status_code == 202
@@ -133,6 +134,7 @@ def test_an_infrastructure_failure_does_not_count_against_the_job():
     f = failure_view(_job("QUEUED", 2), [_end(0, "LOST", None, reason="node lost")], last, 0, s)
     assert f is not None and (f["kind"], f["will_retry"], f["rank"]) == ("infrastructure", True, 0)
     assert f["retry"].startswith("yes (attempt 2): an infrastructure failure does not count")
+    assert f["retry"].endswith("; not on n-0 again while another node is free")
     assert "rank 0 on n-0 was lost (node lost)" in f["summary"]
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from placement import (
     ClusterState,
     JobEnded,
@@ -403,3 +405,32 @@ def test_spares_of_a_gang_placed_in_the_same_cycle_do_not_yield() -> None:
     assert st.spares("big") == (spare,)
     p = cycle(st, q, 230, policy)
     assert nodes_of(p, "waited") == [spare] and p.spares_taken == (spare,)
+
+
+@pytest.mark.parametrize(
+    ("job", "occupied", "before", "after"),
+    [
+        (spec("whole", gpr=8), {}, ["b0n0"], ["b0n1"]),
+        (spec("gang", replicas=2, gpr=8), {}, ["b0n0", "b0n1"], ["b0n1", "b0n2"]),
+        (spec("small", gpr=2), {"b0n0": (0, 1)}, ["b0n0"], ["b0n1"]),
+    ],
+    ids=["whole-node", "gang", "small"],
+)
+def test_a_job_goes_past_the_nodes_its_attempts_failed_on_while_others_fit(job, occupied, before, after) -> None:
+    """``JobSpec.avoid_nodes``: after an attempt failed on b0n0 the same search picks b0n0
+    again (its GPUs are free the moment the attempt ends); the job goes elsewhere."""
+    for avoid, want in ((frozenset(), before), (frozenset({"b0n0"}), after)):
+        st = cluster(blocks=1, nodes=3)
+        big_quota(st, "t")
+        if occupied:
+            occupy(st, spec("other", gpr=2), occupied)
+        p = cycle(st, queue_of(replace(job, avoid_nodes=avoid)), 100)
+        assert sorted(nodes_of(p, job.job_id)) == want, avoid
+
+
+def test_a_job_runs_on_a_node_its_attempts_failed_on_when_nothing_else_fits() -> None:
+    st = cluster(blocks=1, nodes=2)
+    big_quota(st, "t")
+    fill(st, ["b0n1"])
+    p = cycle(st, queue_of(spec("j", gpr=8, avoid_nodes=frozenset({"b0n0"}))), 100)
+    assert nodes_of(p, "j") == ["b0n0"]  # a preference, not a ban: a healthy node's GPUs stay in use
