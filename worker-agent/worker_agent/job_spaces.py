@@ -4,7 +4,7 @@ made before the rank starts and let go after the job's last rank on the node has
 
     spaces = JobSpaces(node_state_dir, node_id)
     spaces.rank_tmp(work, user, needed)   # <work>/tmp, and the paths to keep in reach under /tmp
-    spaces.job_shm(job_id, user, size)    # /dev/shm/gpufleet/<node>.<state dir hash>/<job>
+    spaces.job_shm(job_id, user, size)    # a tmpfs: /dev/shm/gpufleet/<node>.<state dir hash>/<keyed hash>
     spaces.ipc_pin(job_id)                # <node state>/ipc/<keyed hash of the job id>
     spaces.release(live_job_ids)          # every job's that has no live rank here goes
     spaces.close()                        # no rank left: all of it, the node's dir too
