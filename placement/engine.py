@@ -915,17 +915,11 @@ class _Cycle:
             hit = self.memo.get(key)
             if hit is not None:
                 return hit, None
-        search = Search(state, ti, excl, restrict, job.avoid_nodes)
-        if policy.align_node_ends:
-            search.end = self.now + job.max_runtime_s
-        r = find_placement(search, job, shape, borrowed, policy)
+        search, r = self._find(job, ti, shape, borrowed, restrict, excl, job.avoid_nodes)
         if isinstance(r, PendingReason) and job.avoid_nodes:
-            # the nodes its attempts failed on, rather than none (a memo miss: the memo holds
-            # what a search without them found, and this one can find no more)
-            search = Search(state, ti, excl, restrict)
-            if policy.align_node_ends:
-                search.end = self.now + job.max_runtime_s
-            r = find_placement(search, job, shape, borrowed, policy)
+            # nothing fits past the nodes its attempts failed on: those rather than none (what
+            # the memo keeps is then what a search that avoids nothing finds, for any job)
+            search, r = self._find(job, ti, shape, borrowed, restrict, excl, frozenset())
         if isinstance(r, PendingReason):
             if memo_ok:
                 self.memo[key] = r
@@ -939,6 +933,21 @@ class _Cycle:
             if owners:
                 r = replace(r, backfill=True)
         return None, r
+
+    def _find(
+        self,
+        job: JobSpec,
+        ti: _TypeIndex,
+        shape: Shape,
+        borrowed: bool,
+        restrict: frozenset[str] | None,
+        excl: Exclusions | frozenset[str],
+        avoid: frozenset[str],
+    ) -> tuple[Search, Placement | PendingReason]:
+        search = Search(self.state, ti, excl, restrict, avoid)
+        if self.policy.align_node_ends:
+            search.end = self.now + job.max_runtime_s
+        return search, find_placement(search, job, shape, borrowed, self.policy)
 
     def _guarantee_gang(self, job: JobSpec, shape: Shape, placed: Placement) -> Placement:
         """A gang that fits its team's guarantee but for the team's smaller guaranteed jobs runs
