@@ -344,6 +344,25 @@ class Settings(BaseSettings):
     health_sweep_s: float = Field(
         1.0, description="the leader's health sweep interval (silence, recovery re-signals, restart clock)"
     )
+    node_blame_min_jobs: int | None = Field(
+        3,
+        ge=1,
+        description="a ready node where the attempts of this many jobs failed first, each of which then ran elsewhere"
+        " (succeeded, or runs on other nodes for node_blame_ran_s), since the node entered service, is cordoned for"
+        " burn-in (a fault no check sees); null: never",
+    )
+    node_blame_min_teams: int = Field(
+        2,
+        ge=1,
+        description="... and those jobs are of at least this many teams (one team's broken sweep is not enough)",
+    )
+    node_blame_window_s: float = Field(
+        3600.0, gt=0, description="only failed attempts this recent count against a node (node_blame_min_jobs)"
+    )
+    node_blame_ran_s: float = Field(
+        600.0, ge=0, description="a job's attempt that still runs elsewhere counts once it has run this long"
+    )
+    node_blame_check_s: float = Field(60.0, gt=0, description="how often the leader reads that evidence")
     health_mass_silence_fraction: float = Field(
         0.2,
         gt=0,

@@ -56,7 +56,7 @@ from control.health.recovery import Recoveries
 from control.health.silence_guard import GuardVerdict, SilenceCensus, count_silence, hold, judge
 from control.leader.metrics import ControlMetrics
 from control.leader.state import LeaderState
-from store import nodes
+from store import node_blame, nodes
 from store.audit import write_audit
 from store.errors import StaleEpoch
 from store.leadership import check_epoch
@@ -122,6 +122,8 @@ class HealthMonitor:
         self._kick = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._next_sweep = 0.0
+        self.blamed: dict[str, str] = {}  # node -> why the jobs' record blames it (store.node_blame)
+        self._next_blame = 0.0
         self._bg: set[asyncio.Task] = set()
         self.burn_ins = BurnIns(
             client, settings, self.params, node_info=state.nodes.get, kick=self.kick, spawn=self._spawn
@@ -149,6 +151,7 @@ class HealthMonitor:
         self.states = {n: NodeState(r.state) for n, r in rows.items()}
         self.drain_evict = {n: r.drain_evict for n, r in rows.items()}
         self.agent_addrs = await nodes.agent_addrs(self.pool)
+        self.blamed, self._next_blame = {}, 0.0
         self._task = asyncio.create_task(self._loop(epoch), name="health-monitor")
 
     def drop(self) -> None:
@@ -231,6 +234,7 @@ class HealthMonitor:
         if sweep:
             self._next_sweep = now + self.settings.health_sweep_s
             await self._read_admin_changes()
+            await self._read_blame(now)
             await self._judge_guard(epoch, now)
             todo = set(self.states)
         else:
@@ -264,6 +268,22 @@ class HealthMonitor:
             if n not in self.states:
                 self.states[n] = NodeState(r.state)
 
+    async def _read_blame(self, now: float) -> None:
+        """Every ``node_blame_check_s``: the ready nodes the jobs' own record blames, which
+        ``observe`` adds to what their agents report (the health table's ``unfit``)."""
+        s = self.settings
+        if s.node_blame_min_jobs is None or now < self._next_blame:
+            return
+        self._next_blame = now + s.node_blame_check_s
+        blamed = await node_blame.nodes_failing_jobs(
+            self.pool, window_s=s.node_blame_window_s, ran_s=s.node_blame_ran_s, min_jobs=s.node_blame_min_jobs,
+            min_teams=s.node_blame_min_teams,
+        )  # fmt: skip
+        for n, why in blamed.items():
+            if n not in self.blamed:
+                log.warning("node %s: %s", n, why)
+        self.blamed = blamed
+
     # ------------------------------------------------------------------ one node
 
     def _entry(self, node_id: str) -> Any:
@@ -288,6 +308,8 @@ class HealthMonitor:
             )
             running = tuple(r for r in rank_views(rep) if not is_burn_in(r.lease_id))
             node_faults = rep.node_faults
+        if node_id in self.blamed and self.states[node_id] in (NodeState.READY, NodeState.SUSPECT):
+            node_faults = (*node_faults, self.blamed[node_id])  # once out of service, read afresh
         return NodeObservation(
             node_id=node_id,
             state=self.states[node_id],

@@ -33,7 +33,7 @@ class Event(StrEnum):
     LOST = "lost"  # no heartbeat for down_after_s
     FATAL = "fatal"  # fatal Xid, double-bit ECC, NVLink down, InfiniBand flaps past the threshold
     HANG = "hang"  # a rank's step counter stalled hang_after_s with its GPUs idle
-    UNFIT = "unfit"  # its agent reports it cannot host new ranks (a full or read-only disk)
+    UNFIT = "unfit"  # it cannot host new ranks: a full or read-only disk (its agent), failing jobs (store.node_blame)
     CLEAR = "clear"  # fresh heartbeat, no fault, no live lease, no rank left on the node: may burn in
     BURN_IN_PASSED = "burn_in_passed"
     BURN_IN_FAILED = "burn_in_failed"
@@ -74,7 +74,9 @@ TABLE: dict[tuple[NodeState, Event], Transition] = {
     (R, E.LOST): _t(D, "no heartbeat for down_after_s (first seen already long silent): recover its gangs", _REC),
     (R, E.FATAL): _t(C, "fatal GPU or link fault: cordon at once and restart its gangs elsewhere", _REC),
     (R, E.HANG): _t(C, "a gang hangs on it (stalled steps, idle GPUs): cordon, restart the gang", _REC),
-    (R, E.UNFIT): _t(C, "cannot host new ranks (disk full or read-only): cordon; its running ranks go on"),
+    (R, E.UNFIT): _t(
+        C, "cannot host new ranks (a full or read-only disk, jobs that fail only here): cordon; its running ranks go on"
+    ),
     (R, E.CLEAR): _t(R, "already in service"),
     (R, E.BURN_IN_PASSED): _t(R, "stale burn-in result: ignored"),
     (R, E.BURN_IN_FAILED): _t(R, "stale burn-in result: ignored"),
@@ -196,7 +198,7 @@ class NodeObservation:
     running: tuple[RankView, ...] = ()  # ranks the agent reports running
     live_leases: frozenset[str] = frozenset()  # live leases on the node in the store
     silent_since: float | None = None  # when it went silent (for the fence window after a return)
-    node_faults: tuple[str, ...] = ()  # what its agent says keeps it from hosting new ranks
+    node_faults: tuple[str, ...] = ()  # what keeps it from hosting new ranks: its agent's word, the jobs' record
 
 
 def fatal_faults(gpus: Iterable[GpuView], params: HealthParams) -> list[str]:
