@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import asyncpg
 from temporalio.client import Client
 
 from common.contracts import TaskStatus
@@ -275,10 +276,15 @@ class HealthMonitor:
         if s.node_blame_min_jobs is None or now < self._next_blame:
             return
         self._next_blame = now + s.node_blame_check_s
-        blamed = await node_blame.nodes_failing_jobs(
-            self.pool, window_s=s.node_blame_window_s, ran_s=s.node_blame_ran_s, min_jobs=s.node_blame_min_jobs,
-            min_teams=s.node_blame_min_teams,
-        )  # fmt: skip
+        try:
+            blamed = await node_blame.nodes_failing_jobs(
+                self.pool, window_s=s.node_blame_window_s, ran_s=s.node_blame_ran_s,
+                min_jobs=s.node_blame_min_jobs, min_teams=s.node_blame_min_teams,
+            )  # fmt: skip
+        except (OSError, asyncpg.PostgresError) as e:
+            # an extra source of evidence: its failure must not stop the pass (silence, faults)
+            log.warning("health monitor: cannot read the jobs' record of failing nodes: %s", e)
+            return
         for n, why in blamed.items():
             if n not in self.blamed:
                 log.warning("node %s: %s", n, why)
