@@ -315,7 +315,7 @@ class HealthMonitor:
             running = tuple(r for r in rank_views(rep) if not is_burn_in(r.lease_id))
             node_faults = rep.node_faults
         if node_id in self.blamed and self.states[node_id] in (NodeState.READY, NodeState.SUSPECT):
-            node_faults = (*node_faults, self.blamed[node_id])  # once out of service, read afresh
+            node_faults = (*node_faults, self.blamed[node_id])
         return NodeObservation(
             node_id=node_id,
             state=self.states[node_id],
@@ -391,6 +391,8 @@ class HealthMonitor:
         self.decisions.append((node_id, d.frm.value, d.event.value, to.value))
         del self.decisions[:-1000]
         self.states[node_id] = to
+        if to not in (NodeState.READY, NodeState.SUSPECT):
+            self.blamed.pop(node_id, None)  # a new state: only what happens from now on is evidence
         if to in (NodeState.SUSPECT, NodeState.DOWN) and node_id not in self.silent_since:
             self.silent_since[node_id] = (
                 obs.last_heartbeat_at if obs.last_heartbeat_at is not None else self.took_over_at
