@@ -12,6 +12,9 @@ audit row): a node taken out and burnt in comes back with no evidence against it
 
 from __future__ import annotations
 
+import asyncpg
+
+from store.errors import StoreError
 from store.tx import Db
 
 _QUERY = """
@@ -44,8 +47,12 @@ ORDER BY f.node_id
 
 
 async def nodes_failing_jobs(db: Db, *, window_s: float, ran_s: float, min_jobs: int, min_teams: int) -> dict[str, str]:
-    """Node -> why it is blamed, as a node fault's text (the node row's reason says it)."""
-    rows = await db.fetch(_QUERY, float(window_s), float(ran_s), int(min_jobs), int(min_teams))
+    """Node -> why it is blamed, as a node fault's text (the node row's reason says it). A
+    query Postgres refuses (a statement timeout on a large table) raises ``StoreError``."""
+    try:
+        rows = await db.fetch(_QUERY, float(window_s), float(ran_s), int(min_jobs), int(min_teams))
+    except asyncpg.PostgresError as e:
+        raise StoreError(f"cannot read the failed attempts: {e}") from e
     return {
         r["node_id"]: (
             f"jobs: the attempts of {r['jobs']} jobs of {r['teams']} teams failed here first and then ran elsewhere"

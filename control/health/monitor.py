@@ -33,7 +33,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import asyncpg
 from temporalio.client import Client
 
 from common.contracts import TaskStatus
@@ -59,7 +58,7 @@ from control.leader.metrics import ControlMetrics
 from control.leader.state import LeaderState
 from store import node_blame, nodes
 from store.audit import write_audit
-from store.errors import StaleEpoch
+from store.errors import StaleEpoch, StoreError
 from store.leadership import check_epoch
 from store.tx import Pool, transaction
 
@@ -281,7 +280,7 @@ class HealthMonitor:
                 self.pool, window_s=s.node_blame_window_s, ran_s=s.node_blame_ran_s,
                 min_jobs=s.node_blame_min_jobs, min_teams=s.node_blame_min_teams,
             )  # fmt: skip
-        except (OSError, asyncpg.PostgresError) as e:
+        except (OSError, StoreError) as e:
             # an extra source of evidence: its failure must not stop the pass (silence, faults)
             log.warning("health monitor: cannot read the jobs' record of failing nodes: %s", e)
             return
