@@ -26,6 +26,14 @@ from store.teams import TeamQuota, set_quota
 from tests.support import eventually
 
 PY = sys.executable
+
+
+def fails_only_on(node_id: str) -> list[str]:
+    """A rank's command that exits 3 on ``node_id`` only (its work dir names the node) and 0
+    elsewhere, as on a node with a fault of its own that no health check sees."""
+    return [PY, "-c", f"import os, sys; sys.exit(3 if '/{node_id}/' in os.getcwd() else 0)"]
+
+
 TRAIN_COUNTER = str(
     Path(__file__).resolve().parents[2] / "worker-agent" / "worker_agent" / "examples" / "train_counter.py"
 )

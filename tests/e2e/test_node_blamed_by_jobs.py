@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import PY
+from tests.e2e.conftest import fails_only_on
 from tests.support import eventually
 
 BAD = "b0-n0"  # the first node the stack seeds: where each first attempt lands
-# a rank that fails on BAD only, as on a node with a fault of its own (its work dir names it)
-FAILS_ON_BAD = [PY, "-c", f"import os, sys; sys.exit(3 if '/{BAD}/' in os.getcwd() else 0)"]
+FAILS_ON_BAD = fails_only_on(BAD)
 
 
 @pytest.fixture

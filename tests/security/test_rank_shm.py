@@ -17,6 +17,7 @@ from worker_agent import rank_mounts
 from worker_agent import statefiles as sf
 from worker_agent.node import NodeAgent
 from worker_agent.nvml import make_backend
+from worker_agent.rank_limits import filesystem_bytes
 
 
 def _own_shm_here() -> str:
@@ -115,11 +116,6 @@ def _size_kib() -> str:
     return "df -k /dev/shm | tail -1 | awk '{print $2}'"
 
 
-def _tmpfs_bytes(path) -> int:
-    fs = os.statvfs(path)
-    return fs.f_blocks * fs.f_frsize
-
-
 @pytest.mark.parametrize("job_node", [SHARE_64_MIB], indirect=True)
 async def test_a_job_fills_its_own_shm_not_the_one_the_nodes_jobs_share(job_node):
     """Before, a job's /dev/shm dir lay on the host's tmpfs: a 1-GPU rank wrote 80 MiB past
@@ -156,12 +152,12 @@ async def test_a_jobs_shm_grows_with_its_ranks_on_the_node_and_goes_with_the_las
     )
     await wait_for(lambda: first.pid is not None, timeout=20, what="the first rank")
     shm = Path(sf.read_json(first.dir / sf.SPEC)["shm"])
-    assert os.path.ismount(shm) and _tmpfs_bytes(shm) == 64 * MIB
+    assert os.path.ismount(shm) and filesystem_bytes(shm) == 64 * MIB
     second = await ended(
         await start_job_rank(job_node, "lease-c2", "job-c", 1_000_001, f'echo "== size"; {_size_kib()}', gpu=1)
     )
     assert second["size"].strip() == str(128 * 1024), second  # both ranks' shares: they share it
-    assert _tmpfs_bytes(shm) == 128 * MIB  # the second's end leaves it: the first still runs
+    assert filesystem_bytes(shm) == 128 * MIB  # the second's end leaves it: the first still runs
     (job_node.work_dir / "lease-c1" / "go").touch()
     await ended(first)
     assert not shm.exists() and str(shm) not in Path("/proc/mounts").read_text()

@@ -29,6 +29,7 @@ from worker_agent import rank_ipc, rank_mounts
 from worker_agent import statefiles as sf
 from worker_agent.libc_calls import MNT_DETACH, MS_NODEV, MS_NOSUID, MS_REMOUNT
 from worker_agent.rank_access import RankAccessError
+from worker_agent.rank_limits import filesystem_bytes
 
 log = logging.getLogger("gpufleet.agent")
 
@@ -107,8 +108,7 @@ class JobSpaces:
         st = os.stat(job)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != user[0]:
             raise RankAccessError(f"{job} is mounted and is not a dir of the rank's user")
-        fs = os.statvfs(job)
-        if fs.f_blocks * fs.f_frsize < size_bytes:  # a bind of it in a rank's namespace grows with it
+        if filesystem_bytes(job) < size_bytes:  # a bind of it in a rank's namespace grows with it
             libc.mount(
                 b"tmpfs", os.fsencode(job), b"tmpfs", MS_REMOUNT | MS_NOSUID | MS_NODEV,
                 f"size={size_bytes}".encode(), f"mount -o remount,size={size_bytes} {job}",
