@@ -26,7 +26,7 @@ from api.gateway import TemporalGateway
 from api.middleware import EdgeMiddleware
 from api.rate_limits import EdgeLimits
 from api.routes import cluster, jobs, nodes, system, teams
-from common.db import create_pool
+from common.db import create_pool, pool_deadlines
 from common.settings import Settings
 
 log = logging.getLogger("gpufleet.api")
@@ -55,7 +55,9 @@ def create_app(
             if not settings.database_url:
                 raise RuntimeError("the API needs GPUFLEET_DATABASE_URL (`gpufleet up` sets it for its children)")
             # min_size=0: the API starts (and /healthz answers 503) while the database is down
-            owned = await create_pool(settings.database_url, min_size=0, max_size=settings.db_pool_max, timeout=10)
+            owned = await create_pool(
+                settings.database_url, min_size=0, max_size=settings.db_pool_max, timeout=10, **pool_deadlines(settings)
+            )
             app.state.pool = owned
         try:
             yield

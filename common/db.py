@@ -62,7 +62,16 @@ async def pool_from_settings(settings: Settings, dsn: str | None = None) -> asyn
     url = dsn or settings.database_url
     if not url:
         raise RuntimeError("no database URL: set GPUFLEET_DATABASE_URL or start the embedded Postgres")
-    return await create_pool(url, min_size=settings.db_pool_min, max_size=settings.db_pool_max)
+    return await create_pool(
+        url, min_size=settings.db_pool_min, max_size=settings.db_pool_max, **pool_deadlines(settings)
+    )
+
+
+def pool_deadlines(settings: Settings) -> dict[str, Any]:
+    """What every process's pool waits at most for an answer: a statement on a silent
+    connection fails after ``db_command_timeout_s`` rather than never, and asyncpg drops the
+    connection (a connection attempt has asyncpg's own deadline, 60 s unless given)."""
+    return {"command_timeout": settings.db_command_timeout_s}
 
 
 # Migrations renumbered after they shipped (three were numbered 0003, none 0004): a

@@ -140,6 +140,13 @@ class Settings(BaseSettings):
     temporal_ui_port: int = Field(8233, description="embedded Temporal Web UI port")
     db_pool_min: int = Field(1, description="asyncpg pool minimum connections")
     db_pool_max: int = Field(10, description="asyncpg pool maximum connections")
+    db_command_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a statement (BEGIN and COMMIT too) Postgres has not answered in this long fails, and its"
+        " connection leaves the pool: one to a database host that vanished (no reset, as after a power loss or a"
+        " failover to another host) otherwise waits for ever. Not applied to migrations",
+    )
 
     # --- processes ---------------------------------------------------------
     api_host: str = Field("127.0.0.1", description="API listen address")

@@ -2,7 +2,9 @@
 
 ``Leadership.run()`` takes the row when it is free or expired (epoch + 1) and renews it
 every ``leader_renew_s``; a refused renewal, or none that succeeded for ``leader_ttl_s``,
-loses it. It talks to Postgres only: nothing here waits on Temporal, so a Temporal
+loses it. That lease is counted by this process's clock from the moment each renewal was
+sent, and a renewal still unanswered when it runs out (a connection gone silent) is not
+waited for: the process stops leading before Postgres lets a successor take the row. It talks to Postgres only: nothing here waits on Temporal, so a Temporal
 outage never costs the lease. ``on_acquire(epoch)`` runs before the epoch is claimed
 (a failure resigns it at once); ``on_lose(why)`` when it goes. A stop that comes while
 ``on_acquire`` runs waits for it (up to ``leader_ttl_s``) and then resigns, so a process that
@@ -25,6 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from common.settings import Settings
 from store import leadership as rows
@@ -60,6 +63,7 @@ class Leadership:
         self._taking_over = asyncio.Lock()  # held while on_acquire runs; a stop waits for it
         self._resign_on_stop = True
         self._stop_gave_up = False  # a stop returned while on_acquire still ran: it hands back itself
+        self._late: set[asyncio.Future[Any]] = set()  # renewals outlived by our lease, and their hand-backs
 
     @property
     def scope(self) -> str:
@@ -90,6 +94,7 @@ class Leadership:
 
     async def _try_acquire(self) -> None:
         s = self.settings
+        sent = time.monotonic()  # the lease runs from no later than this, by our clock
         epoch = await rows.acquire_leadership(
             self.pool, scope=self.scope, holder=self.holder, grpc_addr=self.grpc_addr, ttl_s=s.leader_ttl_s
         )
@@ -99,7 +104,7 @@ class Leadership:
             self._leader_expires_at = time.monotonic() + (lease.expires_in_s if lease is not None else 0.0)
             return
         self._leader_addr = ""
-        self._last_renew = time.monotonic()
+        self._last_renew = sent
         log.info("control %s takes leadership with epoch %d", self.holder, epoch)
         async with self._taking_over:
             if self._stopping.is_set():  # a stop came while the row was being taken: hand it back unused
@@ -142,13 +147,41 @@ class Leadership:
 
     async def _renew(self) -> None:
         assert self.epoch is not None
-        ok = await rows.renew_leadership(
-            self.pool, scope=self.scope, holder=self.holder, epoch=self.epoch, ttl_s=self.settings.leader_ttl_s
+        epoch, ttl = self.epoch, self.settings.leader_ttl_s
+        sent = time.monotonic()  # Postgres sets the new expiry after this: ours ends no later
+        call = asyncio.ensure_future(
+            rows.renew_leadership(self.pool, scope=self.scope, holder=self.holder, epoch=epoch, ttl_s=ttl)
         )
-        if ok:
-            self._last_renew = time.monotonic()
+        # waited on, not cancelled: a call on a connection gone silent ends only at the pool's
+        # statement deadline, which may come after our lease
+        done, _ = await asyncio.wait({call}, timeout=max(0.0, self._last_renew + ttl - sent))
+        if not done:
+            self._late.add(call)
+            call.add_done_callback(lambda c: self._late_renewal(c, epoch))
+            self.lose(f"no renewal for {ttl}s (the last one is still unanswered)")
+            return
+        if call.result():
+            self._last_renew = sent
         else:
             self.lose("renewal refused (expired or deposed)")
+
+    def _late_renewal(self, call: asyncio.Future[bool], epoch: int) -> None:
+        """A renewal answered after this process gave the epoch up: one that took effect keeps
+        the row ours in Postgres, so hand it back rather than make a successor wait it out."""
+        self._late.discard(call)
+        if call.cancelled() or call.exception() is not None or not call.result():
+            return
+        log.info("control %s hands back epoch %d, renewed after it had let go", self.holder, epoch)
+        task = asyncio.ensure_future(
+            rows.resign_leadership(self.pool, scope=self.scope, holder=self.holder, epoch=epoch)
+        )
+        self._late.add(task)
+        task.add_done_callback(self._handed_back)
+
+    def _handed_back(self, task: asyncio.Future[Any]) -> None:
+        self._late.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("hand-back of a late renewal failed: %s", task.exception())
 
     def lose(self, why: str, *, expected: bool = False) -> None:
         """Give the epoch up (``on_lose``): a warning, unless ``expected`` (a clean stop)."""

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from temporalio.client import Client
 
+from common.db import pool_from_settings
 from common.embedded import EmbeddedTemporal, any_free_port
 from common.temporal import connect
 from tests.e2e.conftest import Stack, e2e_settings, kill_ranks, seed_cluster
@@ -112,12 +113,15 @@ async def _stack_on(
     settings = e2e_settings(tmp_path, db_dsn, server.address, **values)
     nodes = await seed_cluster(pool, settings, nodes_per_block=outage_overrides.get("_nodes", 2))
     client: Client = await connect(settings)
-    control = ControlProcess(settings, holder="c1", pool=pool, client=client)
+    # "_own_pool": the control and the API connect as processes do (``settings.database_url``,
+    # the pool's settings); the test's ``pool`` still checks the database directly
+    served = await pool_from_settings(settings) if outage_overrides.get("_own_pool") else pool
+    control = ControlProcess(settings, holder="c1", pool=served, client=client)
     stack = None
     try:
         await control.start()
         await eventually(lambda: _v(control.is_leader), timeout=10, what="leadership")
-        app = create_app(settings, pool=pool, temporal_client=client)
+        app = create_app(settings, pool=served, temporal_client=client)
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api", timeout=30)
         stack = OutageStack(settings, pool, client, http, nodes, None, [control], temporal=server, agents=[])
         groups = outage_overrides.get("_agents", "one for all")
@@ -132,6 +136,8 @@ async def _stack_on(
                 await a.stop()
         await control.stop()
         kill_ranks(settings.state_dir)
+        if served is not pool:
+            served.terminate()
 
 
 async def _v(x):

@@ -1,0 +1,141 @@
+"""A Postgres whose connections go silent (its host vanished, or a failover moved its address
+to a new host): every connection open at that moment stops answering and none is closed,
+while new connections reach the database.
+
+Before ``db_command_timeout_s`` a statement waiting on such a connection waited for ever: the
+leader's renewal and its placement cycle hung, so it neither led nor let go (with one control
+nothing was placed again), and each API request that drew a dead pooled connection hung, until
+the pool had none left. Killing a local server, as the other fault tests do, closes its sockets
+and could not show it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.db import pool_from_settings
+from control.leader.leadership import Leadership
+from tests.e2e.conftest import PY
+from tests.faults.conftest import OutageStack
+from tests.faults.silent_link import SilentLink
+from tests.support import eventually
+from tests.workflows.harness import scaled_settings
+
+pytestmark = pytest.mark.e2e
+
+SLEEP = [PY, "-c", "import time; time.sleep(600)"]
+# the durations of tests/e2e scaled (heartbeat 0.5 s, lease 4 s), and a node's silence judged
+# on the same scale as the lease (defaults: lease 15 s, suspect 30 s, down 90 s)
+SCALED = {"suspect_after_s": 6.0, "down_after_s": 18.0, "takeover_quiet_s": 6.0}
+
+
+@pytest.fixture
+async def link(db_dsn: str) -> AsyncIterator[SilentLink]:
+    link = SilentLink(db_dsn)
+    await link.start()
+    yield link
+    await link.close()
+
+
+# shorter than the lease, and longer (as by default: 30 s against 15 s)
+@pytest.fixture(params=[2.0, 6.0], ids=["deadline-2s", "deadline-6s"])
+def outage_overrides(link: SilentLink, request: pytest.FixtureRequest) -> dict[str, Any]:
+    return {"database_url": link.dsn, "_own_pool": True, "db_command_timeout_s": request.param, **SCALED}
+
+
+async def submit_until_accepted(s: OutageStack, timeout: float, **over: Any) -> str:
+    """As the CLI does: the same Idempotency-Key on every try, until a 202."""
+    body = {
+        "team": "alpha", "priority_class": "research", "image": "registry/test:1", "command": SLEEP,
+        "gpu_type": "h100", "replicas": 1, "gpus_per_replica": 8, "max_runtime": "1h",
+        "checkpoint": {"preemptible": True, "grace_seconds": 5},
+    }  # fmt: skip
+    body.update(over)
+    headers = {"Authorization": "Bearer tok-alpha", "Idempotency-Key": uuid.uuid4().hex}
+
+    async def accepted() -> str | None:
+        # waited on, never cancelled: a call stuck on a silent connection does not end when
+        # cancelled either, so a hang fails here rather than hanging the test
+        call = asyncio.ensure_future(s.http.post("/v1/jobs", json=body, headers=headers))
+        done, _ = await asyncio.wait({call}, timeout=timeout)
+        assert done, f"the API did not answer a submission in {timeout}s"
+        r = call.result()
+        assert r.status_code in (202, 503), r.text  # 503: a dead connection found, retry
+        return r.json()["job_id"] if r.status_code == 202 else None
+
+    return await eventually(accepted, timeout=timeout, interval=0.2, what="the submission accepted")
+
+
+async def test_connections_that_go_silent_cost_no_running_job_and_placement_goes_on(
+    outage_stack: OutageStack, link: SilentLink
+):
+    s = outage_stack
+    running = await submit_until_accepted(s, timeout=10)
+    await s.wait_state(running, "RUNNING", timeout=30)
+    epoch = await s.pool.fetchval("SELECT epoch FROM leader WHERE scope = $1", s.settings.leader_scope)
+
+    link.go_silent()
+
+    # the API finds its dead connections, answers 503 meanwhile, and takes the job
+    bound = 10 * s.settings.db_command_timeout_s
+    second = await submit_until_accepted(s, timeout=bound)
+    # the leader (this one again, or under a new epoch) places it
+    await s.wait_state(second, "RUNNING", timeout=bound + 30)
+    (control,) = s.controls
+    await eventually(lambda: control.is_leader, timeout=bound, what="the control leading")
+    # the job running when the connections went silent was never touched
+    row = await s.job(running)
+    assert (row["state"], row["attempt"]) == ("RUNNING", 1), dict(row)
+    assert [e for _, e, _, _ in await s.events(running)].count("requeued") == 0
+    states = await s.pool.fetch("SELECT node_id, state FROM nodes ORDER BY node_id")
+    assert {r["state"] for r in states} == {"ready"}, [dict(r) for r in states]
+    now = await s.pool.fetchval("SELECT epoch FROM leader WHERE scope = $1", s.settings.leader_scope)
+    assert now >= epoch
+
+
+async def test_a_leader_whose_renewal_goes_unanswered_lets_go_before_a_successor_takes_over(
+    pool: Any, link: SilentLink, tmp_path: Path
+):
+    # the statement deadline is longer than the lease here, as by default (30 s against 15 s)
+    settings = scaled_settings(tmp_path, leader_renew_s=0.25, leader_ttl_s=2.0, db_command_timeout_s=6.0)
+    through_link = await pool_from_settings(settings, link.dsn)
+    let_go: list[float] = []
+    taken: list[float] = []
+
+    async def noop(epoch: int) -> None:
+        pass
+
+    async def took(epoch: int) -> None:
+        taken.append(time.monotonic())
+
+    a = Leadership(
+        through_link, settings, holder="a", grpc_addr="a:1", on_acquire=noop,
+        on_lose=lambda why: let_go.append(time.monotonic()),
+    )  # fmt: skip
+    b = Leadership(pool, settings, holder="b", grpc_addr="b:1", on_acquire=took, on_lose=lambda why: None)
+    tasks = [asyncio.create_task(a.run())]
+    try:
+        first = await eventually(lambda: a.epoch, timeout=10, what="a leading")
+        tasks.append(asyncio.create_task(b.run()))
+        await eventually(lambda: b._leader_addr == "a:1", timeout=10, what="b following a")
+        silent_at = time.monotonic()
+        link.go_silent()
+        # a lets go by its own clock, within its lease (plus a scheduling slack) ...
+        await eventually(lambda: let_go, timeout=20, what="a letting go")
+        assert let_go[0] - silent_at <= settings.leader_ttl_s + 0.5, let_go[0] - silent_at
+        # ... and before b takes the row as Postgres lets it: never two leaders
+        second = await eventually(lambda: b.epoch, timeout=20, what="b leading")
+        assert second == first + 1 and a.epoch is None
+        assert let_go[0] < taken[0]
+    finally:
+        await b.stop(resign=True)
+        await a.stop(resign=False)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        through_link.terminate()
