@@ -316,6 +316,12 @@ class Settings(BaseSettings):
         gt=0,
         description="every placed job (not QUEUED) is checked for a running workflow this often (one is started when missing)",
     )
+    wake_check_s: float = Field(
+        10.0,
+        gt=0,
+        description="a control checks its LISTEN connection for wake-ups this often, and listens on a fresh one"
+        " when it has closed or stopped answering (a Postgres restart, failover or lost host)",
+    )
     placement_wake_min_s: float = Field(
         0.1, description="least time between two placement cycles (a burst of changes runs one cycle)"
     )

@@ -200,6 +200,7 @@ class ControlProcess:
             self.metrics_server = MetricsServer(self.metrics.registry, s.control_metrics_listen)
             self.metrics_url = self.metrics_server.start()
         await self._listen()
+        self._tasks.append(asyncio.create_task(self._wake_kept(), name="wake-listener"))
         self.leadership = Leadership(
             self.pool, s, holder=self.holder, grpc_addr=self.grpc_addr, on_acquire=self._take_over, on_lose=self._lose
         )
@@ -292,8 +293,12 @@ class ControlProcess:
         self._wake = WakeListener(self.pool, self._on_wake)
         try:
             await self._wake.start()
-        except Exception as e:  # the periodic cycle still runs
+        except Exception as e:  # the periodic cycle still runs, and the keeper tries again
             log.warning("cannot LISTEN for wake-ups: %s", e)
+
+    async def _wake_kept(self) -> None:
+        assert self._wake is not None
+        await self._wake.keep(self.settings.wake_check_s)
 
     def _on_wake(self) -> None:
         if self.is_leader and self.cycles is not None:

@@ -8,8 +8,10 @@ agents on a simulated fleet, the REST API in-process. Durations are scaled to se
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +23,13 @@ from temporalio.client import Client
 from common.db import pool_from_settings
 from common.embedded import EmbeddedTemporal, any_free_port
 from common.temporal import connect
-from tests.e2e.conftest import Stack, e2e_settings, kill_ranks, seed_cluster
+from tests.e2e.conftest import PY, Stack, e2e_settings, kill_ranks, seed_cluster
+from tests.faults.silent_link import SilentLink
 from tests.support import eventually
 
 pytestmark = pytest.mark.e2e
+
+SLEEP = [PY, "-c", "import time; time.sleep(600)"]
 
 
 @dataclass
@@ -68,6 +73,29 @@ class OutageStack(Stack):
         rows = await self.pool.fetch("SELECT * FROM job_events WHERE job_id = $1 ORDER BY id", job_id)
         return [(r["attempt"], r["event"], r["to_state"], r["reason"] or "") for r in rows]
 
+    async def submit_until_accepted(self, timeout: float, **over: Any) -> str:
+        """A job of 8 GPUs that sleeps, submitted as the CLI does: the same Idempotency-Key on
+        every try, until a 202 (a 503 is retried)."""
+        body = {
+            "team": "alpha", "priority_class": "research", "image": "registry/test:1", "command": SLEEP,
+            "gpu_type": "h100", "replicas": 1, "gpus_per_replica": 8, "max_runtime": "1h",
+            "checkpoint": {"preemptible": True, "grace_seconds": 5},
+        }  # fmt: skip
+        body.update(over)
+        headers = {"Authorization": "Bearer tok-alpha", "Idempotency-Key": uuid.uuid4().hex}
+
+        async def accepted() -> str | None:
+            # waited on, never cancelled: a call stuck on a silent connection does not end when
+            # cancelled either, so a hang fails here rather than hanging the test
+            call = asyncio.ensure_future(self.http.post("/v1/jobs", json=body, headers=headers))
+            done, _ = await asyncio.wait({call}, timeout=timeout)
+            assert done, f"the API did not answer a submission in {timeout}s"
+            r = call.result()
+            assert r.status_code in (202, 503), r.text
+            return r.json()["job_id"] if r.status_code == 202 else None
+
+        return await eventually(accepted, timeout=timeout, interval=0.2, what="the submission accepted")
+
     async def live_leases(self, job_id: str) -> list[Any]:
         return await self.pool.fetch(
             "SELECT * FROM leases WHERE job_id = $1 AND state = 'live' ORDER BY lease_id", job_id
@@ -77,6 +105,15 @@ class OutageStack(Stack):
 @pytest.fixture
 def outage_overrides() -> dict:
     return {}
+
+
+@pytest.fixture
+async def link(db_dsn: str) -> AsyncIterator[SilentLink]:
+    """A TCP path to the test's database that can go silent (silent_link.py)."""
+    link = SilentLink(db_dsn)
+    await link.start()
+    yield link
+    await link.close()
 
 
 @pytest.fixture

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,6 @@ import pytest
 
 from common.db import pool_from_settings
 from control.leader.leadership import Leadership
-from tests.e2e.conftest import PY
 from tests.faults.conftest import OutageStack
 from tests.faults.silent_link import SilentLink
 from tests.support import eventually
@@ -30,18 +27,9 @@ from tests.workflows.harness import scaled_settings
 
 pytestmark = pytest.mark.e2e
 
-SLEEP = [PY, "-c", "import time; time.sleep(600)"]
 # the durations of tests/e2e scaled (heartbeat 0.5 s, lease 4 s), and a node's silence judged
 # on the same scale as the lease (defaults: lease 15 s, suspect 30 s, down 90 s)
 SCALED = {"suspect_after_s": 6.0, "down_after_s": 18.0, "takeover_quiet_s": 6.0}
-
-
-@pytest.fixture
-async def link(db_dsn: str) -> AsyncIterator[SilentLink]:
-    link = SilentLink(db_dsn)
-    await link.start()
-    yield link
-    await link.close()
 
 
 # shorter than the lease, and longer (as by default: 30 s against 15 s)
@@ -50,34 +38,11 @@ def outage_overrides(link: SilentLink, request: pytest.FixtureRequest) -> dict[s
     return {"database_url": link.dsn, "_own_pool": True, "db_command_timeout_s": request.param, **SCALED}
 
 
-async def submit_until_accepted(s: OutageStack, timeout: float, **over: Any) -> str:
-    """As the CLI does: the same Idempotency-Key on every try, until a 202."""
-    body = {
-        "team": "alpha", "priority_class": "research", "image": "registry/test:1", "command": SLEEP,
-        "gpu_type": "h100", "replicas": 1, "gpus_per_replica": 8, "max_runtime": "1h",
-        "checkpoint": {"preemptible": True, "grace_seconds": 5},
-    }  # fmt: skip
-    body.update(over)
-    headers = {"Authorization": "Bearer tok-alpha", "Idempotency-Key": uuid.uuid4().hex}
-
-    async def accepted() -> str | None:
-        # waited on, never cancelled: a call stuck on a silent connection does not end when
-        # cancelled either, so a hang fails here rather than hanging the test
-        call = asyncio.ensure_future(s.http.post("/v1/jobs", json=body, headers=headers))
-        done, _ = await asyncio.wait({call}, timeout=timeout)
-        assert done, f"the API did not answer a submission in {timeout}s"
-        r = call.result()
-        assert r.status_code in (202, 503), r.text  # 503: a dead connection found, retry
-        return r.json()["job_id"] if r.status_code == 202 else None
-
-    return await eventually(accepted, timeout=timeout, interval=0.2, what="the submission accepted")
-
-
 async def test_connections_that_go_silent_cost_no_running_job_and_placement_goes_on(
     outage_stack: OutageStack, link: SilentLink
 ):
     s = outage_stack
-    running = await submit_until_accepted(s, timeout=10)
+    running = await s.submit_until_accepted(timeout=10)
     await s.wait_state(running, "RUNNING", timeout=30)
     epoch = await s.pool.fetchval("SELECT epoch FROM leader WHERE scope = $1", s.settings.leader_scope)
 
@@ -85,7 +50,7 @@ async def test_connections_that_go_silent_cost_no_running_job_and_placement_goes
 
     # the API finds its dead connections, answers 503 meanwhile, and takes the job
     bound = 10 * s.settings.db_command_timeout_s
-    second = await submit_until_accepted(s, timeout=bound)
+    second = await s.submit_until_accepted(timeout=bound)
     # the leader (this one again, or under a new epoch) places it
     await s.wait_state(second, "RUNNING", timeout=bound + 30)
     (control,) = s.controls
