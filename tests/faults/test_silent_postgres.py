@@ -32,7 +32,8 @@ pytestmark = pytest.mark.e2e
 SCALED = {"suspect_after_s": 6.0, "down_after_s": 18.0, "takeover_quiet_s": 6.0}
 
 
-# shorter than the lease, and longer (as by default: 30 s against 15 s)
+# shorter than the lease, and one whose doubled wait (the cancellation's) passes it, as by
+# default (10 s, so up to 20 s, against a 15 s lease)
 @pytest.fixture(params=[2.0, 6.0], ids=["deadline-2s", "deadline-6s"])
 def outage_overrides(link: SilentLink, request: pytest.FixtureRequest) -> dict[str, Any]:
     return {"database_url": link.dsn, "_own_pool": True, "db_command_timeout_s": request.param, **SCALED}
@@ -68,7 +69,7 @@ async def test_connections_that_go_silent_cost_no_running_job_and_placement_goes
 async def test_a_leader_whose_renewal_goes_unanswered_lets_go_before_a_successor_takes_over(
     pool: Any, link: SilentLink, tmp_path: Path
 ):
-    # the statement deadline is longer than the lease here, as by default (30 s against 15 s)
+    # a dead connection stalls the renewal past the lease, as by default (up to 2 x 10 s against 15 s)
     settings = scaled_settings(tmp_path, leader_renew_s=0.25, leader_ttl_s=2.0, db_command_timeout_s=6.0)
     through_link = await pool_from_settings(settings, link.dsn)
     let_go: list[float] = []
