@@ -32,7 +32,6 @@ class WakeListener:
         self.on_wake = on_wake
         self._conn: asyncpg.Connection | None = None
         self._closed = False
-        self.listens = 0  # how many connections have listened (1 + the replacements)
 
     async def start(self) -> None:
         conn = await self.pool.acquire()
@@ -42,7 +41,6 @@ class WakeListener:
             await self._drop(conn)
             raise
         self._conn = conn
-        self.listens += 1
 
     async def keep(self, check_s: float) -> None:
         while not self._closed:

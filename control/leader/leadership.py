@@ -4,8 +4,9 @@
 every ``leader_renew_s``; a refused renewal, or none that succeeded for ``leader_ttl_s``,
 loses it. That lease is counted by this process's clock from the moment each renewal was
 sent, and a renewal still unanswered when it runs out (a connection gone silent) is not
-waited for: the process stops leading before Postgres lets a successor take the row. It talks to Postgres only: nothing here waits on Temporal, so a Temporal
-outage never costs the lease. ``on_acquire(epoch)`` runs before the epoch is claimed
+waited for: the process stops leading before Postgres lets a successor take the row. It
+talks to Postgres only: nothing here waits on Temporal, so a Temporal outage never costs
+the lease. ``on_acquire(epoch)`` runs before the epoch is claimed
 (a failure resigns it at once); ``on_lose(why)`` when it goes. A stop that comes while
 ``on_acquire`` runs waits for it (up to ``leader_ttl_s``) and then resigns, so a process that
 is shutting down never finishes a take-over and leads on, unresigned, after its stop returned.
