@@ -68,10 +68,22 @@ async def pool_from_settings(settings: Settings, dsn: str | None = None) -> asyn
 
 
 def pool_deadlines(settings: Settings) -> dict[str, Any]:
-    """What every process's pool waits at most for an answer: a statement on a silent
-    connection fails after ``db_command_timeout_s`` rather than never, and asyncpg drops the
-    connection (a connection attempt has asyncpg's own deadline, 60 s unless given)."""
-    return {"command_timeout": settings.db_command_timeout_s}
+    """What every process's pool waits at most, on each end of a connection:
+
+    * ours: a statement on a silent connection fails after ``db_command_timeout_s`` rather
+      than never, and asyncpg drops the connection (a connection attempt has asyncpg's own
+      deadline, 60 s unless given);
+    * the server's: a session of ours idle inside a transaction for
+      ``db_idle_in_transaction_s`` is ended by Postgres, its locks with it. Cut off from us
+      by a partition, its end of the connection would otherwise hold them until TCP
+      keepalive gave up (over 2 h by default). A startup parameter, not a SET: the pool's
+      reset (RESET ALL) keeps it.
+    """
+    ms = max(1, round(settings.db_idle_in_transaction_s * 1000))
+    return {
+        "command_timeout": settings.db_command_timeout_s,
+        "server_settings": {"idle_in_transaction_session_timeout": str(ms)},
+    }
 
 
 # Migrations renumbered after they shipped (three were numbered 0003, none 0004): a

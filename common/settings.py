@@ -149,6 +149,13 @@ class Settings(BaseSettings):
         " then waits as long for the cancellation), which stays within a client's 30 s of retries. Not applied"
         " to migrations",
     )
+    db_idle_in_transaction_s: float = Field(
+        60.0,
+        gt=0,
+        description="Postgres ends a session of gpufleet's that sits idle inside a transaction this long, and"
+        " releases its locks: one whose client was cut off by a partition would otherwise hold them until TCP"
+        " keepalive gave up (over 2 h by default). gpufleet's transactions wait on nothing but Postgres",
+    )
 
     # --- processes ---------------------------------------------------------
     api_host: str = Field("127.0.0.1", description="API listen address")

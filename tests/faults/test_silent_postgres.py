@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,10 @@ from tests.workflows.harness import scaled_settings
 
 pytestmark = pytest.mark.e2e
 
-# the durations of tests/e2e scaled (heartbeat 0.5 s, lease 4 s), and a node's silence judged
-# on the same scale as the lease (defaults: lease 15 s, suspect 30 s, down 90 s)
-SCALED = {"suspect_after_s": 6.0, "down_after_s": 18.0, "takeover_quiet_s": 6.0}
+# the durations of tests/e2e scaled (heartbeat 0.5 s, lease 4 s), and a node's silence and an
+# idle transaction judged on the same scale as the lease (defaults: lease 15 s, suspect 30 s,
+# down 90 s, idle in a transaction 60 s)
+SCALED = {"suspect_after_s": 6.0, "down_after_s": 18.0, "takeover_quiet_s": 6.0, "db_idle_in_transaction_s": 16.0}
 
 
 # shorter than the lease, and one whose doubled wait (the cancellation's) passes it, as by
@@ -105,3 +107,30 @@ async def test_a_leader_whose_renewal_goes_unanswered_lets_go_before_a_successor
         await a.stop(resign=False)
         await asyncio.gather(*tasks, return_exceptions=True)
         through_link.terminate()
+
+
+async def test_a_transaction_cut_off_before_its_commit_does_not_hold_its_locks(
+    outage_stack: OutageStack, link: SilentLink
+):
+    """A partition rather than a dead host: the server's end of the connection lives on, idle in
+    a transaction that holds the leader row, and nothing on the server would end it for the
+    2 h of TCP keepalive's default. Each renewal and takeover then waits on that row."""
+    s = outage_stack
+    (control,) = s.controls
+    scope = s.settings.leader_scope
+    conn = await control.pool.acquire()  # one of the control's connections, as a renewal has
+    tx = conn.transaction()
+    await tx.start()
+    cut = await conn.fetchval("SELECT expires_at FROM leader WHERE scope = $1 FOR UPDATE", scope)
+    link.go_silent()  # the COMMIT will never reach the server
+
+    async def renewed_since() -> bool:
+        row = await s.pool.fetchrow("SELECT expires_at FROM leader WHERE scope = $1", scope)
+        return row["expires_at"] > cut + timedelta(seconds=s.settings.leader_ttl_s) and control.is_leader
+
+    # the server ends the abandoned transaction, and the leader renews (or takes the row) again
+    await eventually(renewed_since, timeout=60, interval=0.5, what="the leader row renewed after the cut")
+    job = await s.submit_until_accepted(timeout=30)
+    await s.wait_state(job, "RUNNING", timeout=30)
+    conn.terminate()
+    await control.pool.release(conn)
