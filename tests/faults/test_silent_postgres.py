@@ -95,9 +95,9 @@ async def test_a_leader_whose_renewal_goes_unanswered_lets_go_before_a_successor
         await eventually(lambda: b._leader_addr == "a:1", timeout=10, what="b following a")
         silent_at = time.monotonic()
         link.go_silent()
-        # a lets go by its own clock, within its lease (plus a scheduling slack) ...
+        # a lets go by its own clock, within its lease (plus a loaded machine's slack; 12 s before) ...
         await eventually(lambda: let_go, timeout=20, what="a letting go")
-        assert let_go[0] - silent_at <= settings.leader_ttl_s + 0.5, let_go[0] - silent_at
+        assert let_go[0] - silent_at <= settings.leader_ttl_s + 1.0, let_go[0] - silent_at
         # ... and before b takes the row as Postgres lets it: never two leaders
         second = await eventually(lambda: b.epoch, timeout=20, what="b leading")
         assert second == first + 1 and a.epoch is None
