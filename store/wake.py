@@ -14,6 +14,8 @@ import asyncpg
 log = logging.getLogger("gpufleet.store")
 
 WAKE_CHANNEL = "gpufleet_wake"
+# the ping: the connection answers, and still listens on the channel
+_STILL_LISTENING = "SELECT $1 = ANY(ARRAY(SELECT pg_listening_channels()))"
 
 
 class WakeListener:
@@ -22,9 +24,10 @@ class WakeListener:
     ``keep(check_s)`` keeps it listening: a listening connection does nothing but wait, so
     nothing else would notice it end (a Postgres restart or failover closes it) or go silent
     (a host gone without a reset), and every wake-up after that would be lost until the
-    process restarts. Every ``check_s`` it is pinged (the pool's statement deadline bounds the
-    ping); one closed or unanswering is dropped, a fresh one listens, and ``on_wake`` runs
-    once for what was notified while nothing listened.
+    process restarts. Every ``check_s`` it is asked whether it still listens (the pool's
+    statement deadline bounds the question); one closed, unanswering or no longer listening
+    is dropped, a fresh one listens, and ``on_wake`` runs once for what was notified while
+    nothing listened.
     """
 
     def __init__(self, pool: asyncpg.Pool, on_wake: Callable[[], None]) -> None:
@@ -50,8 +53,9 @@ class WakeListener:
             conn = self._conn
             if conn is not None and _open(conn):
                 try:
-                    await conn.fetchval("SELECT 1")
-                    continue
+                    if await conn.fetchval(_STILL_LISTENING, WAKE_CHANNEL):
+                        continue
+                    log.warning("wake listener: its connection no longer listens: listening on a fresh one")
                 except Exception as e:
                     log.warning("wake listener: its connection does not answer (%s): listening on a fresh one", e)
             self._conn = None

@@ -18,7 +18,11 @@ from tests.support import eventually
 
 pytestmark = pytest.mark.e2e
 
-LISTENING = "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN%'"
+# the listener's backend: its last statement was its LISTEN or the keeper's question
+LISTENING = (
+    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    " AND (query LIKE 'LISTEN%' OR query LIKE '%pg_listening_channels%')"
+)
 
 
 @pytest.fixture(params=["terminated", "silent"])
